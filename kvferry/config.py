@@ -1,0 +1,76 @@
+"""Frozen configuration dataclasses, one per concern, gathered in EngineConfig."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvferry.errors import ConfigError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str, model_dtype: torch.dtype | None) -> torch.dtype:
+    """Resolve --dtype. 'auto' takes the checkpoint's dtype on GPU, float32 on CPU."""
+    if name == "auto":
+        if not torch.cuda.is_available():
+            return torch.float32
+        return model_dtype if model_dtype in (torch.bfloat16, torch.float16) else torch.float32
+    if name not in DTYPES:
+        raise ConfigError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the model is: resolved from a local dir, a hub id in the HF cache, or a GGUF file."""
+
+    model: str
+    served_model_name: str
+    architecture: str
+    hf_config: object  # transformers.PretrainedConfig
+    dtype: torch.dtype
+    max_model_len: int
+    vocab_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    eos_token_ids: tuple[int, ...]
+    gguf_file: str | None = None  # set when the weights come from a GGUF file
+    local_dir: str | None = None  # directory holding config/tokenizer/weights
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # Bytes of KV cache to allocate. None: derive from kv_cache_memory_fraction.
+    kv_cache_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    layout: str = "NHD"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    enable_chunked_prefill: bool = True
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    executor: str = "uniproc"  # uniproc | multiproc | ray
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    device: str = "cpu"
+    seed: int = 0

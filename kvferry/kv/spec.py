@@ -1,0 +1,86 @@
+"""Typed description of the KV cache, shared by the scheduler, the worker and connectors.
+
+Nothing downstream reads tensor shapes to learn block sizes or layouts: it reads these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+
+class Layout(str, Enum):
+    """Per-layer tensor layout. The leading 2 indexes K (0) and V (1)."""
+
+    NHD = "NHD"  # [2, num_blocks, block_size, kv_heads, head_dim]
+    HND = "HND"  # [2, num_blocks, kv_heads, block_size, head_dim]
+
+    def shape(self, num_blocks: int, block_size: int, kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        if self is Layout.NHD:
+            return (2, num_blocks, block_size, kv_heads, head_dim)
+        return (2, num_blocks, kv_heads, block_size, head_dim)
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    block_size: int
+    num_kv_heads: int  # per rank
+    head_size: int
+    dtype: torch.dtype
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes one block takes in one layer (K and V)."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype.itemsize
+
+    def max_blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec(KVCacheSpec):
+    pass
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(KVCacheSpec):
+    sliding_window: int = 0
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers with equal specs; a request holds one block table per group."""
+
+    spec: KVCacheSpec
+    layer_names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class KVCacheTensor:
+    """One allocated tensor and the layers that share it (KV sharing, hybrid allocation)."""
+
+    size_bytes: int
+    shared_by: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    groups: tuple[KVCacheGroup, ...]
+    tensors: tuple[KVCacheTensor, ...]
+    layout: Layout
+    num_blocks: int  # physical block budget the scheduler may hand out
+    virtual_num_blocks: int  # capacity reserved in address space (== num_blocks when eager)
+
+    def group_of(self, layer_name: str) -> int:
+        for gid, group in enumerate(self.groups):
+            if layer_name in group.layer_names:
+                return gid
+        raise KeyError(f"layer {layer_name!r} belongs to no KV cache group")
+
+    @property
+    def block_size(self) -> int:
+        sizes = {g.spec.block_size for g in self.groups}
+        assert len(sizes) == 1, "all groups share one block size"
+        return sizes.pop()

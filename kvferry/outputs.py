@@ -1,0 +1,32 @@
+"""Results the offline API and the server hand to users."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvferry.worker.output import SampleLogprobs
+
+
+@dataclass
+class CompletionOutput:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[SampleLogprobs] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    # Streaming: the text and tokens added by this update (the full ones are in outputs).
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[SampleLogprobs] = field(default_factory=list)
+    error: str | None = None
+    kv_transfer_params: dict | None = None

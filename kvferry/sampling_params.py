@@ -1,0 +1,67 @@
+"""Per-request sampling parameters, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvferry.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top alternatives; 0 = only the sampled token
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    def validate(self) -> None:
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be at least 1", "max_tokens")
+        _check(self.temperature >= 0, "temperature must be non-negative", "temperature")
+        _check(0 < self.top_p <= 1, "top_p must be in (0, 1]", "top_p")
+        _check(self.top_k >= 0, "top_k must be -1 (disabled) or positive", "top_k")
+        _check(0 <= self.min_p <= 1, "min_p must be in [0, 1]", "min_p")
+        _check(self.repetition_penalty > 0, "repetition_penalty must be positive", "repetition_penalty")
+        _check(-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]", "presence_penalty")
+        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]", "frequency_penalty")
+        _check(
+            self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+            f"logprobs must be in [0, {MAX_LOGPROBS}]",
+            "logprobs",
+        )
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings", "stop")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "bad stop_token_ids", "stop_token_ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _check(ok: bool, message: str, param: str) -> None:
+    if not ok:
+        raise InvalidRequestError(message, param=param)

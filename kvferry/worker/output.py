@@ -1,0 +1,27 @@
+"""What a worker's model runner returns for one step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SampleLogprobs:
+    """Logprob of the sampled token and the top-k alternatives (token id -> logprob)."""
+
+    sampled: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str] = field(default_factory=list)
+    # Per request, in req_ids order: the tokens sampled this step (empty for a prefill chunk
+    # that has not reached the end of the prompt).
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[SampleLogprobs | None] = field(default_factory=list)
+    kv_connector_output: object | None = None  # KVConnectorOutput, once connectors exist
+
+    @classmethod
+    def empty(cls) -> ModelRunnerOutput:
+        return cls()
