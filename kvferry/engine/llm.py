@@ -1,0 +1,105 @@
+"""Offline API: LLM(model).generate(prompts, SamplingParams(...)) and LLM.chat(messages)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+
+from kvferry.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from kvferry.engine.core import EngineCore, EngineStats
+from kvferry.engine.input_processor import InputProcessor
+from kvferry.engine.output_processor import OutputProcessor
+from kvferry.model.resolve import resolve_model_config
+from kvferry.model.tokenizer import load_tokenizer
+from kvferry.outputs import RequestOutput
+from kvferry.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str,
+        *,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        tensor_parallel_size: int = 1,
+        block_size: int = 16,
+        kv_cache_bytes: int | None = None,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 128,
+        max_num_batched_tokens: int = 2048,
+        seed: int = 0,
+    ):
+        model_config = resolve_model_config(model, dtype=dtype, max_model_len=max_model_len)
+        config = EngineConfig(
+            model=model_config,
+            cache=CacheConfig(block_size, kv_cache_bytes, enable_prefix_caching=enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs),
+            parallel=ParallelConfig(tensor_parallel_size),
+            seed=seed,
+        )
+        self.__init_from_config(config)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        llm = cls.__new__(cls)
+        llm.__init_from_config(config)
+        return llm
+
+    def __init_from_config(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model)
+        self.engine = EngineCore(config)
+        self.inputs = InputProcessor(config.model, self.tokenizer)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        param_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(param_list) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        # Validate every prompt before queueing any, so a bad one leaves nothing behind.
+        requests = [self.inputs.process(str(next(self._ids)), pr, p) for pr, p in zip(prompts, param_list)]
+        for prompt, request in zip(prompts, requests):
+            text = prompt if isinstance(prompt, str) else None
+            self.outputs.add_request(request.req_id, text, request.prompt_token_ids, request.sampling_params)
+            self.engine.add_request(request)
+        return self._run([r.req_id for r in requests])
+
+    def chat(
+        self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.inputs.apply_chat_template(conv) for conv in conversations]
+        return self.generate(prompts, params)
+
+    def _run(self, order: list[str]) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            processed = self.outputs.process_outputs(self.engine.step())
+            if processed.reqs_to_abort:
+                self.engine.abort_requests(processed.reqs_to_abort)
+            for out in processed.request_outputs:
+                if out.finished:
+                    finished[out.request_id] = out
+        return [finished[request_id] for request_id in order]
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def get_tokenizer(self):
+        return self.tokenizer

@@ -1,0 +1,132 @@
+"""Front-end side of outputs: detokenize, apply stop strings, build RequestOutputs."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from kvferry.engine.detokenizer import IncrementalDetokenizer
+from kvferry.engine.types import EngineCoreOutput, FinishReason
+from kvferry.outputs import CompletionOutput, RequestOutput
+from kvferry.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    emitted_len: int = 0  # chars of text already sent to the client
+    logprobs: list = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+    @property
+    def holdback(self) -> int:
+        """Chars kept back while streaming: the start of a stop string may be forming."""
+        return max((len(s) for s in self.params.stop), default=1) - 1
+
+
+@dataclass
+class ProcessedOutputs:
+    request_outputs: list[RequestOutput] = field(default_factory=list)
+    reqs_to_abort: list[str] = field(default_factory=list)  # stop-string hits: abort in the core
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._states: dict[str, _RequestState] = {}
+
+    def add_request(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+        self._states[request_id] = _RequestState(request_id, prompt, prompt_token_ids, params, detok)
+
+    def abort_request(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._states
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        result = ProcessedOutputs()
+        for out in outputs:
+            state = self._states.get(out.req_id)
+            if state is None:  # aborted or already finished by a stop string
+                continue
+            request_output, stopped = self._process_one(state, out)
+            if stopped:
+                result.reqs_to_abort.append(out.req_id)
+            if request_output.finished:
+                del self._states[out.req_id]
+            result.request_outputs.append(request_output)
+        return result
+
+    def _process_one(self, state: _RequestState, out: EngineCoreOutput) -> tuple[RequestOutput, bool]:
+        finish_reason, stop_reason = out.finish_reason, out.stop_reason
+        if out.num_prompt_tokens:
+            state.num_cached_tokens = out.num_cached_tokens
+        new_tokens = list(out.new_token_ids)
+        # The core stops only on tokens (EOS, stop_token_ids): such a token is not part of the text.
+        text_tokens = new_tokens[:-1] if finish_reason == FinishReason.STOP else new_tokens
+        state.text += state.detokenizer.step(text_tokens, final=out.finished)
+        stopped_by_string = False
+        if state.params.stop and finish_reason in (None, FinishReason.LENGTH):
+            hit = self._find_stop_string(state)
+            if hit is not None:
+                finish_reason, stop_reason, stopped_by_string = FinishReason.STOP, hit, True
+        state.token_ids.extend(new_tokens)
+        state.logprobs.extend(out.new_logprobs)
+        finished = finish_reason is not None
+        return self._make_output(
+            state, out, new_tokens, finish_reason, stop_reason, finished
+        ), stopped_by_string
+
+    def _find_stop_string(self, state: _RequestState) -> str | None:
+        """Search the freshly decoded tail for a stop string; truncate the text at it."""
+        search_from = max(0, state.emitted_len - state.holdback)
+        best: tuple[int, str] | None = None
+        for stop in state.params.stop:
+            idx = state.text.find(stop, search_from)
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        if best is None:
+            return None
+        idx, stop = best
+        state.text = (
+            state.text[: idx + len(stop)] if state.params.include_stop_str_in_output else state.text[:idx]
+        )
+        return stop
+
+    def _make_output(self, state, out, new_tokens, finish_reason, stop_reason, finished) -> RequestOutput:
+        visible = len(state.text) if finished else max(state.emitted_len, len(state.text) - state.holdback)
+        delta_text = state.text[state.emitted_len : visible]
+        state.emitted_len = visible
+        reason = finish_reason.value if finish_reason is not None else None
+        completion = CompletionOutput(
+            text=state.text[:visible],
+            token_ids=list(state.token_ids),
+            finish_reason=reason,
+            stop_reason=stop_reason,
+            logprobs=list(state.logprobs) if state.params.logprobs is not None else None,
+        )
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=[completion],
+            finished=finished,
+            num_cached_tokens=state.num_cached_tokens,
+            delta_text=delta_text,
+            delta_token_ids=new_tokens,
+            delta_logprobs=list(out.new_logprobs),
+            error=out.error,
+            kv_transfer_params=out.kv_transfer_params,
+        )

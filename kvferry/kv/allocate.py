@@ -1,0 +1,61 @@
+"""Build the KVCacheConfig for a model and allocate its tensors (eager allocator)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvferry.config import CacheConfig, ModelConfig
+from kvferry.errors import ConfigError
+from kvferry.kv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, KVCacheTensor, Layout
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_BYTES = 2 << 30
+
+
+def build_kv_cache_config(
+    model_config: ModelConfig,
+    cache_config: CacheConfig,
+    layer_names: list[str],
+    tp_size: int = 1,
+    available_bytes: int | None = None,
+) -> KVCacheConfig:
+    """One full-attention group over all layers, one tensor per layer, sized to the budget."""
+    if model_config.num_kv_heads % tp_size:
+        raise ConfigError(f"{model_config.num_kv_heads} KV heads cannot be split over {tp_size} ranks")
+    spec = FullAttentionSpec(
+        block_size=cache_config.block_size,
+        num_kv_heads=model_config.num_kv_heads // tp_size,
+        head_size=model_config.head_dim,
+        dtype=model_config.dtype,
+    )
+    budget = cache_config.kv_cache_bytes or available_bytes or DEFAULT_CPU_KV_BYTES
+    num_blocks = cache_config.num_gpu_blocks_override or budget // (spec.page_size_bytes * len(layer_names))
+    min_blocks = spec.max_blocks_needed(model_config.max_model_len)
+    if num_blocks < 2:
+        raise ConfigError(f"KV cache budget of {budget} bytes holds fewer than 2 blocks")
+    if num_blocks < min_blocks:
+        logger.warning("KV cache holds %d blocks; one max-length request needs %d", num_blocks, min_blocks)
+    tensors = tuple(KVCacheTensor(spec.page_size_bytes * num_blocks, (name,)) for name in layer_names)
+    return KVCacheConfig(
+        groups=(KVCacheGroup(spec, tuple(layer_names)),),
+        tensors=tensors,
+        layout=Layout(cache_config.layout),
+        num_blocks=int(num_blocks),
+        virtual_num_blocks=int(num_blocks),
+    )
+
+
+def allocate_kv_caches(config: KVCacheConfig, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """Zero-filled (hence pre-touched) tensors, one per KVCacheTensor, viewed per layer."""
+    caches: dict[str, torch.Tensor] = {}
+    for tensor_spec in config.tensors:
+        spec = config.groups[config.group_of(tensor_spec.shared_by[0])].spec
+        shape = config.layout.shape(config.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+        tensor = torch.zeros(shape, dtype=spec.dtype, device=device)
+        assert tensor.numel() * tensor.element_size() == tensor_spec.size_bytes
+        for layer_name in tensor_spec.shared_by:
+            caches[layer_name] = tensor
+    return caches

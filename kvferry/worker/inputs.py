@@ -1,0 +1,93 @@
+"""Turn the scheduled requests of one step into flat model inputs and attention metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvferry.kv.spec import KVCacheConfig
+from kvferry.model.forward_context import AttentionMetadata, PrefillSpan
+from kvferry.worker.request_state import RequestState
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    attn: tuple[AttentionMetadata, ...]  # per KV cache group
+    ordered: list[RequestState]  # requests in batch order (decodes first)
+    sample_rows: list[int]  # token index of each sampling request's last token
+    sample_states: list[RequestState]
+
+
+@dataclass
+class _Span:
+    state: RequestState
+    start: int  # first position computed this step
+    length: int
+
+
+def build_step_inputs(
+    states: list[RequestState], num_scheduled: dict[str, int], kv_config: KVCacheConfig, device: torch.device
+) -> StepInputs:
+    spans = [_Span(s, s.num_computed_tokens, num_scheduled[s.req_id]) for s in states]
+    spans.sort(key=lambda span: span.length != 1)  # decodes (one query token) first; stable
+    token_ids: list[int] = []
+    positions: list[np.ndarray] = []
+    sample_rows: list[int] = []
+    sample_states: list[RequestState] = []
+    for span in spans:
+        end = span.start + span.length
+        token_ids.extend(span.state.token_ids[span.start : end])
+        positions.append(np.arange(span.start, end, dtype=np.int64))
+        if end == len(span.state.token_ids):  # reached the end of what is known: sample
+            sample_rows.append(len(token_ids) - 1)
+            sample_states.append(span.state)
+    flat_positions = np.concatenate(positions) if positions else np.zeros(0, dtype=np.int64)
+    attn = tuple(
+        _group_metadata(spans, flat_positions, gid, kv_config, device) for gid in range(len(kv_config.groups))
+    )
+    return StepInputs(
+        input_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
+        positions=torch.from_numpy(flat_positions).to(device),
+        attn=attn,
+        ordered=[span.state for span in spans],
+        sample_rows=sample_rows,
+        sample_states=sample_states,
+    )
+
+
+def _group_metadata(
+    spans: list[_Span], positions: np.ndarray, gid: int, kv_config: KVCacheConfig, device: torch.device
+) -> AttentionMetadata:
+    block_size = kv_config.groups[gid].spec.block_size
+    slots: list[np.ndarray] = []
+    decode_tables: list[list[int]] = []
+    decode_lens: list[int] = []
+    prefills: list[PrefillSpan] = []
+    offset = 0
+    for span in spans:
+        blocks = np.asarray(span.state.block_ids[gid], dtype=np.int64)
+        pos = positions[offset : offset + span.length]
+        slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+        seq_len = span.start + span.length
+        needed = blocks[: -(-seq_len // block_size)]
+        if span.length == 1:
+            decode_tables.append(needed.tolist())
+            decode_lens.append(seq_len)
+        else:
+            table = torch.from_numpy(needed.copy()).to(device)
+            prefills.append(PrefillSpan(offset, span.length, span.start, table))
+        offset += span.length
+    width = max((len(t) for t in decode_tables), default=0)
+    padded = [t + [0] * (width - len(t)) for t in decode_tables]
+    return AttentionMetadata(
+        slot_mapping=torch.from_numpy(np.concatenate(slots) if slots else np.zeros(0, np.int64)).to(device),
+        num_decodes=len(decode_tables),
+        decode_block_table=torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(padded), width),
+        decode_seq_lens=torch.tensor(decode_lens, dtype=torch.int64, device=device),
+        prefills=prefills,
+        block_size=block_size,
+    )

@@ -1,0 +1,86 @@
+"""ModelRunner: keeps per-request state, builds inputs, runs the forward, samples."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvferry.config import EngineConfig
+from kvferry.kv.spec import KVCacheConfig
+from kvferry.model.forward_context import ForwardContext
+from kvferry.scheduler.output import SchedulerOutput
+from kvferry.worker.inputs import StepInputs, build_step_inputs
+from kvferry.worker.output import ModelRunnerOutput
+from kvferry.worker.request_state import RequestState, build_sampling_batch
+from kvferry.worker.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, device: torch.device):
+        self.config = config
+        self.model = model
+        self.device = device
+        self.vocab_size = config.model.vocab_size
+        self.sampler = Sampler(torch.Generator(device="cpu").manual_seed(config.seed))
+        self.states: dict[str, RequestState] = {}
+        self.kv_config: KVCacheConfig | None = None
+        self.kv_caches: dict[str, torch.Tensor] = {}
+        self.layer_group: dict[str, int] = {}
+
+    def bind_kv_caches(self, kv_config: KVCacheConfig, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.kv_config = kv_config
+        self.kv_caches = kv_caches
+        self.layer_group = {name: kv_config.group_of(name) for name in kv_caches}
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput.empty()
+        states = [self.states[req_id] for req_id in scheduler_output.num_scheduled_tokens]
+        inputs = build_step_inputs(states, scheduler_output.num_scheduled_tokens, self.kv_config, self.device)
+        hidden = self._forward(inputs)
+        output = ModelRunnerOutput(req_ids=[s.req_id for s in inputs.ordered])
+        sampled = self._sample(hidden, inputs)
+        for state in inputs.ordered:
+            state.num_computed_tokens += scheduler_output.num_scheduled_tokens[state.req_id]
+            tokens, logprobs = sampled.get(state.req_id, ([], None))
+            state.token_ids.extend(tokens)
+            output.sampled_token_ids.append(tokens)
+            output.logprobs.append(logprobs)
+        return output
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        ctx = ForwardContext(
+            attn=inputs.attn,
+            layer_group=self.layer_group,
+            kv_caches=self.kv_caches,
+            layout=self.kv_config.layout,
+        )
+        return self.model(inputs.input_ids, inputs.positions, ctx)
+
+    def _sample(self, hidden: torch.Tensor, inputs: StepInputs) -> dict[str, tuple[list[int], object]]:
+        if not inputs.sample_rows:
+            return {}
+        rows = torch.tensor(inputs.sample_rows, dtype=torch.int64, device=hidden.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        tokens, logprobs = self.sampler(logits, build_sampling_batch(inputs.sample_states))
+        return {s.req_id: ([tok], lp) for s, tok, lp in zip(inputs.sample_states, tokens, logprobs)}
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self.states.pop(req_id, None)
+        for data in so.scheduled_new_reqs:
+            self.states[data.req_id] = RequestState.from_new(data, self.vocab_size)
+        cached = so.scheduled_cached_reqs
+        for req_id, new_blocks, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
+            state = self.states[req_id]
+            state.num_computed_tokens = num_computed
+            if new_blocks is not None:
+                for group_blocks, added in zip(state.block_ids, new_blocks, strict=True):
+                    group_blocks.extend(added)

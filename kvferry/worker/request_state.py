@@ -1,0 +1,65 @@
+"""What a model runner remembers about each request between steps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvferry.sampling_params import SamplingParams
+from kvferry.scheduler.output import NewRequestData
+from kvferry.worker.sampler import SamplingBatch
+
+
+@dataclass
+class RequestState:
+    req_id: str
+    token_ids: list[int]  # prompt + sampled so far
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_ids: list[list[int]]  # per KV cache group
+    num_computed_tokens: int
+    generator: torch.Generator | None
+
+    @classmethod
+    def from_new(cls, data: NewRequestData, vocab_size: int) -> RequestState:
+        generator = None
+        if data.sampling_params.seed is not None and not data.sampling_params.greedy:
+            generator = torch.Generator().manual_seed(data.sampling_params.seed)
+            # A request resumed after preemption already drew one noise row per output token:
+            # replay those draws so its seeded stream continues where it stopped.
+            num_outputs = len(data.token_ids) - data.num_prompt_tokens
+            for _ in range(num_outputs):
+                torch.empty(vocab_size).exponential_(generator=generator)
+        return cls(
+            req_id=data.req_id,
+            token_ids=list(data.token_ids),
+            num_prompt_tokens=data.num_prompt_tokens,
+            params=data.sampling_params,
+            block_ids=[list(ids) for ids in data.block_ids],
+            num_computed_tokens=data.num_computed_tokens,
+            generator=generator,
+        )
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+
+def build_sampling_batch(states: list[RequestState]) -> SamplingBatch:
+    params = [s.params for s in states]
+    batch = SamplingBatch(
+        temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32),
+        top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64),
+        top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
+        min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
+        generators=[s.generator for s in states],
+        num_logprobs=[p.logprobs for p in params],
+    )
+    if any(p.uses_penalties for p in params):
+        batch.repetition_penalty = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)
+        batch.presence_penalty = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)
+        batch.frequency_penalty = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)
+        batch.prompt_token_ids = [s.token_ids[: s.num_prompt_tokens] for s in states]
+        batch.output_token_ids = [s.output_token_ids for s in states]
+    return batch

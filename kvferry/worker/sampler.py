@@ -1,0 +1,143 @@
+"""Sampling on the device: penalties, temperature, top-k, top-p, min-p, seeds, logprobs.
+
+Seeded requests draw their noise from their own generator, one draw per sampled token,
+so a seed reproduces the same tokens whatever else shares the batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kvferry.worker.output import SampleLogprobs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling inputs for the requests that sample this step."""
+
+    temperature: torch.Tensor  # float32 [N]; 0 = greedy
+    top_k: torch.Tensor  # int64 [N]; 0 = off
+    top_p: torch.Tensor  # float32 [N]
+    min_p: torch.Tensor  # float32 [N]
+    generators: list[torch.Generator | None]  # per row; None = the engine's shared stream
+    num_logprobs: list[int | None]
+    # Penalties (None when no row uses them).
+    repetition_penalty: torch.Tensor | None = None  # [N]
+    presence_penalty: torch.Tensor | None = None  # [N]
+    frequency_penalty: torch.Tensor | None = None  # [N]
+    prompt_token_ids: list[list[int]] | None = None
+    output_token_ids: list[list[int]] | None = None
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool((self.temperature == 0).all())
+
+
+class Sampler:
+    def __init__(self, generator: torch.Generator):
+        self.generator = generator  # shared stream for unseeded requests
+
+    def __call__(
+        self, logits: torch.Tensor, batch: SamplingBatch
+    ) -> tuple[list[int], list[SampleLogprobs | None]]:
+        logits = logits.float()
+        raw_logprobs = (
+            torch.log_softmax(logits, dim=-1) if any(n is not None for n in batch.num_logprobs) else None
+        )
+        if batch.repetition_penalty is not None:
+            logits = apply_penalties(logits, batch)
+        if batch.all_greedy:
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, batch)
+        token_list = tokens.tolist()
+        return token_list, gather_logprobs(raw_logprobs, token_list, batch.num_logprobs)
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        greedy = batch.temperature == 0
+        temperature = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
+        scaled = logits / temperature.unsqueeze(1)
+        scaled = apply_top_k_top_p(scaled, batch.top_k, batch.top_p)
+        probs = torch.softmax(scaled, dim=-1)
+        if bool((batch.min_p > 0).any()):
+            probs = apply_min_p(probs, batch.min_p)
+        noise = self._exponential_noise(probs.shape, batch.generators)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+    def _exponential_noise(self, shape: torch.Size, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """Exponential(1) noise; argmax(p / q) draws from p (the exponential-race trick)."""
+        noise = torch.empty(shape, dtype=torch.float32)
+        noise.exponential_(generator=self.generator)
+        for row, gen in enumerate(generators):
+            if gen is not None:
+                noise[row].exponential_(generator=gen)
+        return noise
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Repetition penalty over prompt+output tokens; presence/frequency over output tokens."""
+    num_rows, vocab = logits.shape
+    output_counts = _token_counts(batch.output_token_ids, num_rows, vocab)
+    seen = _token_counts(batch.prompt_token_ids, num_rows, vocab) + output_counts > 0
+    rep = batch.repetition_penalty.unsqueeze(1)
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    logits = logits - batch.frequency_penalty.unsqueeze(1) * output_counts
+    return logits - batch.presence_penalty.unsqueeze(1) * (output_counts > 0).float()
+
+
+def _token_counts(token_lists: list[list[int]], num_rows: int, vocab: int) -> torch.Tensor:
+    counts = torch.zeros(num_rows, vocab, dtype=torch.float32)
+    for row, ids in enumerate(token_lists):
+        if ids:
+            index = torch.tensor(ids, dtype=torch.int64)
+            counts[row].index_add_(0, index, torch.ones(len(ids)))
+    return counts
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    use_k = bool((top_k > 0).any())
+    use_p = bool((top_p < 1).any())
+    if not use_k and not use_p:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1]).unsqueeze(0)
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if use_k:
+        k = torch.where(top_k > 0, top_k, logits.shape[-1]).unsqueeze(1)
+        drop |= ranks >= k
+    if use_p:
+        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop |= mass_before >= top_p.unsqueeze(1)  # keeps at least the top token
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+    return probs.masked_fill(probs < threshold, 0.0)
+
+
+def gather_logprobs(
+    raw_logprobs: torch.Tensor | None, tokens: list[int], num_logprobs: list[int | None]
+) -> list[SampleLogprobs | None]:
+    if raw_logprobs is None:
+        return [None] * len(tokens)
+    max_k = max(n or 0 for n in num_logprobs)
+    top_values, top_ids = raw_logprobs.topk(max_k, dim=-1) if max_k else (None, None)
+    sampled = raw_logprobs.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist()
+    result: list[SampleLogprobs | None] = []
+    for row, n in enumerate(num_logprobs):
+        if n is None:
+            result.append(None)
+            continue
+        top = list(zip(top_ids[row, :n].tolist(), top_values[row, :n].tolist())) if n else []
+        result.append(SampleLogprobs(sampled=sampled[row], top=top))
+    return result
