@@ -1,0 +1,103 @@
+"""kvferry bench throughput: N prompts x M generated tokens (ignore_eos), tokens/s, JSON + plot."""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import random
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+WORDS = "the of and to in a is that for it as was with be by on not he this are or his from at which".split()
+
+
+def make_prompts(tokenizer, num_prompts: int, input_len: int, seed: int = 0) -> list[list[int]]:
+    """Random English-word prompts cut to exactly input_len tokens."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(num_prompts):
+        text = " ".join(rng.choice(WORDS) for _ in range(input_len * 2))
+        prompts.append(tokenizer.encode(text, add_special_tokens=False)[:input_len])
+    return prompts
+
+
+def time_kvferry(config, prompts: list[list[int]], output_len: int) -> dict:
+    from kvferry.engine.llm import LLM
+    from kvferry.sampling_params import SamplingParams
+
+    llm = LLM.from_config(config)
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm caches
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"seconds": elapsed, "generated_tokens": generated, "tokens_per_s": generated / elapsed}
+
+
+def time_hf(config, prompts: list[list[int]], output_len: int) -> dict:
+    from kvferry.bench.hf_reference import hf_greedy, load_hf_reference
+
+    model = load_hf_reference(config.model)
+    hf_greedy(model, prompts[:2], 4)
+    start = time.perf_counter()
+    outputs = hf_greedy(model, prompts, output_len)
+    elapsed = time.perf_counter() - start
+    generated = sum(len(o) for o in outputs)
+    return {"seconds": elapsed, "generated_tokens": generated, "tokens_per_s": generated / elapsed}
+
+
+def run_throughput_bench(args, config_from_args) -> dict:
+    from kvferry.model.tokenizer import load_tokenizer
+
+    config = config_from_args(args)
+    tokenizer = load_tokenizer(config.model)
+    prompts = make_prompts(tokenizer, args.num_prompts, args.input_len)
+    config = replace(config, scheduler=replace(config.scheduler, max_num_seqs=max(args.num_prompts, 1)))
+    result = {
+        "bench": "throughput",
+        "model": config.model.served_model_name,
+        "dtype": str(config.model.dtype).removeprefix("torch."),
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(),
+        "kvferry": time_kvferry(config, prompts, args.output_len),
+    }
+    logger.info("kvferry: %.1f tokens/s", result["kvferry"]["tokens_per_s"])
+    if args.hf_reference:
+        result["hf_transformers"] = time_hf(config, prompts, args.output_len)
+        logger.info("HF transformers: %.1f tokens/s", result["hf_transformers"]["tokens_per_s"])
+    write_result(result, Path(args.output))
+    print(json.dumps(result, indent=2))
+    return result
+
+
+def write_result(result: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib missing: no plot")
+        return
+    names = [k for k in ("kvferry", "hf_transformers") if k in result]
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.bar(names, [result[k]["tokens_per_s"] for k in names], color=["#2a7", "#888"][: len(names)])
+    ax.set_ylabel("generated tokens/s")
+    ax.set_title(
+        f"{result['model']} {result['dtype']}: {result['num_prompts']}x{result['output_len']} tokens"
+    )
+    fig.tight_layout()
+    fig.savefig(path.with_suffix(".png"))
+    plt.close(fig)
