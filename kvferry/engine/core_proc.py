@@ -1,0 +1,257 @@
+"""The engine core's own process: a busy loop that never waits on the HTTP front end.
+
+``run_core_process`` is the target of a spawned child (see ``core_client.CoreClient``):
+
+    connect sockets -> build the core -> send Ready (or StartupFailed and exit)
+    loop: drain messages (add / abort / stats / shutdown)
+          step() while there is work, else block on the input socket
+          push Outputs (with the core's latest stats) whenever something changed
+
+The child watches its parent: when the parent dies it shuts the core down and exits
+(after a grace period a watchdog thread exits it hard, even if a step hangs). A failing
+``add_request`` fails that one request; a failing ``step()`` fails every request in the
+core with an error output and the loop keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Protocol
+
+import zmq
+
+from kvferry.config import EngineConfig
+from kvferry.engine.core_protocol import (
+    REQ_ABORT,
+    REQ_ADD,
+    REQ_SHUTDOWN,
+    REQ_STATS,
+    CoreCodec,
+    Outputs,
+    Ready,
+    StartupFailed,
+    stats_to_wire,
+)
+from kvferry.engine.types import EngineCoreOutput, EngineCoreRequest, FinishReason
+
+logger = logging.getLogger(__name__)
+
+PARENT_DEATH_GRACE_S = 10.0  # after this, a watchdog exits the child hard
+MAX_CONSECUTIVE_STEP_FAILURES = 10  # then the core is broken: exit (the parent reports it dead)
+
+
+class CoreLike(Protocol):
+    """What the loop needs from an engine core (``kvferry.engine.core.EngineCore``)."""
+
+    def add_request(self, req: EngineCoreRequest) -> None: ...
+    def abort_requests(self, req_ids: list[str]) -> None: ...
+    def step(self) -> list[EngineCoreOutput]: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def stats(self) -> object: ...
+    def shutdown(self) -> None: ...
+
+
+CoreFactory = Callable[[EngineConfig], CoreLike]
+
+
+def make_engine_core(config: EngineConfig) -> CoreLike:
+    """The default core factory: the real EngineCore (imported in the child only)."""
+    from kvferry.engine.core import EngineCore
+
+    return EngineCore(config)
+
+
+def run_core_process(
+    config: EngineConfig,
+    core_factory: CoreFactory,
+    input_addr: str,
+    output_addr: str,
+    log_level: int = logging.INFO,
+) -> None:
+    """Entry point of the core process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [core] %(name)s: %(message)s")
+    parent = multiprocessing.parent_process()
+    parent_sentinel = parent.sentinel if parent is not None else None
+    if parent_sentinel is not None:
+        threading.Thread(target=_exit_when_parent_dies, args=(parent_sentinel,), daemon=True).start()
+    ctx = zmq.Context()
+    in_sock = ctx.socket(zmq.PULL)
+    out_sock = ctx.socket(zmq.PUSH)
+    in_sock.connect(input_addr)
+    out_sock.connect(output_addr)
+    codec = CoreCodec()
+    try:
+        core = _build_core(core_factory, config, out_sock, codec)
+        if core is None:
+            return
+        loop = CoreLoop(core, in_sock, out_sock, codec, parent_sentinel)
+        try:
+            loop.run()
+        finally:
+            core.shutdown()
+    finally:
+        in_sock.close(linger=0)
+        out_sock.close(linger=1000)
+        ctx.term()
+    logger.info("engine core process exits")
+
+
+def _build_core(
+    factory: CoreFactory, config: EngineConfig, out_sock: zmq.Socket, codec: CoreCodec
+) -> CoreLike | None:
+    try:
+        core = factory(config)
+        stats = stats_to_wire(core.stats())
+    except BaseException as exc:  # report everything, also SystemExit/KeyboardInterrupt from a loader
+        logger.exception("engine core failed to start")
+        msg = StartupFailed(type(exc).__name__, str(exc), traceback.format_exc())
+        out_sock.send(codec.encode(msg))
+        return None
+    out_sock.send(codec.encode(Ready(stats)))
+    return core
+
+
+def _exit_when_parent_dies(sentinel: int) -> None:
+    multiprocessing.connection.wait([sentinel])
+    logger.warning("parent process died; engine core exits in at most %.0f s", PARENT_DEATH_GRACE_S)
+    threading.Event().wait(PARENT_DEATH_GRACE_S)
+    logger.error("engine core did not exit after its parent died; exiting hard")
+    os._exit(1)
+
+
+class CoreLoop:
+    """Drain messages, step, push outputs: until shutdown or the parent dies."""
+
+    def __init__(
+        self,
+        core: CoreLike,
+        in_sock: zmq.Socket,
+        out_sock: zmq.Socket,
+        codec: CoreCodec,
+        parent_sentinel: int | None = None,
+    ):
+        self.core = core
+        self.in_sock = in_sock
+        self.out_sock = out_sock
+        self.codec = codec
+        self.poller = zmq.Poller()
+        self.poller.register(in_sock, zmq.POLLIN)
+        self.parent_sentinel = parent_sentinel
+        if parent_sentinel is not None:
+            self.poller.register(parent_sentinel, zmq.POLLIN)
+        self.live: set[str] = set()  # requests added and neither finished nor aborted
+        self.stats_seq = 0
+        self.step_failures = 0  # consecutive
+        self.pending: list[EngineCoreOutput] = []  # outputs produced outside step (errors)
+        self.dirty = False  # state changed since the last push (stats are stale)
+        self.stopping = False
+
+    def run(self) -> None:
+        while not self.stopping:
+            busy = self.core.has_unfinished_requests()
+            events = dict(self.poller.poll(0 if busy else None))
+            if self.parent_sentinel is not None and self.parent_sentinel in events:
+                logger.warning("parent process died; shutting the engine core down")
+                return
+            if self.in_sock in events:
+                self._drain()
+            if not self.stopping and self.core.has_unfinished_requests():
+                self.pending.extend(self._step())
+                self.dirty = True
+            self._push()
+
+    def _drain(self) -> None:
+        while not self.stopping:
+            try:
+                kind, payload = self.in_sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(kind, payload)
+
+    def _handle(self, kind: bytes, payload: bytes) -> None:
+        self.dirty = True
+        if kind == REQ_ADD:
+            self._add(payload)
+        elif kind == REQ_ABORT:
+            self._abort(self.codec.decode_ids(payload))
+        elif kind == REQ_STATS:
+            self.stats_seq = max(self.stats_seq, self.codec.decode_seq(payload))
+        elif kind == REQ_SHUTDOWN:
+            logger.info("shutdown requested")
+            self.stopping = True
+        else:
+            logger.error("unknown message kind %r ignored", kind)
+
+    def _add(self, payload: bytes) -> None:
+        try:
+            req = self.codec.decode_request(payload)
+        except Exception:
+            logger.exception("undecodable add request dropped")
+            return
+        try:
+            self.core.add_request(req)
+        except Exception as exc:
+            logger.exception("add_request failed for %s", req.req_id)
+            self.pending.append(_error_output(req.req_id, f"engine rejected the request: {exc}"))
+            return
+        self.live.add(req.req_id)
+
+    def _abort(self, req_ids: list[str]) -> None:
+        known = [r for r in req_ids if r in self.live]
+        self.live.difference_update(known)
+        if not known:
+            return
+        try:
+            self.core.abort_requests(known)
+        except Exception:
+            logger.exception("abort_requests failed for %s", known)
+
+    def _step(self) -> list[EngineCoreOutput]:
+        try:
+            outputs = self.core.step()
+        except Exception as exc:
+            self.step_failures += 1
+            logger.exception("engine step failed; failing %d requests", len(self.live))
+            if self.step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                raise RuntimeError(f"{self.step_failures} engine steps failed in a row") from exc
+            return self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+        self.step_failures = 0
+        for out in outputs:
+            if out.finished:
+                self.live.discard(out.req_id)
+        return outputs
+
+    def _fail_all(self, message: str) -> list[EngineCoreOutput]:
+        failed = sorted(self.live)
+        self.live.clear()
+        if failed:
+            try:
+                self.core.abort_requests(failed)
+            except Exception:
+                logger.exception("abort after a failed step failed too")
+        return [_error_output(r, message) for r in failed]
+
+    def _push(self) -> None:
+        if not self.dirty:
+            return
+        try:
+            stats = stats_to_wire(self.core.stats())
+        except Exception:
+            logger.exception("stats() failed")
+            stats = {}
+        msg = Outputs(self.pending, stats, self.stats_seq)
+        self.out_sock.send(self.codec.encode(msg))
+        self.pending = []
+        self.dirty = False
+
+
+def _error_output(req_id: str, message: str) -> EngineCoreOutput:
+    return EngineCoreOutput(req_id, [], finish_reason=FinishReason.ERROR, error=message)
