@@ -1,0 +1,44 @@
+"""Architecture name -> model class. Classes import lazily so config code stays light."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from types import MappingProxyType
+
+from kvferry.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+# architecture name (HF `architectures[0]`) -> (module, class name)
+ARCHITECTURES = MappingProxyType(
+    {
+        "LlamaForCausalLM": ("kvferry.model.llama", "LlamaForCausalLM"),
+        "Qwen2ForCausalLM": ("kvferry.model.llama", "Qwen2ForCausalLM"),
+        "Qwen3ForCausalLM": ("kvferry.model.llama", "Qwen3ForCausalLM"),
+    }
+)
+
+# HF `model_type` -> architecture name, for configs that do not list `architectures`
+MODEL_TYPES = MappingProxyType(
+    {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+)
+
+
+def is_supported(architecture: str) -> bool:
+    return architecture in ARCHITECTURES
+
+
+def check_supported(architecture: str, model: str) -> None:
+    if not is_supported(architecture):
+        raise ModelLoadError(
+            f"model {model!r} has architecture {architecture!r}, which kvferry does not support; "
+            f"supported: {', '.join(ARCHITECTURES)}"
+        )
+
+
+def model_class(architecture: str) -> type:
+    """The nn.Module class implementing `architecture`."""
+    check_supported(architecture, architecture)
+    module_name, class_name = ARCHITECTURES[architecture]
+    return getattr(importlib.import_module(module_name), class_name)
