@@ -66,11 +66,52 @@ class ParallelConfig:
     executor: str = "uniproc"  # uniproc | multiproc | ray
 
 
+KV_ROLES = ("producer", "consumer", "both")
+LOAD_FAILURE_POLICIES = ("fail", "recompute")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """--kv-transfer-config: which connector, in which role, with what settings."""
+
+    kv_connector: str | None = None
+    kv_connector_module_path: str | None = None
+    kv_role: str = "both"
+    kv_connector_extra_config: dict = field(default_factory=dict)
+    kv_load_failure_policy: str = "fail"
+
+    @property
+    def enabled(self) -> bool:
+        return self.kv_connector is not None
+
+    @classmethod
+    def from_dict(cls, raw: object) -> KVTransferConfig:
+        if not isinstance(raw, dict):
+            raise ConfigError("--kv-transfer-config must be a JSON object")
+        unknown = set(raw) - {f for f in cls.__dataclass_fields__}
+        if unknown:
+            raise ConfigError(f"--kv-transfer-config: unknown keys {sorted(unknown)}")
+        config = cls(**raw)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if self.kv_connector is not None and not isinstance(self.kv_connector, str):
+            raise ConfigError("kv_connector must be a string")
+        if self.kv_role not in KV_ROLES:
+            raise ConfigError(f"kv_role must be one of {KV_ROLES}, not {self.kv_role!r}")
+        if self.kv_load_failure_policy not in LOAD_FAILURE_POLICIES:
+            raise ConfigError(f"kv_load_failure_policy must be one of {LOAD_FAILURE_POLICIES}")
+        if not isinstance(self.kv_connector_extra_config, dict):
+            raise ConfigError("kv_connector_extra_config must be a JSON object")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     device: str = "cpu"
     seed: int = 0

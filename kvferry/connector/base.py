@@ -1,0 +1,164 @@
+"""The KV connector API: one class, two halves (see docs/connector.md for the call order).
+
+The scheduler half runs in the engine core next to the Scheduler: it decides what to
+load and save and builds per-step metadata. The worker half runs in every worker: it
+moves bytes. The two halves are separate instances of the same class, built with
+different roles, and talk only through the metadata (scheduler -> worker) and
+KVConnectorOutput (worker -> scheduler).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from kvferry.connector.output import KVConnectorOutput, KVConnectorStats
+from kvferry.errors import KVFerryError
+from kvferry.kv.spec import KVCacheConfig, Layout
+
+if TYPE_CHECKING:
+    from kvferry.config import EngineConfig, KVTransferConfig
+    from kvferry.model.forward_context import AttentionMetadata
+    from kvferry.scheduler.output import SchedulerOutput
+    from kvferry.scheduler.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class KVConnectorRole(enum.Enum):
+    SCHEDULER = "scheduler"
+    WORKER = "worker"
+
+
+class MetadataNotBoundError(KVFerryError, RuntimeError):
+    """Connector metadata was read outside a forward (invariant 1)."""
+
+
+@dataclass
+class KVConnectorMetadata:
+    """Base of the per-step scheduler -> worker message; connectors subclass it."""
+
+
+class KVConnectorBase:
+    """Base class. Subclasses override the hooks they need; defaults do nothing."""
+
+    # kv_role values this connector accepts ("producer", "consumer", "both").
+    supported_roles: ClassVar[frozenset[str]] = frozenset({"producer", "consumer", "both"})
+    # Invariant 2: may the per-layer hooks be captured in a CUDA graph?
+    graph_safe: ClassVar[bool] = False
+    # Invariant 5: layouts this connector can work with, in order of preference.
+    supported_layouts: ClassVar[tuple[Layout, ...]] = (Layout.NHD, Layout.HND)
+
+    def __init__(self, engine_config: EngineConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+        self.engine_config = engine_config
+        self.transfer_config: KVTransferConfig = engine_config.kv_transfer
+        self.role = role
+        self.kv_cache_config = kv_cache_config
+        self._metadata: KVConnectorMetadata | None = None
+
+    @property
+    def extra_config(self) -> dict:
+        return self.transfer_config.kv_connector_extra_config
+
+    # ---- scheduler half -------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens beyond num_computed_tokens this connector can provide, and whether the
+        load is asynchronous (the request then waits for finished_recving)."""
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: tuple[list[int], ...], num_external: int
+    ) -> None:
+        """Blocks were allocated for request; num_external of its tokens come from us."""
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """Called once per step, also for an empty step; resets per-step state."""
+        return KVConnectorMetadata()
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """The aggregated worker results of the last step."""
+
+    def request_finished(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict | None]:
+        """The request finished. Returns (delay_free, kv_transfer_params): with delay_free
+        the scheduler keeps the blocks until finished_sending names the request."""
+        return False, None
+
+    def expected_finished_count(self) -> int:
+        """How many workers must report a request finished (default: all of them)."""
+        return self.engine_config.parallel.tensor_parallel_size
+
+    # ---- worker half ----------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], kv_cache_config: KVCacheConfig) -> None:
+        """The KV tensors (layer -> tensor; shared tensors appear under each member layer)."""
+
+    def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
+        assert isinstance(metadata, KVConnectorMetadata), f"bad connector metadata {metadata!r}"
+        self._metadata = metadata
+
+    def clear_connector_metadata(self) -> None:
+        self._metadata = None
+
+    @property
+    def metadata(self) -> KVConnectorMetadata:
+        if self._metadata is None:
+            raise MetadataNotBoundError(f"{type(self).__name__}: connector metadata read outside a forward")
+        return self._metadata
+
+    def start_load_kv(self) -> None:
+        """Before the forward (also on an empty step): start or do the loads the metadata asks for."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Before a layer's attention: its KV must be in place."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn: AttentionMetadata) -> None:
+        """After a layer wrote this step's KV: start saving what the metadata asks for."""
+
+    def wait_for_save(self) -> None:
+        """After the forward: saves started this step are safely under way."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """(finished sending, finished receiving) request ids, since the last call."""
+        return set(), set()
+
+    def get_failed_recving(self) -> set[str]:
+        return set()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set()
+
+    def get_stats(self) -> KVConnectorStats | None:
+        return None
+
+    def shutdown(self) -> None:
+        """Release resources (threads, agents, files)."""
+
+    # ---- framework helpers ----------------------------------------------------------
+
+    def collect_output(self, finished_req_ids: set[str]) -> KVConnectorOutput:
+        sending, recving = self.get_finished(finished_req_ids)
+        return KVConnectorOutput(
+            finished_sending=sending,
+            finished_recving=recving,
+            failed_recving=self.get_failed_recving(),
+            invalid_block_ids=self.get_block_ids_with_load_errors(),
+            stats=self.get_stats(),
+        )
+
+    @contextmanager
+    def bound(self, metadata: KVConnectorMetadata) -> Iterator[None]:
+        """Bind metadata for exactly one forward."""
+        self.bind_connector_metadata(metadata)
+        try:
+            yield
+        finally:
+            self.clear_connector_metadata()

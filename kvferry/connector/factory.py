@@ -1,0 +1,62 @@
+"""Build connectors by name: built-ins, or out-of-tree classes by module path."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+from kvferry.config import EngineConfig, KVTransferConfig
+from kvferry.connector.base import KVConnectorBase, KVConnectorRole
+from kvferry.errors import ConfigError
+from kvferry.kv.spec import KVCacheConfig
+
+logger = logging.getLogger(__name__)
+
+# Built-in connectors: name -> "module:Class", imported only when used.
+BUILTIN_CONNECTORS: dict[str, str] = {
+    "OffloadConnector": "kvferry.connector.offload.connector:OffloadConnector",
+    "MultiConnector": "kvferry.connector.multi:MultiConnector",
+    "NixlConnector": "kvferry.connector.nixl.connector:NixlConnector",
+    "RecordingConnector": "kvferry.connector.recording:RecordingConnector",
+}
+
+
+def resolve_connector_class(config: KVTransferConfig) -> type[KVConnectorBase]:
+    """The connector class named by config, checked against the API and the role."""
+    name = config.kv_connector
+    if config.kv_connector_module_path:
+        module_name, class_name = config.kv_connector_module_path, name
+    elif name in BUILTIN_CONNECTORS:
+        module_name, class_name = BUILTIN_CONNECTORS[name].split(":")
+    else:
+        known = ", ".join(sorted(BUILTIN_CONNECTORS))
+        raise ConfigError(
+            f"unknown KV connector {name!r}; built-in: {known}; or give kv_connector_module_path"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # any import-time failure is a configuration problem
+        raise ConfigError(f"KV connector module {module_name!r} does not import: {exc}") from exc
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        raise ConfigError(f"module {module_name!r} has no connector class {class_name!r}")
+    if not (isinstance(cls, type) and issubclass(cls, KVConnectorBase)):
+        raise ConfigError(
+            f"{module_name}.{class_name} does not implement the KV connector API (KVConnectorBase)"
+        )
+    if config.kv_role not in cls.supported_roles:
+        raise ConfigError(
+            f"{class_name} does not support kv_role {config.kv_role!r} (supports {sorted(cls.supported_roles)})"
+        )
+    return cls
+
+
+def create_connector(
+    engine_config: EngineConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+) -> KVConnectorBase | None:
+    config = engine_config.kv_transfer
+    if not config.enabled:
+        return None
+    cls = resolve_connector_class(config)
+    logger.info("KV connector %s (%s half, kv_role=%s)", cls.__name__, role.value, config.kv_role)
+    return cls(engine_config, role, kv_cache_config)
