@@ -92,9 +92,10 @@ class KVConnectorBase:
         the scheduler keeps the blocks until finished_sending names the request."""
         return False, None
 
-    def expected_finished_count(self) -> int:
+    @classmethod
+    def expected_finished_count(cls, engine_config: EngineConfig) -> int:
         """How many workers must report a request finished (default: all of them)."""
-        return self.engine_config.parallel.tensor_parallel_size
+        return engine_config.parallel.tensor_parallel_size
 
     # ---- worker half ----------------------------------------------------------------
 

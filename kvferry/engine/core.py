@@ -7,8 +7,13 @@ import time
 from dataclasses import dataclass
 
 from kvferry.config import EngineConfig
+from kvferry.connector.base import KVConnectorRole
+from kvferry.connector.factory import create_connector
 from kvferry.engine.types import EngineCoreOutput, EngineCoreRequest
+from kvferry.engine.warmup import warmup_steps
 from kvferry.executor.base import Executor
+from kvferry.kv.spec import KVCacheConfig
+from kvferry.scheduler.output import SchedulerOutput
 from kvferry.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -45,7 +50,11 @@ class EngineCore:
         self.executor = make_executor(config)
         kv_config = self.executor.determine_kv_cache_config()
         self.executor.initialize_kv_cache(kv_config)
-        self.scheduler = Scheduler(config.scheduler, config.cache, kv_config, config.model.max_model_len)
+        self.connector = create_connector(config, KVConnectorRole.SCHEDULER, kv_config)
+        self.scheduler = Scheduler(
+            config.scheduler, config.cache, kv_config, config.model.max_model_len, connector=self.connector
+        )
+        self._warm_up(kv_config)
         self._last_log = time.monotonic()
         logger.info(
             "engine ready in %.1fs: %s, %d KV blocks of %d tokens",
@@ -54,6 +63,13 @@ class EngineCore:
             kv_config.num_blocks,
             kv_config.block_size,
         )
+
+    def _warm_up(self, kv_config: KVCacheConfig) -> None:
+        """Dummy steps through the real path; connector metadata comes from the scheduler half."""
+        for step in warmup_steps(self.config, kv_config):
+            if self.connector is not None:
+                step.kv_connector_metadata = self.connector.build_connector_meta(SchedulerOutput.empty())
+            self.executor.execute_model(step)
 
     def add_request(self, req: EngineCoreRequest) -> None:
         self.scheduler.add_request(req, self.config.model.eos_token_ids)
@@ -101,4 +117,6 @@ class EngineCore:
         )
 
     def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.shutdown()
         self.executor.shutdown()

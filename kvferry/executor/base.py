@@ -1,15 +1,29 @@
-"""Executor: runs a step on every worker and returns one ModelRunnerOutput."""
+"""Executor: runs a step on every worker and returns one ModelRunnerOutput.
+
+The connector results of all workers are aggregated here, once, by the same component
+whatever the executor (invariant 3).
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+from kvferry.config import EngineConfig
+from kvferry.connector.aggregator import KVOutputAggregator
+from kvferry.connector.factory import resolve_connector_class
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.scheduler.output import SchedulerOutput
 from kvferry.worker.output import ModelRunnerOutput
 
 
 class Executor(ABC):
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        expected = config.parallel.tensor_parallel_size
+        if config.kv_transfer.enabled:
+            expected = resolve_connector_class(config.kv_transfer).expected_finished_count(config)
+        self.aggregator = KVOutputAggregator(expected)
+
     @abstractmethod
     def determine_kv_cache_config(self) -> KVCacheConfig: ...
 
@@ -17,7 +31,14 @@ class Executor(ABC):
     def initialize_kv_cache(self, kv_config: KVCacheConfig) -> None: ...
 
     @abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+    def execute_on_workers(self, scheduler_output: SchedulerOutput) -> list[ModelRunnerOutput]:
+        """Every worker's output, rank 0 first."""
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        outputs = self.execute_on_workers(scheduler_output)
+        result = outputs[0]  # every rank samples the same tokens; rank 0's are used
+        result.kv_connector_output = self.aggregator.aggregate([o.kv_connector_output for o in outputs])
+        return result
 
     def shutdown(self) -> None:
-        """Release workers; nothing to do in-process."""
+        """Release workers."""

@@ -12,6 +12,7 @@ from kvferry.worker.worker import Worker
 
 class UniprocExecutor(Executor):
     def __init__(self, config: EngineConfig):
+        super().__init__(config)
         self.worker = Worker(config)
 
     def determine_kv_cache_config(self) -> KVCacheConfig:
@@ -19,7 +20,9 @@ class UniprocExecutor(Executor):
 
     def initialize_kv_cache(self, kv_config: KVCacheConfig) -> None:
         self.worker.initialize_kv_cache(kv_config)
-        self.worker.warm_up()
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(scheduler_output)
+    def execute_on_workers(self, scheduler_output: SchedulerOutput) -> list[ModelRunnerOutput]:
+        return [self.worker.execute_model(scheduler_output)]
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()

@@ -7,6 +7,7 @@ import logging
 import torch
 
 from kvferry.config import EngineConfig
+from kvferry.connector.base import KVConnectorBase
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.model.forward_context import ForwardContext
 from kvferry.scheduler.output import SchedulerOutput
@@ -29,15 +30,30 @@ class ModelRunner:
         self.kv_config: KVCacheConfig | None = None
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.layer_group: dict[str, int] = {}
+        self.connector: KVConnectorBase | None = None
 
-    def bind_kv_caches(self, kv_config: KVCacheConfig, kv_caches: dict[str, torch.Tensor]) -> None:
+    def bind_kv_caches(
+        self, kv_config: KVCacheConfig, kv_caches: dict[str, torch.Tensor], connector: KVConnectorBase | None = None
+    ) -> None:
         self.kv_config = kv_config
         self.kv_caches = kv_caches
         self.layer_group = {name: kv_config.group_of(name) for name in kv_caches}
+        self.connector = connector
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
+        if self.connector is None:
+            return self._run_step(scheduler_output)
+        # Invariant 1: the metadata is bound for the whole step, empty steps included.
+        with self.connector.bound(scheduler_output.kv_connector_metadata):
+            self.connector.start_load_kv()
+            output = self._run_step(scheduler_output)
+            self.connector.wait_for_save()
+            output.kv_connector_output = self.connector.collect_output(scheduler_output.finished_req_ids)
+        return output
+
+    def _run_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if scheduler_output.is_empty:
             return ModelRunnerOutput.empty()
         states = [self.states[req_id] for req_id in scheduler_output.num_scheduled_tokens]
@@ -59,6 +75,7 @@ class ModelRunner:
             layer_group=self.layer_group,
             kv_caches=self.kv_caches,
             layout=self.kv_config.layout,
+            kv_hooks=self.connector,
         )
         return self.model(inputs.input_ids, inputs.positions, ctx)
 
