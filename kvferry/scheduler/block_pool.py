@@ -1,0 +1,231 @@
+"""The block pool: every KV block of every group, reference counts, LRU free queue, prefix cache.
+
+Free blocks wait in a doubly linked queue: new blocks are taken from the head, freed blocks
+join the tail. A freed block keeps its hash (it stays a prefix-cache hit) until it is taken
+for reuse, so cached blocks are evicted least recently freed first. A hit on a free block
+pulls it out of the middle of the queue in O(1).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator, Sequence
+
+from kvferry.scheduler.hashing import BlockContent, BlockHash
+
+logger = logging.getLogger(__name__)
+
+# A cached block is found by its hash and the KV cache group it belongs to.
+CacheKey = tuple[BlockHash, int]
+
+
+class KVCacheBlock:
+    """One physical block. Holds no KV itself: the id indexes the workers' KV tensors."""
+
+    __slots__ = (
+        "block_id",
+        "ref_cnt",
+        "block_hash",
+        "content",
+        "group_id",
+        "is_null",
+        "prev_free",
+        "next_free",
+    )
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None  # set while the block is in the prefix cache
+        self.content: BlockContent | None = None  # what the hash stands for (collision check)
+        self.group_id = -1
+        self.is_null = False  # the reserved placeholder block (sliding window gaps)
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+
+    @property
+    def cache_key(self) -> CacheKey | None:
+        return None if self.block_hash is None else (self.block_hash, self.group_id)
+
+    def reset_hash(self) -> None:
+        self.block_hash = None
+        self.content = None
+        self.group_id = -1
+
+    def __repr__(self) -> str:
+        cached = "" if self.block_hash is None else f", hash={self.block_hash[:4].hex()}"
+        return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}{cached})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks with sentinels: O(1) pop, append and removal."""
+
+    def __init__(self, blocks: Iterable[KVCacheBlock]):
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head.next_free
+        assert block is not None
+        if block is self._tail:
+            raise ValueError("no free blocks")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        assert prev is not None and nxt is not None, f"{block} is not in the free queue"
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self.num_free -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        assert block.prev_free is None and block.next_free is None, f"{block} is already free"
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free += 1
+
+    def __iter__(self) -> Iterator[KVCacheBlock]:
+        block = self._head.next_free
+        while block is not None and block is not self._tail:
+            yield block
+            block = block.next_free
+
+    def __len__(self) -> int:
+        return self.num_free
+
+
+class BlockPool:
+    """All blocks, shared by every KV cache group.
+
+    `num_blocks` counts blocks that can be handed out; with `reserve_null_block` block 0 is
+    kept aside as a placeholder for table entries that need no KV (sliding-window gaps).
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool, reserve_null_block: bool = False):
+        if num_blocks <= int(reserve_null_block):
+            raise ValueError(f"a block pool needs at least one usable block, got {num_blocks}")
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.null_block: KVCacheBlock | None = None
+        if reserve_null_block:
+            self.null_block = self.blocks[0]
+            self.null_block.is_null = True
+        usable = self.blocks[1:] if reserve_null_block else self.blocks
+        self.num_blocks = len(usable)
+        self.free_queue = FreeBlockQueue(usable)
+        self.cached: dict[CacheKey, KVCacheBlock] = {}
+        self.num_collisions = 0  # hash hits rejected because the content differed
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now, cached-but-unused ones included."""
+        return self.free_queue.num_free
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached)
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take blocks from the head of the free queue (evicting their cached hash), ref 1 each."""
+        if num_blocks > self.num_free_blocks:
+            raise ValueError(f"asked for {num_blocks} blocks, only {self.num_free_blocks} free")
+        blocks = []
+        for _ in range(num_blocks):
+            block = self.free_queue.popleft()
+            assert block.ref_cnt == 0
+            self._evict(block)
+            block.ref_cnt = 1
+            blocks.append(block)
+        return blocks
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on blocks found in the cache (pulling free ones out of the queue)."""
+        for block in blocks:
+            if block.is_null:
+                continue
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop a reference; blocks reaching zero join the tail in the given order.
+
+        Pass a request's blocks last-first: the tail of a prefix is then evicted first.
+        """
+        for block in blocks:
+            if block.is_null:
+                continue
+            assert block.ref_cnt > 0, f"double free of {block}"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    def get_cached_block(
+        self, block_hash: BlockHash, content: BlockContent, group_id: int = 0
+    ) -> KVCacheBlock | None:
+        """The cached block for this hash in this group, if its content matches too."""
+        block = self.cached.get((block_hash, group_id))
+        if block is None:
+            return None
+        if block.content != content:
+            self.num_collisions += 1
+            logger.warning("block hash collision on %s: content differs, treated as a miss", block_hash.hex())
+            return None
+        return block
+
+    def cache_full_blocks(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[BlockHash],
+        contents: Sequence[BlockContent],
+        group_id: int = 0,
+    ) -> None:
+        """Register full, computed blocks in the prefix cache (blocks[i] holds contents[i])."""
+        assert len(blocks) == len(block_hashes) == len(contents)
+        if not self.enable_caching:
+            return
+        for block, block_hash, content in zip(blocks, block_hashes, contents, strict=True):
+            assert not block.is_null and block.ref_cnt > 0
+            if block.block_hash is not None:
+                assert block.cache_key == (block_hash, group_id), f"{block} cached under another hash"
+                continue
+            if (block_hash, group_id) in self.cached:
+                continue  # an equal block is already cached; this duplicate stays private
+            block.block_hash = block_hash
+            block.content = content
+            block.group_id = group_id
+            self.cached[(block_hash, group_id)] = block
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash. Only when no block is in use (returns False otherwise)."""
+        in_use = self.num_blocks - self.num_free_blocks
+        if in_use:
+            logger.warning("cannot reset the prefix cache: %d blocks are in use", in_use)
+            return False
+        for block in self.cached.values():
+            block.reset_hash()
+        self.cached.clear()
+        return True
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        key = block.cache_key
+        if key is None:
+            return
+        if self.cached.get(key) is block:
+            del self.cached[key]
+        block.reset_hash()

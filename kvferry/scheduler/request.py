@@ -1,0 +1,151 @@
+"""A request as the scheduler sees it: tokens, progress, status and block hashes."""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Iterable, Sequence
+from types import MappingProxyType
+
+from kvferry.engine.types import EngineCoreRequest, FinishReason
+from kvferry.errors import InvalidRequestError
+from kvferry.sampling_params import SamplingParams
+from kvferry.scheduler.hashing import BlockHash, BlockHasher
+
+logger = logging.getLogger(__name__)
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()  # blocks allocated, a connector is loading KV
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()  # back in the waiting queue, blocks freed, recomputes
+    # Everything after PREEMPTED is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = MappingProxyType(
+    {
+        RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+        RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+        RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+        RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+    }
+)
+
+
+def resolve_max_tokens(max_tokens: int | None, num_prompt_tokens: int, max_model_len: int) -> int:
+    """Output tokens allowed: the user's cap, and the model's context (at least one token)."""
+    room = max(1, max_model_len - num_prompt_tokens)
+    return room if max_tokens is None else min(max_tokens, room)
+
+
+class Request:
+    """Scheduler-side state of one request.
+
+    `num_computed_tokens` counts tokens whose KV is (or, once the scheduled step ran, will
+    be) in the request's blocks; the scheduler advances it when it schedules a step.
+    """
+
+    def __init__(
+        self,
+        req_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: Iterable[int],
+        max_model_len: int,
+        arrival_time: float = 0.0,
+        kv_transfer_params: dict | None = None,
+        block_hasher: BlockHasher | None = None,
+    ):
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt must contain at least one token", param="prompt")
+        if len(prompt_token_ids) > max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt_token_ids)} tokens, more than the model's "
+                f"context of {max_model_len}",
+                param="prompt",
+            )
+        self.req_id = req_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_tokens = resolve_max_tokens(sampling_params.max_tokens, len(prompt_token_ids), max_model_len)
+        self.arrival_time = arrival_time
+        self.kv_transfer_params = kv_transfer_params
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None  # why the engine failed it (FINISHED_ERROR)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # set when first scheduled: prompt tokens served from a cache
+        self.num_preemptions = 0
+        self.block_hashes: list[BlockHash] = []
+        self._block_hasher = block_hasher
+        if block_hasher is not None:
+            block_hasher.update(self)
+
+    @classmethod
+    def from_engine_core_request(
+        cls,
+        req: EngineCoreRequest,
+        eos_token_ids: Iterable[int],
+        max_model_len: int,
+        block_hasher: BlockHasher | None = None,
+    ) -> Request:
+        return cls(
+            req.req_id,
+            req.prompt_token_ids,
+            req.sampling_params,
+            eos_token_ids,
+            max_model_len,
+            arrival_time=req.arrival_time,
+            kv_transfer_params=req.kv_transfer_params,
+            block_hasher=block_hasher,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.status.finish_reason
+
+    def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+        if self._block_hasher is not None:
+            self._block_hasher.update(self)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.req_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )
