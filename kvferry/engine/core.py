@@ -11,6 +11,7 @@ from kvferry.connector.base import KVConnectorRole
 from kvferry.connector.factory import create_connector
 from kvferry.engine.types import EngineCoreOutput, EngineCoreRequest
 from kvferry.engine.warmup import warmup_steps
+from kvferry.errors import ConfigError
 from kvferry.executor.base import Executor
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.scheduler.output import SchedulerOutput
@@ -34,13 +35,22 @@ class EngineStats:
 
 
 def make_executor(config: EngineConfig) -> Executor:
-    if config.parallel.executor == "uniproc" and config.parallel.tensor_parallel_size == 1:
+    kind = config.parallel.executor
+    if kind == "uniproc" and config.parallel.tensor_parallel_size > 1:
+        kind = "multiproc"  # one process per rank
+    if kind == "uniproc":
         from kvferry.executor.uniproc import UniprocExecutor
 
         return UniprocExecutor(config)
-    raise NotImplementedError(
-        f"executor {config.parallel.executor!r} with TP={config.parallel.tensor_parallel_size}"
-    )
+    if kind == "multiproc":
+        from kvferry.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(config)
+    if kind == "ray":
+        from kvferry.executor.ray import RayExecutor
+
+        return RayExecutor(config)
+    raise ConfigError(f"unknown executor {kind!r}")
 
 
 class EngineCore:

@@ -21,6 +21,8 @@ def warmup_steps(config: EngineConfig, kv_config: KVCacheConfig) -> list[Schedul
     dummy = NewRequestData(WARMUP_REQ_ID, [0] * num_tokens, num_tokens, params, blocks, 0)
     return [
         SchedulerOutput([dummy], CachedRequestData(), {WARMUP_REQ_ID: num_tokens}, num_tokens, set(), set()),
-        SchedulerOutput([], CachedRequestData([WARMUP_REQ_ID], [None], [num_tokens]), {WARMUP_REQ_ID: 1}, 1, set(), set()),
+        SchedulerOutput(
+            [], CachedRequestData([WARMUP_REQ_ID], [None], [num_tokens]), {WARMUP_REQ_ID: 1}, 1, set(), set()
+        ),
         SchedulerOutput([], CachedRequestData(), {}, 0, {WARMUP_REQ_ID}, set()),
     ]

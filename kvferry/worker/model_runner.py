@@ -33,7 +33,10 @@ class ModelRunner:
         self.connector: KVConnectorBase | None = None
 
     def bind_kv_caches(
-        self, kv_config: KVCacheConfig, kv_caches: dict[str, torch.Tensor], connector: KVConnectorBase | None = None
+        self,
+        kv_config: KVCacheConfig,
+        kv_caches: dict[str, torch.Tensor],
+        connector: KVConnectorBase | None = None,
     ) -> None:
         self.kv_config = kv_config
         self.kv_caches = kv_caches

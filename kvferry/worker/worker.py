@@ -45,3 +45,5 @@ class Worker:
     def shutdown(self) -> None:
         if self.runner.connector is not None:
             self.runner.connector.shutdown()
+        if self.tp.size > 1 and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
