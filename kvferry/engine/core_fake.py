@@ -27,9 +27,9 @@ from kvferry.worker.output import SampleLogprobs
 
 logger = logging.getLogger(__name__)
 
-FAIL_ADD_TOKEN = 3
-FAIL_STEP_TOKEN = 4
-CRASH_TOKEN = 5
+FAIL_ADD_TOKEN = 997
+FAIL_STEP_TOKEN = 998
+CRASH_TOKEN = 999
 
 
 def fake_model_config(

@@ -1,0 +1,363 @@
+"""AsyncEngine: the serving front end of one engine core running in its own process.
+
+It owns the tokenizer, the input and output processors and the core client, and one
+background task (on the serving event loop) that reads the core's outputs, detokenizes
+them and routes each RequestOutput to the queue of the ``generate`` call waiting for it.
+
+    async for out in engine.generate("Hello", SamplingParams(max_tokens=8), "req-1"):
+        print(out.delta_text, end="")
+
+A consumer that stops iterating (a client disconnect cancels the handler) aborts the
+request in the core, which frees its KV blocks. Per-request timing (arrival, first
+token, every token) goes to the registered ``StatLogger``s as ``IterationStats``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvferry.config import EngineConfig, ModelConfig
+from kvferry.engine.core import EngineStats
+from kvferry.engine.core_client import CoreClient
+from kvferry.engine.core_proc import CoreFactory, make_engine_core
+from kvferry.engine.core_protocol import EngineDeadError, Outputs
+from kvferry.engine.input_processor import InputProcessor
+from kvferry.engine.output_processor import OutputProcessor
+from kvferry.engine.types import EngineCoreOutput
+from kvferry.errors import InvalidRequestError, KVFerryError
+from kvferry.outputs import RequestOutput
+from kvferry.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+STATS_TIMEOUT_S = 2.0
+
+
+class RequestFailedError(KVFerryError, RuntimeError):
+    """The engine failed this one request (others are unaffected): HTTP 500."""
+
+    status_code = 500
+
+
+@dataclass
+class RequestTiming:
+    arrival: float  # time.monotonic() when generate() accepted it
+    num_prompt_tokens: int
+    first_token: float | None = None
+    last_token: float | None = None
+    num_generation_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class FinishedRequestStats:
+    finish_reason: str  # stop | length | abort | error
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_cached_tokens: int
+    e2e_latency: float
+    time_to_first_token: float | None
+
+
+@dataclass
+class IterationStats:
+    """What one batch of core outputs (or one abort) changed, for the metrics."""
+
+    num_prompt_tokens: int = 0  # of requests whose first token arrived in this batch
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+
+
+class StatLogger(Protocol):
+    def record(self, stats: IterationStats) -> None: ...
+
+
+@dataclass
+class _Stream:
+    timing: RequestTiming
+    # RequestOutput, an exception to raise, or None (aborted: end quietly)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: bool = False
+
+
+def _stats_from_wire(raw: dict) -> EngineStats:
+    names = {f.name for f in dataclasses.fields(EngineStats)}
+    return EngineStats(**{k: v for k, v in raw.items() if k in names})
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        client: CoreClient,
+        input_processor: InputProcessor,
+        output_processor: OutputProcessor,
+        tokenizer: object,
+    ):
+        self.model_config = model_config
+        self.client = client
+        self.input_processor = input_processor
+        self.output_processor = output_processor
+        self.tokenizer = tokenizer
+        self._stats = _stats_from_wire(client.initial_stats)
+        self._streams: dict[str, _Stream] = {}
+        self._stat_loggers: list[StatLogger] = []
+        self._stats_waiters: list[tuple[int, asyncio.Future]] = []
+        self._task: asyncio.Task | None = None
+        self._dead: BaseException | None = None
+
+    @classmethod
+    def from_config(
+        cls,
+        config: EngineConfig,
+        core_factory: CoreFactory = make_engine_core,
+        startup_timeout_s: float = 900.0,
+    ) -> AsyncEngine:
+        """Load the tokenizer, start the core process and wait until it is ready."""
+        from kvferry.model.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(config.model)
+        client = CoreClient(config, core_factory, startup_timeout_s)
+        inputs = InputProcessor(config.model, tokenizer)
+        return cls(config.model, client, inputs, OutputProcessor(tokenizer), tokenizer)
+
+    # -- public API ----------------------------------------------------------------------
+
+    @property
+    def stats(self) -> EngineStats:
+        """The core's stats as of its last message."""
+        return self._stats
+
+    @property
+    def num_active_requests(self) -> int:
+        return len(self._streams)
+
+    @property
+    def is_dead(self) -> bool:
+        return self._dead is not None or not self.client.is_alive()
+
+    def add_stat_logger(self, stat_logger: StatLogger) -> None:
+        self._stat_loggers.append(stat_logger)
+
+    def check_health(self) -> None:
+        if self.is_dead:
+            raise EngineDeadError(str(self._dead) if self._dead else "engine core process is not running")
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        kv_transfer_params: dict | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; the last one has ``finished=True``.
+
+        Raises InvalidRequestError before anything is queued, RequestFailedError when the
+        engine fails this request and EngineDeadError when the core process is gone.
+        """
+        self._ensure_running()
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        req = self.input_processor.process(request_id, prompt, params, kv_transfer_params)
+        stream = _Stream(RequestTiming(time.monotonic(), len(req.prompt_token_ids)))
+        self._streams[request_id] = stream
+        text = prompt if isinstance(prompt, str) else None
+        self.output_processor.add_request(request_id, text, req.prompt_token_ids, req.sampling_params)
+        try:
+            self.client.add_request(req)
+            while True:
+                item = await stream.queue.get()
+                if item is None:  # aborted by abort()
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if not stream.finished:
+                self._abort_stream(request_id, stream)
+            self._streams.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request: its ``generate`` ends (without a final output) and its blocks are freed."""
+        stream = self._streams.get(request_id)
+        if stream is None or stream.finished:
+            return
+        self._abort_stream(request_id, stream)
+        stream.queue.put_nowait(None)
+
+    async def refresh_stats(self, timeout_s: float = STATS_TIMEOUT_S) -> EngineStats:
+        """Ask the core for its stats now (e.g. on a /metrics scrape)."""
+        self._ensure_running()
+        seq = self.client.request_stats()
+        fut = asyncio.get_running_loop().create_future()
+        self._stats_waiters.append((seq, fut))
+        try:
+            await asyncio.wait_for(fut, timeout_s)
+        except TimeoutError:
+            logger.warning("engine stats not refreshed within %.1f s", timeout_s)
+        return self._stats
+
+    def shutdown(self) -> None:
+        """Stop the output task (when called on its loop) and the core process."""
+        if self._task is not None and not self._task.done():
+            try:
+                if self._task.get_loop() is asyncio.get_running_loop():
+                    self._task.cancel()
+            except RuntimeError:  # no running loop: the task's loop is gone with it
+                pass
+        self._fail_all(EngineDeadError("the engine is shutting down"))
+        self.client.shutdown()
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _ensure_running(self) -> None:
+        self.check_health()
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._output_loop(), name="kvferry-outputs")
+
+    def _abort_stream(self, request_id: str, stream: _Stream) -> None:
+        stream.finished = True
+        self.output_processor.abort_request(request_id)
+        self._record(IterationStats(finished=[self._finished_stats(stream.timing, "abort")]))
+        try:
+            self.client.abort_requests([request_id])
+        except EngineDeadError:
+            pass
+        logger.debug("aborted %s", request_id)
+
+    async def _output_loop(self) -> None:
+        try:
+            while True:
+                self._handle(await self.client.get_outputs())
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            logger.exception("engine output loop failed; failing all requests")
+            self._dead = exc if isinstance(exc, EngineDeadError) else EngineDeadError(f"engine failed: {exc}")
+            self._fail_all(self._dead)
+
+    def _handle(self, msg: Outputs) -> None:
+        self._stats = _stats_from_wire(msg.stats)
+        self._wake_stats_waiters(msg.stats_seq)
+        if not msg.outputs:
+            return
+        iteration = self._time_outputs(msg.outputs)
+        try:
+            processed = self.output_processor.process_outputs(msg.outputs)
+        except Exception as exc:  # a detokenizer bug must not take every request down
+            logger.exception("output processing failed for %d outputs", len(msg.outputs))
+            self._fail_batch(msg.outputs, RequestFailedError(f"output processing failed: {exc}"))
+            return
+        for out in processed.request_outputs:
+            self._route(out, iteration)
+        if processed.reqs_to_abort:
+            self.client.abort_requests(processed.reqs_to_abort)
+        self._fail_unrouted_errors(msg.outputs)
+        self._record(iteration)
+
+    def _time_outputs(self, outputs: list[EngineCoreOutput]) -> IterationStats:
+        now = time.monotonic()
+        it = IterationStats()
+        for out in outputs:
+            stream = self._streams.get(out.req_id)
+            if stream is None or not out.new_token_ids:
+                continue
+            timing = stream.timing
+            if timing.first_token is None:
+                timing.first_token = now
+                timing.num_cached_tokens = out.num_cached_tokens
+                it.time_to_first_tokens.append(now - timing.arrival)
+                it.num_prompt_tokens += timing.num_prompt_tokens
+            else:
+                it.inter_token_latencies.append(now - (timing.last_token or now))
+            timing.last_token = now
+            timing.num_generation_tokens += len(out.new_token_ids)
+            it.num_generation_tokens += len(out.new_token_ids)
+        return it
+
+    def _route(self, out: RequestOutput, iteration: IterationStats) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None or stream.finished:
+            return
+        if not out.finished:
+            stream.queue.put_nowait(out)
+            return
+        stream.finished = True
+        reason = out.outputs[0].finish_reason if out.outputs else None
+        if out.error is not None or reason == "error":
+            iteration.finished.append(self._finished_stats(stream.timing, "error"))
+            stream.queue.put_nowait(RequestFailedError(out.error or "the engine failed this request"))
+            return
+        iteration.finished.append(self._finished_stats(stream.timing, reason or "stop"))
+        stream.queue.put_nowait(out)
+
+    def _fail_unrouted_errors(self, outputs: list[EngineCoreOutput]) -> None:
+        """An error output the output processor did not turn into a RequestOutput."""
+        for out in outputs:
+            stream = self._streams.get(out.req_id)
+            if out.error is not None and stream is not None and not stream.finished:
+                stream.finished = True
+                self.output_processor.abort_request(out.req_id)
+                stream.queue.put_nowait(RequestFailedError(out.error))
+
+    def _fail_batch(self, outputs: list[EngineCoreOutput], error: BaseException) -> None:
+        ids = []
+        for out in outputs:
+            stream = self._streams.get(out.req_id)
+            if stream is not None and not stream.finished:
+                stream.finished = True
+                self.output_processor.abort_request(out.req_id)
+                stream.queue.put_nowait(error)
+                ids.append(out.req_id)
+        self.client.abort_requests(ids)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for rid, stream in list(self._streams.items()):
+            if not stream.finished:
+                stream.finished = True
+                self.output_processor.abort_request(rid)
+                stream.queue.put_nowait(error)
+        for _, fut in self._stats_waiters:
+            if not fut.done():
+                fut.set_result(None)
+        self._stats_waiters.clear()
+
+    def _wake_stats_waiters(self, answered: int) -> None:
+        keep = []
+        for seq, fut in self._stats_waiters:
+            if seq <= answered:
+                if not fut.done():
+                    fut.set_result(None)
+            else:
+                keep.append((seq, fut))
+        self._stats_waiters = keep
+
+    @staticmethod
+    def _finished_stats(timing: RequestTiming, reason: str) -> FinishedRequestStats:
+        now = time.monotonic()
+        ttft = timing.first_token - timing.arrival if timing.first_token is not None else None
+        return FinishedRequestStats(
+            reason,
+            timing.num_prompt_tokens,
+            timing.num_generation_tokens,
+            timing.num_cached_tokens,
+            now - timing.arrival,
+            ttft,
+        )
+
+    def _record(self, stats: IterationStats) -> None:
+        for stat_logger in self._stat_loggers:
+            try:
+                stat_logger.record(stats)
+            except Exception:
+                logger.exception("stat logger %r failed", stat_logger)
