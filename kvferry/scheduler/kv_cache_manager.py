@@ -1,0 +1,143 @@
+"""KVCacheManager: block tables of every request in every KV cache group, over one BlockPool."""
+
+from __future__ import annotations
+
+import logging
+
+from kvferry.kv.spec import KVCacheConfig, SlidingWindowSpec
+from kvferry.scheduler.block_pool import BlockPool, KVCacheBlock
+from kvferry.scheduler.hashing import BlockHasher
+from kvferry.scheduler.output import BlockIds
+from kvferry.scheduler.request import Request
+from kvferry.scheduler.single_type_manager import SingleTypeManager, make_manager
+
+logger = logging.getLogger(__name__)
+
+# One list of blocks per KV cache group.
+KVCacheBlocks = tuple[list[KVCacheBlock], ...]
+
+
+class KVCacheManager:
+    """Allocates, caches and frees blocks for requests, one SingleTypeManager per group.
+
+    A prefix hit has the same length (in blocks) in every group. A block enters the prefix
+    cache once it is full of computed tokens (`cache_blocks`).
+    """
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        enable_prefix_caching: bool,
+        block_hasher: BlockHasher | None = None,
+    ):
+        if not kv_cache_config.groups:
+            raise ValueError("KVCacheConfig has no KV cache groups")
+        self.config = kv_cache_config
+        self.block_size = kv_cache_config.block_size
+        self.enable_caching = enable_prefix_caching
+        if block_hasher is None and enable_prefix_caching:
+            block_hasher = BlockHasher(self.block_size)
+        assert block_hasher is None or block_hasher.block_size == self.block_size
+        self.block_hasher = block_hasher
+        needs_null = any(isinstance(g.spec, SlidingWindowSpec) for g in kv_cache_config.groups)
+        self.pool = BlockPool(
+            kv_cache_config.num_blocks, enable_prefix_caching, reserve_null_block=needs_null
+        )
+        self.managers: list[SingleTypeManager] = [
+            make_manager(group.spec, self.pool, gid, block_hasher)
+            for gid, group in enumerate(kv_cache_config.groups)
+        ]
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.managers)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks the scheduler may hand out (the reserved null block excluded)."""
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def empty_blocks(self) -> KVCacheBlocks:
+        return tuple([] for _ in self.managers)
+
+    def can_fit(self, num_tokens: int) -> bool:
+        """Whether a request of `num_tokens` tokens fits in the whole pool at all."""
+        return sum(m.max_blocks_needed(num_tokens) for m in self.managers) <= self.num_blocks
+
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """Longest cached prefix of the request, as blocks per group and a token count.
+
+        Never the whole request: its last token is always left to compute, so the model
+        produces logits for it. Hits are not referenced yet: pass them to allocate_slots
+        before allocating anything else.
+        """
+        if not self.enable_caching or self.block_hasher is None:
+            return self.empty_blocks(), 0
+        num_blocks = (request.num_tokens - 1) // self.block_size
+        while True:
+            hits = tuple(m.find_longest_cache_hit(request, num_blocks) for m in self.managers)
+            shortest = min(len(h) for h in hits)
+            if all(len(h) == shortest for h in hits):
+                return hits, shortest * self.block_size
+            num_blocks = shortest
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: KVCacheBlocks | None = None,
+    ) -> BlockIds | None:
+        """Make room for `num_new_tokens` more tokens after the computed ones.
+
+        `new_computed_blocks` are prefix hits from get_computed_blocks (for a request that
+        holds no blocks yet); their tokens count as computed, after request.num_computed_tokens.
+        Returns the ids of the newly allocated blocks per group, or None, changing nothing,
+        when the pool has too few free blocks.
+        """
+        computed = new_computed_blocks if new_computed_blocks is not None else self.empty_blocks()
+        assert len(computed) == self.num_groups
+        num_hit_tokens = len(computed[0]) * self.block_size
+        num_tokens = request.num_computed_tokens + num_hit_tokens + num_new_tokens
+        req_id = request.req_id
+        for manager in self.managers:
+            manager.remove_skipped_blocks(req_id, request.num_computed_tokens)
+        needed = sum(
+            m.num_blocks_to_allocate(req_id, num_tokens, blocks)
+            for m, blocks in zip(self.managers, computed, strict=True)
+        )
+        if needed > self.pool.num_free_blocks:
+            return None
+        for manager, blocks in zip(self.managers, computed, strict=True):
+            manager.save_new_computed_blocks(req_id, blocks)
+        new_blocks = [m.allocate_new_blocks(req_id, num_tokens) for m in self.managers]
+        return tuple([b.block_id for b in blocks] for blocks in new_blocks)
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register the request's blocks that are full of computed tokens in the prefix cache."""
+        for manager in self.managers:
+            manager.cache_blocks(request, num_computed_tokens)
+
+    def free(self, request: Request | str) -> None:
+        req_id = request if isinstance(request, str) else request.req_id
+        for manager in self.managers:
+            manager.free(req_id)
+
+    def get_blocks(self, req_id: str) -> KVCacheBlocks:
+        return tuple(list(m.blocks(req_id)) for m in self.managers)
+
+    def get_block_ids(self, req_id: str) -> BlockIds:
+        return tuple([b.block_id for b in m.blocks(req_id)] for m in self.managers)
+
+    def holds_blocks(self, req_id: str) -> bool:
+        return any(m.blocks(req_id) for m in self.managers)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
