@@ -1,0 +1,126 @@
+"""Paged attention over a block KV cache (torch SDPA; CPU and CUDA).
+
+Per forward: write this step's k/v into the cache at `slot_mapping`, attend the decode
+tokens in one batched op over their gathered blocks, then each prefill span (causal,
+offset by its context length). Connector hooks wrap the layer: `wait_for_layer_load`
+before touching the cache, `save_kv_layer` once the new k/v are written.
+
+The cache must hold finite values everywhere (allocate it zeroed): padded decode slots
+are masked out, but NaN/inf garbage would still poison the weighted sum.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvferry.kv.spec import Layout
+from kvferry.model.forward_context import AttentionMetadata, ForwardContext, PrefillSpan
+
+logger = logging.getLogger(__name__)
+
+
+def write_kv(
+    kv_cache: torch.Tensor, layout: Layout, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Store k, v [T, kv_heads, head_dim] at flat slots (block_id * block_size + offset)."""
+    if layout is Layout.NHD:
+        flat = kv_cache.flatten(1, 2)  # [2, num_blocks * block_size, H, D] (a view)
+        flat[0].index_copy_(0, slots, k.to(flat.dtype))
+        flat[1].index_copy_(0, slots, v.to(flat.dtype))
+        return
+    block_size = kv_cache.shape[3]
+    blocks, offsets = slots // block_size, slots % block_size
+    kv_cache[0][blocks, :, offsets] = k.to(kv_cache.dtype)
+    kv_cache[1][blocks, :, offsets] = v.to(kv_cache.dtype)
+
+
+def gather_kv(kv_cache: torch.Tensor, layout: Layout, block_table: torch.Tensor) -> torch.Tensor:
+    """KV of the blocks in `block_table` [..., n] as [2, ..., kv_heads, n * block_size, head_dim]."""
+    blocks = kv_cache[:, block_table]  # NHD: [2, ..., n, bs, H, D]; HND: [2, ..., n, H, bs, D]
+    if layout is Layout.NHD:
+        blocks = blocks.flatten(-4, -3)  # [2, ..., n*bs, H, D]
+        return blocks.transpose(-3, -2)
+    return blocks.transpose(-4, -3).flatten(-3, -2)  # [2, ..., H, n*bs, D]
+
+
+class PagedAttention(nn.Module):
+    """Attention of one layer over its paged KV cache; heads are this rank's heads."""
+
+    def __init__(self, layer_name: str, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
+        self.layer_name = layer_name
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.group = num_heads // num_kv_heads
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """q [T, heads*D] or [T, heads, D]; k, v likewise with kv_heads. Returns [T, heads*D]."""
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        attn = ctx.attn_for(self.layer_name)
+        kv_cache = ctx.kv_caches[self.layer_name]
+        hooks = ctx.kv_hooks
+        if hooks is not None:
+            hooks.wait_for_layer_load(self.layer_name)
+        write_kv(kv_cache, ctx.layout, k, v, attn.slot_mapping)
+        out = torch.empty_like(q)
+        if attn.num_decodes:
+            out[: attn.num_decodes] = self._decode(q[: attn.num_decodes], kv_cache, ctx.layout, attn)
+        for span in attn.prefills:
+            rows = slice(span.query_start, span.query_start + span.query_len)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], kv_cache, ctx.layout, span)
+        if hooks is not None:
+            hooks.save_kv_layer(self.layer_name, kv_cache, attn)
+        return out.view(num_tokens, self.num_heads * self.head_dim)
+
+    def _decode(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, layout: Layout, attn: AttentionMetadata
+    ) -> torch.Tensor:
+        """All decode tokens in one SDPA call; a query head group shares its KV head."""
+        batch = q.shape[0]
+        kv = gather_kv(kv_cache, layout, attn.decode_block_table)  # [2, B, H, L, D]
+        kv = kv.to(q.dtype)
+        length = kv.shape[3]
+        visible = torch.arange(length, device=q.device) < attn.decode_seq_lens.unsqueeze(1)
+        mask = visible.view(batch, 1, 1, length)
+        # [B, heads, D] -> [B, kv_heads, group, D]: the group's queries attend the same KV
+        grouped = q.view(batch, self.num_kv_heads, self.group, self.head_dim)
+        out = F.scaled_dot_product_attention(grouped, kv[0], kv[1], attn_mask=mask, scale=self.scale)
+        return out.reshape(batch, self.num_heads, self.head_dim)
+
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        layout: Layout,
+        span: PrefillSpan,
+    ) -> torch.Tensor:
+        """One span: causal over its own tokens, plus everything in its cached context."""
+        q = q.transpose(0, 1)  # [heads, Lq, D]
+        if span.context_len == 0:
+            keys, values = k.transpose(0, 1), v.transpose(0, 1)
+            out = F.scaled_dot_product_attention(
+                q, keys, values, is_causal=True, scale=self.scale, enable_gqa=self.group > 1
+            )
+            return out.transpose(0, 1)
+        total = span.context_len + span.query_len
+        block_size = kv_cache.shape[2] if layout is Layout.NHD else kv_cache.shape[3]
+        table = span.block_table[: -(-total // block_size)]
+        kv = gather_kv(kv_cache, layout, table)[:, :, :total].to(q.dtype)  # [2, H, total, D]
+        query_pos = torch.arange(span.query_len, device=q.device).unsqueeze(1) + span.context_len
+        mask = torch.arange(total, device=q.device).unsqueeze(0) <= query_pos  # [Lq, total]
+        out = F.scaled_dot_product_attention(
+            q, kv[0], kv[1], attn_mask=mask, scale=self.scale, enable_gqa=self.group > 1
+        )
+        return out.transpose(0, 1)

@@ -1,0 +1,160 @@
+"""Tensor-parallel linear layers.
+
+Weights follow torch's [out, in] layout. Every parameter carries a `weight_loader(param,
+full_tensor, shard_id=None)` that takes the *unsharded* checkpoint tensor and copies
+this rank's slice into place, so checkpoint readers never learn about TP.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvferry.errors import ModelLoadError
+from kvferry.model.layers.parallel import TPGroup
+
+logger = logging.getLogger(__name__)
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype | None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+
+
+def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    if dst.shape != src.shape:
+        raise ModelLoadError(f"{what}: checkpoint shape {tuple(src.shape)} != expected {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W split by output rows; each rank returns its slice of y."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        tp: TPGroup,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        self.tp = tp
+        self.in_features = in_features
+        self.out_local = tp.split(out_features, "output features")
+        self.weight = _param((self.out_local, in_features), dtype)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = _param((self.out_local,), dtype) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        rows = param.shape[0]
+        copy_checked(param.data, loaded.narrow(0, self.tp.rank * rows, rows), "column-parallel weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs stacked in one weight (e.g. gate and up projections).
+
+    Shard `i` of the checkpoint holds `output_sizes[i]` rows; each rank keeps its slice of
+    every shard, stacked in order.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: Sequence[int],
+        bias: bool,
+        tp: TPGroup,
+        dtype: torch.dtype | None = None,
+    ):
+        self.output_sizes = tuple(output_sizes)
+        super().__init__(in_features, sum(self.output_sizes), bias, tp, dtype)
+        self.local_sizes = tuple(tp.split(n, "merged output features") for n in self.output_sizes)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        assert isinstance(shard_id, int), "merged linear shards are numbered"
+        size = self.local_sizes[shard_id]
+        offset = sum(self.local_sizes[:shard_id])
+        src = loaded.narrow(0, self.tp.rank * size, size)
+        copy_checked(param.data.narrow(0, offset, size), src, f"merged shard {shard_id}")
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q, k, v projection split by heads; KV heads are replicated when fewer than ranks."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        tp: TPGroup,
+        dtype: torch.dtype | None = None,
+    ):
+        self.head_dim = head_dim
+        self.num_heads = tp.split(num_heads, "number of attention heads")
+        self.kv_head_start, self.num_kv_heads = tp.kv_heads(num_kv_heads)
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        out_total = (self.q_size + 2 * self.kv_size) * tp.size
+        super().__init__(hidden_size, out_total, bias, tp, dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        if shard_id == "q":
+            offset, size, start = 0, self.q_size, self.tp.rank * self.q_size
+        elif shard_id in ("k", "v"):
+            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
+            size, start = self.kv_size, self.kv_head_start * self.head_dim
+        else:
+            raise AssertionError(f"unknown qkv shard {shard_id!r}")
+        src = loaded.narrow(0, start, size)
+        copy_checked(param.data.narrow(0, offset, size), src, f"{shard_id} projection")
+
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W split by input columns; partial sums are all-reduced.
+
+    The input is this rank's slice of the features (a column-parallel output). The bias
+    is added once, after the reduction.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        tp: TPGroup,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        self.tp = tp
+        self.in_local = tp.split(in_features, "input features")
+        self.weight = _param((out_features, self.in_local), dtype)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = _param((out_features,), dtype) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = self.bias_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        cols = param.shape[1]
+        copy_checked(param.data, loaded.narrow(1, self.tp.rank * cols, cols), "row-parallel weight")
+
+    def bias_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        copy_checked(param.data, loaded, "row-parallel bias")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = self.tp.all_reduce(F.linear(x, self.weight))
+        return out + self.bias if self.bias is not None else out

@@ -1,0 +1,80 @@
+"""Rotary position embedding (rotate-half / NeoX style) with a precomputed cos/sin cache.
+
+Supported `rope_type`s: default, linear, llama3.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvferry.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+
+def rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """The config's rope parameters (transformers 5 `rope_parameters`, or legacy fields)."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if params:
+        params = dict(params)
+    else:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 scaling: keep high frequencies, divide low ones by `factor`, blend between."""
+    factor = float(params["factor"])
+    low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+    original = float(params["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    is_mid = (wavelen >= original / high) & (wavelen <= original / low)
+    return torch.where(is_mid, blended, scaled)
+
+
+def inverse_frequencies(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    base = float(params.get("rope_theta", 10000.0))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (base**exponents)
+    kind = params["rope_type"]
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(params["factor"])
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, params)
+    raise ModelLoadError(f"rope scaling type {kind!r} is not supported (default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies rope to q [T, heads, head_dim] and k [T, kv_heads, head_dim] at `positions`."""
+
+    def __init__(self, head_dim: int, max_positions: int, params: dict[str, Any]):
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        inv_freq = inverse_frequencies(head_dim, params)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        # [max_positions, head_dim]: cos in the first half, sin in the second
+        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        self.register_buffer("cos_sin", cache, persistent=False)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
