@@ -1,0 +1,70 @@
+"""What the scheduler expects from a KV connector's scheduler half, and from its worker output.
+
+Connectors live in kvferry/connector; these protocols are the seam. The scheduler calls a
+connector only when one is configured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Protocol, runtime_checkable
+
+from kvferry.scheduler.output import BlockIds, SchedulerOutput
+from kvferry.scheduler.request import Request
+
+
+@runtime_checkable
+class SchedulerConnector(Protocol):
+    """Scheduler half of a KV connector."""
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens beyond the `num_computed_tokens` local prefix hit that the connector can load.
+
+        Returns (count, load_async). With load_async the request waits in
+        WAITING_FOR_REMOTE_KVS until a worker reports it in `finished_recving`; otherwise
+        the load happens inside the next forward. The scheduler clamps the count so the
+        request's last token is always computed.
+        """
+        ...
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: BlockIds, num_external_tokens: int
+    ) -> None:
+        """Blocks were allocated for an admitted request: all its block ids per group.
+
+        The external tokens occupy the positions right after the local prefix hit.
+        """
+        ...
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> object:
+        """Per-step metadata for the worker half. Called for every step, empty ones too."""
+        ...
+
+    def request_finished(self, request: Request, block_ids: BlockIds) -> tuple[bool, dict | None]:
+        """A request finished (any reason). Returns (delay_free, kv_transfer_params).
+
+        With delay_free the scheduler keeps the blocks until a worker reports the request
+        in `finished_sending`; kv_transfer_params goes back to the client in the output.
+        """
+        ...
+
+    def update_connector_output(self, connector_output: object) -> None:
+        """The aggregated KVConnectorOutput of the step, before the scheduler acts on it."""
+        ...
+
+
+class KVConnectorOutputLike(Protocol):
+    """The fields of the executor's aggregated KVConnectorOutput the scheduler reads."""
+
+    finished_sending: Collection[str]  # delayed-free requests whose blocks may now be freed
+    finished_recving: Collection[str]  # async loads that completed (failed ones are in both)
+    failed_recving: Collection[str]  # async loads that failed
+    invalid_block_ids: Collection[int]  # blocks whose load inside a forward failed
+
+
+def connector_field(output: object | None, name: str) -> Collection:
+    """A KVConnectorOutput field, empty when the output or the field is absent."""
+    if output is None:
+        return ()
+    value = getattr(output, name, None)
+    return value if value is not None else ()

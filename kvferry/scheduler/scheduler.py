@@ -1,0 +1,398 @@
+"""The scheduler: which requests run each step, with how many tokens, in which blocks.
+
+There are no prefill or decode phases. Each step has a token budget; every scheduled
+request advances its num_computed_tokens toward its token count (prompt chunks, prefix
+hits and decodes all fall out of that). Running requests go first, then waiting ones in
+arrival order. When a running request cannot get a block, the latest-arrived running
+request is preempted: its blocks are freed and it recomputes later.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable
+
+from kvferry.config import LOAD_FAILURE_POLICIES, CacheConfig, SchedulerConfig
+from kvferry.engine.types import EngineCoreOutput, EngineCoreRequest
+from kvferry.kv.spec import KVCacheConfig
+from kvferry.scheduler.hashing import BlockHasher
+from kvferry.scheduler.interfaces import SchedulerConnector, connector_field
+from kvferry.scheduler.kv_cache_manager import KVCacheManager
+from kvferry.scheduler.output import SchedulerOutput
+from kvferry.scheduler.request import Request, RequestStatus
+from kvferry.scheduler.step_plan import StepPlan
+from kvferry.scheduler.stop import append_sampled
+from kvferry.worker.output import ModelRunnerOutput, SampleLogprobs
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        connector: SchedulerConnector | None = None,
+        kv_load_failure_policy: str | None = None,
+    ):
+        if kv_load_failure_policy is None:  # the connector's --kv-transfer-config, else "fail"
+            transfer_config = getattr(connector, "transfer_config", None)
+            kv_load_failure_policy = getattr(transfer_config, "kv_load_failure_policy", "fail")
+        if kv_load_failure_policy not in LOAD_FAILURE_POLICIES:
+            raise ValueError(f"kv_load_failure_policy must be one of {LOAD_FAILURE_POLICIES}")
+        self.config = scheduler_config
+        self.max_model_len = max_model_len
+        self.connector = connector
+        self.kv_load_failure_policy = kv_load_failure_policy
+        block_size = kv_cache_config.block_size
+        if cache_config.block_size != block_size:
+            logger.warning(
+                "cache block size %d differs from the KV config's %d", cache_config.block_size, block_size
+            )
+        # Connectors (offload, P/D) may key blocks by hash even without local prefix caching.
+        hashing = cache_config.enable_prefix_caching or connector is not None
+        self.block_hasher = BlockHasher(block_size) if hashing else None
+        self.kv_cache_manager = KVCacheManager(
+            kv_cache_config, cache_config.enable_prefix_caching, self.block_hasher
+        )
+        self.requests: dict[str, Request] = {}  # unfinished ones, and finished ones holding blocks
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_ids: set[str] = set()  # to tell the workers in the next output
+        self._preempted_ids: set[str] = set()  # reset outside schedule() (KV load failures)
+        self._pending_outputs: list[EngineCoreOutput] = []  # requests failed outside update
+        self._delayed_free: set[str] = set()  # finished, blocks held until finished_sending
+        # Metrics, in tokens: looked up in the prefix cache at admission, and found there.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.connector_hit_tokens = 0  # tokens a connector loaded (external hits)
+        self.num_preemptions = 0
+
+    # ---- requests in and out ----------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest | Request, eos_token_ids: Iterable[int] = ()) -> None:
+        """Queue a request. Raises InvalidRequestError for an empty or too-long prompt."""
+        if isinstance(request, EngineCoreRequest):
+            request = Request.from_engine_core_request(
+                request, eos_token_ids, self.max_model_len, self.block_hasher
+            )
+        if request.req_id in self.requests:
+            raise ValueError(f"request id {request.req_id!r} is already in use")
+        self.requests[request.req_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, req_ids: str | Iterable[str]) -> None:
+        """Finish requests now and free their blocks; unknown or finished ids are ignored."""
+        for req_id in [req_ids] if isinstance(req_ids, str) else req_ids:
+            request = self.requests.get(req_id)
+            if request is not None and not request.is_finished:
+                self._finish(request, RequestStatus.FINISHED_ABORTED, emit=False)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def has_finished_requests(self) -> bool:
+        """Whether the next step has news for workers or clients even if nothing runs."""
+        return bool(self._finished_ids or self._preempted_ids or self._pending_outputs)
+
+    def has_pending_kv_transfers(self) -> bool:
+        """Finished requests whose blocks wait for a connector's finished_sending."""
+        return bool(self._delayed_free)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_cache_manager.usage
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    # ---- schedule ---------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        plan = StepPlan(token_budget=self.config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if plan.num_preempted == 0:
+            self._schedule_waiting(plan)
+        output = plan.build(self.kv_cache_manager, self._finished_ids, self._preempted_ids)
+        self._finished_ids, self._preempted_ids = set(), set()
+        for req_id, num_tokens in output.num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += num_tokens
+        if self.connector is not None:
+            output.kv_connector_metadata = self.connector.build_connector_meta(output)
+        return output
+
+    def _schedule_running(self, plan: StepPlan) -> None:
+        kv = self.kv_cache_manager
+        i = 0
+        while i < len(self.running) and plan.token_budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, plan.token_budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            if not kv.can_fit(request.num_computed_tokens + num_new):
+                logger.warning(
+                    "request %s outgrew the whole KV cache after %d tokens",
+                    request.req_id,
+                    request.num_tokens,
+                )
+                self._finish(request, RequestStatus.FINISHED_LENGTH_CAPPED)
+                continue
+            while (new_ids := kv.allocate_slots(request, num_new)) is None:
+                victim = self._pick_victim()
+                if self.running.index(victim) < i:
+                    i -= 1
+                self._preempt(victim, plan)
+                if victim is request:
+                    break
+            if new_ids is not None:
+                plan.add_running(request, num_new, new_ids)
+                i += 1
+
+    def _pick_victim(self) -> Request:
+        """The lowest-priority running request: latest arrival (later position on ties)."""
+        return max(reversed(self.running), key=lambda r: r.arrival_time)
+
+    def _preempt(self, request: Request, plan: StepPlan | None = None) -> None:
+        self.running.remove(request)
+        if plan is not None:
+            plan.unschedule(request)
+            plan.num_preempted += 1
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._preempted_ids.add(request.req_id)
+        self.waiting.appendleft(request)
+        logger.debug("preempted %s (%d tokens)", request.req_id, request.num_tokens)
+
+    def _schedule_waiting(self, plan: StepPlan) -> None:
+        skipped: list[Request] = []  # loading remote KV: keep their place in the queue
+        while self.waiting and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                skipped.append(self.waiting.popleft())
+                continue
+            if not self._admit(request, plan):
+                break
+        self.waiting.extendleft(reversed(skipped))
+
+    def _admit(self, request: Request, plan: StepPlan) -> bool:
+        """Try to start the head of the waiting queue. False: stop admitting this step."""
+        kv = self.kv_cache_manager
+        if request.num_computed_tokens == 0:
+            hits, num_local = kv.get_computed_blocks(request)
+            num_external, load_async = self._external_hits(request, num_local)
+        else:  # its remote KV has arrived
+            hits, num_local, num_external, load_async = None, 0, 0, False
+        num_computed = request.num_computed_tokens + num_local + num_external
+        num_new = 0 if load_async else request.num_tokens - num_computed
+        if not self.config.enable_chunked_prefill and num_new > plan.token_budget:
+            if num_new <= self.config.max_num_batched_tokens:
+                return False
+            self._finish(request, RequestStatus.FINISHED_ERROR, self._too_long_message(request, num_new))
+            return True
+        num_new = min(num_new, plan.token_budget)
+        if not kv.can_fit(request.num_tokens):
+            message = f"the request needs more KV cache than the engine has ({kv.num_blocks} blocks)"
+            self._finish(request, RequestStatus.FINISHED_ERROR, message)
+            return True
+        if kv.allocate_slots(request, num_new + num_external, hits) is None:
+            return False
+        self._count_hits(request, num_local, num_external)
+        if self.connector is not None:
+            self.connector.update_state_after_alloc(request, kv.get_block_ids(request.req_id), num_external)
+        request.num_computed_tokens = num_computed
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_computed
+        if load_async:  # stays queued; skipped until its KV arrives
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            return True
+        self.waiting.popleft()
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        plan.add_new(request, num_new)
+        return True
+
+    def _external_hits(self, request: Request, num_local: int) -> tuple[int, bool]:
+        if self.connector is None:
+            return 0, False
+        num, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
+        num = max(0, min(num, request.num_tokens - 1 - num_local))  # the last token is computed
+        return num, load_async and num > 0
+
+    def _count_hits(self, request: Request, num_local: int, num_external: int) -> None:
+        if request.num_computed_tokens == 0:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_local
+            self.connector_hit_tokens += num_external
+
+    def _too_long_message(self, request: Request, num_new: int) -> str:
+        return (
+            f"the request needs {num_new} tokens in one step but max_num_batched_tokens is "
+            f"{self.config.max_num_batched_tokens} and chunked prefill is disabled"
+        )
+
+    # ---- results ----------------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Apply a step's results; one output per request that got tokens or finished."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        kv_output = model_runner_output.kv_connector_output
+        reset = self._handle_invalid_blocks(kv_output)
+        index = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
+        any_finished = False
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING or req_id in reset:
+                continue  # aborted, preempted or reset since it was scheduled
+            i = index.get(req_id)
+            sampled = model_runner_output.sampled_token_ids[i] if i is not None else []
+            logprobs = (
+                model_runner_output.logprobs[i]
+                if i is not None and i < len(model_runner_output.logprobs)
+                else None
+            )
+            output = self._apply_sampled(request, sampled, logprobs)
+            if output is not None:
+                outputs.append(output)
+                any_finished = any_finished or output.finished
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        self._update_kv_transfers(kv_output)
+        return outputs
+
+    def _apply_sampled(
+        self, request: Request, sampled: list[int], logprobs: SampleLogprobs | None
+    ) -> EngineCoreOutput | None:
+        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+        if not sampled:
+            return None
+        assert request.num_computed_tokens == request.num_tokens, f"{request} sampled before its last token"
+        new_tokens = append_sampled(request, sampled, self.max_model_len)
+        output = self._output(request, new_tokens)
+        if logprobs is not None:
+            output.new_logprobs = [logprobs]
+        if request.is_finished:
+            output.kv_transfer_params = self._release(request, receiving=False)
+        return output
+
+    def _output(self, request: Request, new_tokens: list[int]) -> EngineCoreOutput:
+        return EngineCoreOutput(
+            req_id=request.req_id,
+            new_token_ids=new_tokens,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=max(0, request.num_cached_tokens),
+            error=request.error,
+        )
+
+    # ---- finishing --------------------------------------------------------------------
+
+    def _finish(
+        self, request: Request, status: RequestStatus, error: str | None = None, emit: bool = True
+    ) -> None:
+        """Finish a request outside the normal stop checks (abort, failure)."""
+        receiving = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        request.error = error
+        if error is not None:
+            logger.warning("request %s failed: %s", request.req_id, error)
+        params = self._release(request, receiving)
+        if emit:
+            output = self._output(request, [])
+            output.kv_transfer_params = params
+            self._pending_outputs.append(output)
+
+    def _release(self, request: Request, receiving: bool) -> dict | None:
+        """Free a finished request's blocks, unless a connector still needs them."""
+        req_id = request.req_id
+        self._finished_ids.add(req_id)
+        delay, params = False, None
+        if self.connector is not None:
+            delay, params = self.connector.request_finished(
+                request, self.kv_cache_manager.get_block_ids(req_id)
+            )
+        if delay or receiving:  # a transfer may still read or write these blocks
+            self._delayed_free.add(req_id)
+        else:
+            self.kv_cache_manager.free(request)
+            del self.requests[req_id]
+        return params
+
+    def _free_delayed(self, req_id: str) -> None:
+        if req_id not in self._delayed_free:
+            return
+        self._delayed_free.discard(req_id)
+        request = self.requests.pop(req_id)
+        self.kv_cache_manager.free(request)
+
+    # ---- KV connector results -----------------------------------------------------------
+
+    def _update_kv_transfers(self, kv_output: object | None) -> None:
+        if kv_output is None:
+            return
+        if self.connector is not None:
+            self.connector.update_connector_output(kv_output)
+        failed = set(connector_field(kv_output, "failed_recving"))
+        done = set(connector_field(kv_output, "finished_recving")) | failed
+        for req_id in done:
+            self._on_recv_done(req_id, failed=req_id in failed)
+        for req_id in connector_field(kv_output, "finished_sending"):
+            self._free_delayed(req_id)
+
+    def _on_recv_done(self, req_id: str, failed: bool) -> None:
+        request = self.requests.get(req_id)
+        if request is None:
+            return
+        if request.is_finished:  # aborted while its KV was arriving
+            self._free_delayed(req_id)
+            return
+        if request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+            logger.warning("KV receive reported for %s, which is not waiting for it", req_id)
+            return
+        request.status = RequestStatus.WAITING  # the transfer is over: blocks are ours again
+        if not failed:
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+        elif self.kv_load_failure_policy == "fail":
+            self._finish(request, RequestStatus.FINISHED_ERROR, "loading the request's KV cache failed")
+        else:
+            logger.warning("loading KV for %s failed; recomputing it", req_id)
+            self.kv_cache_manager.free(request)
+            request.num_computed_tokens = 0
+
+    def _handle_invalid_blocks(self, kv_output: object | None) -> set[str]:
+        """Running requests whose KV load inside the step failed: failed or reset, per policy."""
+        invalid = set(connector_field(kv_output, "invalid_block_ids"))
+        if not invalid:
+            return set()
+        kv = self.kv_cache_manager
+        hit = [
+            r for r in self.running if any(b in invalid for ids in kv.get_block_ids(r.req_id) for b in ids)
+        ]
+        for request in hit:
+            if self.kv_load_failure_policy == "fail":
+                self._finish(request, RequestStatus.FINISHED_ERROR, "loading the request's KV cache failed")
+            else:
+                logger.warning("KV blocks of %s failed to load; recomputing it", request.req_id)
+                self._preempt(request)
+        return {r.req_id for r in hit}
