@@ -19,7 +19,7 @@ from kvferry.kv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, Layo
 from kvferry.sampling_params import SamplingParams
 from kvferry.scheduler import hashing
 from kvferry.scheduler.output import SchedulerOutput
-from kvferry.scheduler.request import RequestStatus
+from kvferry.scheduler.request import Request, RequestStatus
 from kvferry.scheduler.scheduler import Scheduler
 from kvferry.worker.output import ModelRunnerOutput
 
@@ -430,6 +430,16 @@ def test_max_model_len_caps_output():
     assert_all_free(sched)
 
 
+def test_add_a_prebuilt_request():
+    sched = make_scheduler()
+    runner = FakeRunner()
+    for req_id in ("a", "b"):
+        sched.add_request(Request(req_id, list(range(9)), SamplingParams(max_tokens=2), [EOS], 256))
+        run = run_all(sched, runner)
+    assert run.final("b").num_cached_tokens == 8  # hashed by the scheduler's hasher
+    assert_all_free(sched)
+
+
 def test_invalid_prompts_are_rejected():
     from kvferry.errors import InvalidRequestError
 
@@ -607,11 +617,14 @@ def test_invalid_blocks_follow_the_policy(policy):
     out = runner.execute(so)
     out.kv_connector_output = KVConnectorOutput(invalid_block_ids={block_ids[0]})
     conn.external = 0
-    sched.update_from_output(so, out)
+    outputs = sched.update_from_output(so, out)
     run = run_all(sched, runner)
-    if policy == "fail":
-        assert run.final("r").finish_reason == FinishReason.ERROR
+    if policy == "fail":  # reported at once, with no token from the failed step
+        assert [(o.req_id, o.finish_reason, o.new_token_ids) for o in outputs] == [
+            ("r", FinishReason.ERROR, [])
+        ]
     else:
+        assert outputs == []
         assert "r" in run.steps[0].preempted_req_ids
         assert run.tokens("r") == expected_tokens(list(range(10)), 2)
     assert_all_free(sched)

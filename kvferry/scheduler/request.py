@@ -136,6 +136,14 @@ class Request:
     def finish_reason(self) -> FinishReason | None:
         return self.status.finish_reason
 
+    def attach_block_hasher(self, block_hasher: BlockHasher) -> None:
+        """Hash with the scheduler's hasher (a request built without one has no hashes yet)."""
+        if self._block_hasher is block_hasher:
+            return
+        assert not self.block_hashes, "a request's hashes come from one hasher"
+        self._block_hasher = block_hasher
+        block_hasher.update(self)
+
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
         if isinstance(token_ids, int):
             token_ids = [token_ids]

@@ -79,6 +79,8 @@ class Scheduler:
             request = Request.from_engine_core_request(
                 request, eos_token_ids, self.max_model_len, self.block_hasher
             )
+        elif self.block_hasher is not None:
+            request.attach_block_hasher(self.block_hasher)
         if request.req_id in self.requests:
             raise ValueError(f"request id {request.req_id!r} is already in use")
         self.requests[request.req_id] = request
@@ -251,7 +253,7 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Apply a step's results; one output per request that got tokens or finished."""
-        outputs, self._pending_outputs = self._pending_outputs, []
+        outputs: list[EngineCoreOutput] = []
         kv_output = model_runner_output.kv_connector_output
         reset = self._handle_invalid_blocks(kv_output)
         index = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
@@ -274,6 +276,8 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         self._update_kv_transfers(kv_output)
+        # Requests failed outside the stop checks (in schedule() or just now) report too.
+        outputs, self._pending_outputs = self._pending_outputs + outputs, []
         return outputs
 
     def _apply_sampled(
