@@ -240,6 +240,20 @@ def test_prompt_over_the_budget_without_chunking_fails():
     assert_all_free(sched)
 
 
+def test_resumed_request_is_chunked_even_without_chunked_prefill():
+    sched = make_scheduler(num_blocks=6, budget=10, chunked=False, caching=False)
+    prompts = {"a": list(range(8)), "b": list(range(30, 38))}
+    for i, (req_id, prompt) in enumerate(prompts.items()):
+        add(sched, req_id, prompt, arrival=i, max_tokens=8, ignore_eos=True)
+    run = run_all(sched)
+    assert sched.num_preemptions > 0
+    resumed = [n for so in run.steps for n in so.scheduled_new_reqs if len(n.token_ids) > 10]
+    assert resumed  # longer than the budget: it came back in chunks
+    for req_id, prompt in prompts.items():
+        assert run.tokens(req_id) == expected_tokens(prompt, 8)
+    assert_all_free(sched)
+
+
 def test_max_num_seqs():
     sched = make_scheduler(max_seqs=2)
     for i in range(3):

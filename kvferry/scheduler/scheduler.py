@@ -44,6 +44,16 @@ class Scheduler:
         if kv_load_failure_policy not in LOAD_FAILURE_POLICIES:
             raise ValueError(f"kv_load_failure_policy must be one of {LOAD_FAILURE_POLICIES}")
         self.config = scheduler_config
+        if (
+            not scheduler_config.enable_chunked_prefill
+            and scheduler_config.max_num_batched_tokens < max_model_len
+        ):
+            logger.warning(
+                "chunked prefill is off and max_num_batched_tokens (%d) < max_model_len (%d): "
+                "longer prompts will be rejected",
+                scheduler_config.max_num_batched_tokens,
+                max_model_len,
+            )
         self.max_model_len = max_model_len
         self.connector = connector
         self.kv_load_failure_policy = kv_load_failure_policy
@@ -201,7 +211,9 @@ class Scheduler:
             hits, num_local, num_external, load_async = None, 0, 0, False
         num_computed = request.num_computed_tokens + num_local + num_external
         num_new = 0 if load_async else request.num_tokens - num_computed
-        if not self.config.enable_chunked_prefill and num_new > plan.token_budget:
+        # Without chunked prefill a prompt runs whole; a resumed request may still be chunked.
+        chunkable = self.config.enable_chunked_prefill or request.num_output_tokens > 0
+        if not chunkable and num_new > plan.token_budget:
             if num_new <= self.config.max_num_batched_tokens:
                 return False
             self._finish(request, RequestStatus.FINISHED_ERROR, self._too_long_message(request, num_new))
