@@ -1,0 +1,116 @@
+"""OpenAI-style error bodies, the app's exception handlers and the API-key middleware."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvferry.engine.async_engine import RequestFailedError
+from kvferry.engine.core_protocol import EngineDeadError
+from kvferry.errors import InvalidRequestError, KVFerryError, ModelNotFoundError
+
+logger = logging.getLogger(__name__)
+
+
+def error_body(message: str, err_type: str, param: str | None = None, code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def error_response(
+    status: int, message: str, err_type: str, param: str | None = None, code=None
+) -> JSONResponse:
+    return JSONResponse(error_body(message, err_type, param, code), status_code=status)
+
+
+def exception_body(exc: BaseException) -> tuple[int, dict]:
+    """(HTTP status, OpenAI error body) for an exception raised while serving a request."""
+    if isinstance(exc, InvalidRequestError):
+        code = "model_not_found" if isinstance(exc, ModelNotFoundError) else None
+        return exc.status_code, error_body(exc.message, exc.error_type, exc.param, code)
+    if isinstance(exc, EngineDeadError):
+        return 503, error_body(str(exc), "service_unavailable_error")
+    if isinstance(exc, RequestFailedError):
+        return 500, error_body(str(exc), "server_error")
+    logger.error("internal error while serving a request", exc_info=exc)
+    return 500, error_body(f"internal server error: {type(exc).__name__}", "server_error")
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "none", "dict"}
+
+
+def _field_path(loc: tuple) -> list[str]:
+    """The field path of a pydantic error location, without 'body' and union member tags."""
+    path = []
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        text = str(part)
+        if text in _UNION_TAGS or "[" in text or text[:1].isupper() or text.startswith("function-"):
+            break
+        path.append(text)
+    return path
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request body", None
+    first: dict[str, Any] = errors[0]
+    loc = _field_path(first.get("loc", ()))
+    if first.get("type") == "json_invalid":
+        return f"malformed JSON body: {first.get('msg', '')}", None
+    param = ".".join(loc) or None
+    where = f" ({param})" if param else ""
+    return f"{first.get('msg', 'invalid value')}{where}", param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(400, message, "invalid_request_error", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err_type = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(exc.status_code, str(exc.detail), err_type)
+
+    @app.exception_handler(KVFerryError)  # typed errors: handled here, not as crashes
+    async def _on_kvferry(_: Request, exc: KVFerryError) -> JSONResponse:
+        status, body = exception_body(exc)
+        return JSONResponse(body, status_code=status)
+
+    @app.exception_handler(Exception)
+    async def _on_any(_: Request, exc: Exception) -> JSONResponse:
+        status, body = exception_body(exc)
+        return JSONResponse(body, status_code=status)
+
+
+class ApiKeyMiddleware:
+    """Pure ASGI middleware: /v1/* needs ``Authorization: Bearer <api_key>``, else HTTP 401.
+
+    It runs before routing and body parsing, so a bad key never reaches a handler.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self._key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1"):
+            await self.app(scope, receive, send)
+            return
+        header = Headers(scope=scope).get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), self._key):
+            await self.app(scope, receive, send)
+            return
+        message = "Incorrect API key provided." if header else "Missing API key (Authorization: Bearer ...)."
+        response = error_response(401, message, "invalid_request_error", code="invalid_api_key")
+        await response(scope, receive, send)

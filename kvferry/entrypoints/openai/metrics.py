@@ -1,0 +1,148 @@
+"""Prometheus metrics of one server: its own CollectorRegistry (never the global one).
+
+Request-level metrics (counters by finish reason, TTFT / inter-token / end-to-end latency
+histograms, token counters) come from the engine's ``IterationStats`` through
+``PrometheusStatLogger``. Engine gauges (running, waiting, KV usage, blocks) and the core's
+cumulative counters (prefix cache queries/hits, preemptions) are read from the engine's
+latest stats at scrape time by ``EngineStatsCollector``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvferry.engine.async_engine import AsyncEngine, IterationStats
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "kvferry:"
+FINISH_REASONS = ("stop", "length", "abort", "error")
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1,
+    2.5,
+    5,
+    7.5,
+    10,
+    20,
+    40,
+    80,
+)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 10, 20)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 300)
+
+
+class PrometheusStatLogger:
+    """Turns the engine's IterationStats into counters and histograms."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str):
+        labels = ["model_name"]
+        self.requests = Counter(
+            PREFIX + "request_success",
+            "Finished requests by finish reason.",
+            labels + ["finished_reason"],
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens", "Prefilled prompt tokens.", labels, registry=registry
+        )
+        self.generation_tokens = Counter(
+            PREFIX + "generation_tokens", "Generated tokens.", labels, registry=registry
+        )
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Time to first token.",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between tokens.",
+            labels,
+            buckets=ITL_BUCKETS,
+            registry=registry,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Request latency.",
+            labels,
+            buckets=E2E_BUCKETS,
+            registry=registry,
+        )
+        self._model = model_name
+        for reason in FINISH_REASONS:  # export zeros from the start
+            self.requests.labels(model_name, reason)
+
+    def record(self, stats: IterationStats) -> None:
+        m = self._model
+        if stats.num_prompt_tokens:
+            self.prompt_tokens.labels(m).inc(stats.num_prompt_tokens)
+        if stats.num_generation_tokens:
+            self.generation_tokens.labels(m).inc(stats.num_generation_tokens)
+        for t in stats.time_to_first_tokens:
+            self.ttft.labels(m).observe(t)
+        for t in stats.inter_token_latencies:
+            self.itl.labels(m).observe(t)
+        for fin in stats.finished:
+            self.requests.labels(m, fin.finish_reason).inc()
+            self.e2e.labels(m).observe(fin.e2e_latency)
+
+
+class EngineStatsCollector(Collector):
+    """Gauges and cumulative counters straight from the engine core's stats."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.engine.stats
+        labels, value = ["model_name"], [self.model_name]
+        gauges = (
+            ("num_requests_running", "Requests in the running batch.", s.num_running),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+            ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", s.kv_cache_usage),
+            ("num_free_blocks", "Free KV cache blocks.", s.num_free_blocks),
+            ("num_blocks", "KV cache blocks in total.", s.num_blocks),
+            ("engine_alive", "1 while the engine core process serves.", 0 if self.engine.is_dead else 1),
+        )
+        for name, doc, val in gauges:
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            g.add_metric(value, float(val))
+            yield g
+        counters = (
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
+            ("num_preemptions", "Requests preempted.", s.num_preemptions),
+        )
+        for name, doc, val in counters:
+            c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            c.add_metric(value, float(val))
+            yield c
+
+
+def make_registry(engine: AsyncEngine, model_name: str) -> CollectorRegistry:
+    """A registry for one app; registers the stat logger on the engine."""
+    registry = CollectorRegistry()
+    engine.add_stat_logger(PrometheusStatLogger(registry, model_name))
+    registry.register(EngineStatsCollector(engine, model_name))
+    return registry
