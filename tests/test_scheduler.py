@@ -15,6 +15,7 @@ import torch
 from kvferry.config import CacheConfig, SchedulerConfig
 from kvferry.connector.output import KVConnectorOutput
 from kvferry.engine.types import EngineCoreOutput, EngineCoreRequest, FinishReason
+from kvferry.errors import InvalidRequestError
 from kvferry.kv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, Layout
 from kvferry.sampling_params import SamplingParams
 from kvferry.scheduler import hashing
@@ -27,28 +28,17 @@ BLOCK = 4
 EOS = 2
 
 
-def make_kv_config(num_blocks: int, block_size: int = BLOCK) -> KVCacheConfig:
-    spec = FullAttentionSpec(block_size, 2, 8, torch.float32)
-    return KVCacheConfig((KVCacheGroup(spec, ("layers.0",)),), (), Layout.NHD, num_blocks, num_blocks)
-
-
 def make_scheduler(
-    num_blocks: int = 64,
-    budget: int = 64,
-    max_seqs: int = 16,
-    chunked: bool = True,
-    caching: bool = True,
-    max_model_len: int = 256,
-    connector: object | None = None,
-    **kw,
+    num_blocks=64, budget=64, max_seqs=16, chunked=True, caching=True, max_len=256, **kw
 ) -> Scheduler:
+    """A scheduler over one full-attention group of `num_blocks` blocks of BLOCK tokens."""
+    spec = FullAttentionSpec(BLOCK, 2, 8, torch.float32)
+    kv_config = KVCacheConfig((KVCacheGroup(spec, ("layers.0",)),), (), Layout.NHD, num_blocks, num_blocks)
+    config = SchedulerConfig(
+        max_num_batched_tokens=budget, max_num_seqs=max_seqs, enable_chunked_prefill=chunked
+    )
     return Scheduler(
-        SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, enable_chunked_prefill=chunked),
-        CacheConfig(block_size=BLOCK, enable_prefix_caching=caching),
-        make_kv_config(num_blocks),
-        max_model_len,
-        connector=connector,
-        **kw,
+        config, CacheConfig(block_size=BLOCK, enable_prefix_caching=caching), kv_config, max_len, **kw
     )
 
 
@@ -89,6 +79,12 @@ class FakeRunner:
 
     def slot(self, state: FakeState, pos: int) -> int:
         return state.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def preload(self, tokens: list[int], block_ids: list[int], num: int) -> None:
+        """Write what a connector's worker half would load: the KV of the first `num` tokens."""
+        state = FakeState(list(tokens), list(block_ids), 0)
+        for pos in range(num):
+            self.kv[self.slot(state, pos)] = state.digest(pos)
 
     def check_kv(self, req_id: str, upto: int) -> None:
         state = self.states[req_id]
@@ -218,25 +214,18 @@ def test_new_and_cached_request_data():
     assert_all_free(sched)
 
 
-def test_chunked_prefill_disabled_waits_for_a_whole_prompt():
+def test_chunked_prefill_disabled_runs_whole_prompts():
     sched = make_scheduler(budget=10, chunked=False)
     add(sched, "a", list(range(8)), max_tokens=4)
     add(sched, "b", list(range(20, 28)), max_tokens=4)
+    add(sched, "big", list(range(100, 111)))  # can never run whole: fails, does not block the queue
     runner, run = FakeRunner(), Run()
     assert step(sched, runner, run).num_scheduled_tokens == {"a": 8}  # b's 8 do not fit in 2
     assert step(sched, runner, run).num_scheduled_tokens == {"a": 1, "b": 8}
     run_all(sched, runner, run)
-    assert_all_free(sched)
-
-
-def test_prompt_over_the_budget_without_chunking_fails():
-    sched = make_scheduler(budget=10, chunked=False)
-    add(sched, "big", list(range(11)))
-    add(sched, "ok", list(range(5)), max_tokens=2)
-    run = run_all(sched)
     assert run.final("big").finish_reason == FinishReason.ERROR
     assert "max_num_batched_tokens" in run.final("big").error
-    assert run.final("ok").finish_reason == FinishReason.LENGTH
+    assert run.final("b").finish_reason == FinishReason.LENGTH
     assert_all_free(sched)
 
 
@@ -380,21 +369,13 @@ def test_latest_arrival_is_preempted():
     assert_all_free(sched)
 
 
-def test_prompt_larger_than_the_cache_fails_clearly():
-    sched = make_scheduler(num_blocks=4)
-    add(sched, "huge", list(range(17)))  # needs 5 blocks
-    add(sched, "fine", list(range(5)), max_tokens=2)
+def test_requests_larger_than_the_cache_end_clearly():
+    sched = make_scheduler(num_blocks=3)
+    add(sched, "huge", list(range(13)))  # the prompt needs 4 blocks: an error, at once
+    add(sched, "grow", list(range(10)), max_tokens=50, ignore_eos=True)  # outgrows the cache
     run = run_all(sched)
     assert run.final("huge").finish_reason == FinishReason.ERROR
     assert "KV cache" in run.final("huge").error and run.tokens("huge") == []
-    assert run.final("fine").finish_reason == FinishReason.LENGTH
-    assert_all_free(sched)
-
-
-def test_request_outgrowing_the_cache_is_capped():
-    sched = make_scheduler(num_blocks=3)
-    add(sched, "grow", list(range(10)), max_tokens=50, ignore_eos=True)
-    run = run_all(sched)
     assert run.final("grow").finish_reason == FinishReason.LENGTH
     assert len(run.tokens("grow")) == 3  # 12 tokens fill the 3 blocks; the 13th needs a 4th
     assert_all_free(sched)
@@ -406,11 +387,7 @@ def test_request_outgrowing_the_cache_is_capped():
 def fixed_runner(*tokens: int) -> FakeRunner:
     """A runner that samples the given tokens in order (then repeats the last)."""
     seq = list(tokens)
-
-    def token_fn(_: list[int]) -> int:
-        return seq.pop(0) if len(seq) > 1 else seq[0]
-
-    return FakeRunner(token_fn=token_fn)
+    return FakeRunner(token_fn=lambda _: seq.pop(0) if len(seq) > 1 else seq[0])
 
 
 @pytest.mark.parametrize(
@@ -435,7 +412,7 @@ def test_stop_conditions(params, expect_tokens, reason, stop_reason):
 
 
 def test_max_model_len_caps_output():
-    sched = make_scheduler(max_model_len=8)
+    sched = make_scheduler(max_len=8)
     add(sched, "r", list(range(5)), max_tokens=None, ignore_eos=True)
     add(sched, "full", list(range(8)), max_tokens=5, ignore_eos=True)  # prompt fills the context
     run = run_all(sched)
@@ -444,24 +421,17 @@ def test_max_model_len_caps_output():
     assert_all_free(sched)
 
 
-def test_add_a_prebuilt_request():
-    sched = make_scheduler()
-    runner = FakeRunner()
-    for req_id in ("a", "b"):
-        sched.add_request(Request(req_id, list(range(9)), SamplingParams(max_tokens=2), [EOS], 256))
-        run = run_all(sched, runner)
-    assert run.final("b").num_cached_tokens == 8  # hashed by the scheduler's hasher
-    assert_all_free(sched)
-
-
-def test_invalid_prompts_are_rejected():
-    from kvferry.errors import InvalidRequestError
-
-    sched = make_scheduler(max_model_len=8)
+def test_add_request_validates_and_takes_prebuilt_requests():
+    sched = make_scheduler(max_len=16)
     with pytest.raises(InvalidRequestError):
         add(sched, "empty", [])
     with pytest.raises(InvalidRequestError):
-        add(sched, "long", list(range(9)))
+        add(sched, "long", list(range(17)))
+    runner = FakeRunner()
+    for req_id in ("a", "b"):
+        sched.add_request(Request(req_id, list(range(9)), SamplingParams(max_tokens=2), [EOS], 16))
+        run = run_all(sched, runner)
+    assert run.final("b").num_cached_tokens == 8  # hashed by the scheduler's hasher
     add(sched, "dup", [1])
     with pytest.raises(ValueError):
         add(sched, "dup", [1])
@@ -478,25 +448,17 @@ def test_abort_frees_blocks_and_tells_workers():
     add(sched, "wait", list(range(10)), max_tokens=20)
     runner, run = FakeRunner(), Run()
     step(sched, runner, run)
+    so = sched.schedule()
+    out = runner.execute(so)
     assert sched.kv_cache_manager.num_free_blocks < sched.kv_cache_manager.num_blocks
-    sched.abort_requests(["run", "wait", "unknown"])
+    sched.abort_requests(["run", "wait", "unknown"])  # between schedule and update
+    assert sched.update_from_output(so, out) == []  # results of aborted requests are dropped
     assert_all_free(sched)
     assert not sched.has_unfinished_requests() and sched.has_finished_requests()
     so = step(sched, runner, run)
     assert so.finished_req_ids == {"run", "wait"} and so.is_empty
     assert "run" not in runner.states
     assert not sched.has_finished_requests()
-
-
-def test_abort_between_schedule_and_update():
-    sched = make_scheduler()
-    add(sched, "r", list(range(6)))
-    runner = FakeRunner()
-    so = sched.schedule()
-    out = runner.execute(so)
-    sched.abort_requests(["r"])
-    assert sched.update_from_output(so, out) == []
-    assert_all_free(sched)
 
 
 # ---- connector seam ----------------------------------------------------------------------
@@ -548,9 +510,7 @@ def test_connector_sync_load_counts_as_computed():
     so = sched.schedule()
     (new,) = so.scheduled_new_reqs
     assert new.num_computed_tokens == 8 and so.num_scheduled_tokens == {"r": 2}
-    state = FakeState(list(range(10)), list(new.block_ids[0]), 0)
-    for pos in range(8):
-        runner.kv[runner.slot(state, pos)] = state.digest(pos)
+    runner.preload(list(range(10)), new.block_ids[0], 8)
     sched.update_from_output(so, runner.execute(so))
     assert ("alloc", "r", 8, ([0, 1, 2],)) in conn.calls
     run_all(sched, runner)
@@ -569,9 +529,7 @@ def test_connector_async_load_then_delayed_free():
     assert step(sched, runner, run).is_empty  # still loading
     runner.kv_output = KVConnectorOutput(finished_recving={"r"})
     step(sched, runner, run)  # the load is reported
-    state = FakeState(list(range(10)), [0, 1, 2], 0)
-    for pos in range(9):  # what the worker half loaded
-        runner.kv[runner.slot(state, pos)] = state.digest(pos)
+    runner.preload(list(range(10)), [0, 1, 2], 9)
     so = step(sched, runner, run)
     assert so.num_scheduled_tokens == {"r": 1} and so.scheduled_new_reqs[0].num_computed_tokens == 9
     assert run.final("r").finished and run.final("r").kv_transfer_params == {"remote": "r"}
@@ -625,18 +583,15 @@ def test_invalid_blocks_follow_the_policy(policy):
     runner, run = FakeRunner(), Run()
     so = sched.schedule()
     block_ids = so.scheduled_new_reqs[0].block_ids[0]
-    state = FakeState(list(range(10)), list(block_ids), 0)
-    for pos in range(8):
-        runner.kv[runner.slot(state, pos)] = state.digest(pos)
+    runner.preload(list(range(10)), block_ids, 8)
     out = runner.execute(so)
     out.kv_connector_output = KVConnectorOutput(invalid_block_ids={block_ids[0]})
     conn.external = 0
     outputs = sched.update_from_output(so, out)
     run = run_all(sched, runner)
     if policy == "fail":  # reported at once, with no token from the failed step
-        assert [(o.req_id, o.finish_reason, o.new_token_ids) for o in outputs] == [
-            ("r", FinishReason.ERROR, [])
-        ]
+        (final,) = outputs
+        assert final.finish_reason == FinishReason.ERROR and final.new_token_ids == []
     else:
         assert outputs == []
         assert "r" in run.steps[0].preempted_req_ids
