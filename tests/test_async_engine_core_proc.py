@@ -167,7 +167,7 @@ def test_core_exits_when_parent_is_killed(tmp_path) -> None:
         from tests.test_async_engine_core_proc import CONFIG
         if __name__ == "__main__":
             c = CoreClient(CONFIG, FakeCoreFactory())
-            print(c.pid, flush=True)
+            print(c.pid, c._dir, flush=True)
             time.sleep(60)
         """
     )
@@ -179,13 +179,16 @@ def test_core_exits_when_parent_is_killed(tmp_path) -> None:
         [sys.executable, str(path)], stdout=subprocess.PIPE, text=True, env=env, cwd=root
     )
     try:
-        child_pid = int(parent.stdout.readline())
+        pid, ipc_dir = parent.stdout.readline().split()
+        child_pid = int(pid)
+        assert os.path.isdir(ipc_dir)
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait(5)
         deadline = time.monotonic() + 10
         while _alive(child_pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not _alive(child_pid), "the core process outlived its parent"
+        assert not os.path.exists(ipc_dir), "the orphaned core left its socket files"
     finally:
         parent.kill()
 

@@ -19,6 +19,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import shutil
 import signal
 import threading
 import traceback
@@ -97,6 +98,8 @@ def run_core_process(
             loop.run()
         finally:
             core.shutdown()
+        if loop.orphaned:  # nobody else will remove the socket files
+            _remove_ipc_dir(input_addr)
     finally:
         in_sock.close(linger=0)
         out_sock.close(linger=1000)
@@ -117,6 +120,11 @@ def _build_core(
         return None
     out_sock.send(codec.encode(Ready(stats)))
     return core
+
+
+def _remove_ipc_dir(addr: str) -> None:
+    if addr.startswith("ipc://"):
+        shutil.rmtree(os.path.dirname(addr[len("ipc://") :]), ignore_errors=True)
 
 
 def _exit_when_parent_dies(sentinel: int) -> None:
@@ -153,6 +161,7 @@ class CoreLoop:
         self.pending: list[EngineCoreOutput] = []  # outputs produced outside step (errors)
         self.dirty = False  # state changed since the last push (stats are stale)
         self.stopping = False
+        self.orphaned = False  # the parent died
 
     def run(self) -> None:
         while not self.stopping:
@@ -160,6 +169,7 @@ class CoreLoop:
             events = dict(self.poller.poll(0 if busy else None))
             if self.parent_sentinel is not None and self.parent_sentinel in events:
                 logger.warning("parent process died; shutting the engine core down")
+                self.orphaned = True
                 return
             if self.in_sock in events:
                 self._drain()
