@@ -295,12 +295,11 @@ def test_prefix_hits_skip_computed_tokens_and_are_reported():
 
 def test_whole_prompt_is_never_served_from_cache():
     sched = make_scheduler()
-    runner = FakeRunner()
+    runner, run = FakeRunner(), Run()
     prompt = list(range(12))  # exactly three blocks
     add(sched, "a", prompt, max_tokens=1)
-    run_all(sched, runner)
+    run_all(sched, runner, run)
     add(sched, "b", prompt, max_tokens=3)
-    run = Run()
     so = step(sched, runner, run)
     assert so.scheduled_new_reqs[0].num_computed_tokens == 8
     assert so.num_scheduled_tokens == {"b": 4}
@@ -558,6 +557,7 @@ def test_failed_async_load_follows_the_policy(policy):
         assert final.finish_reason == FinishReason.ERROR and final.error
     else:
         assert run.tokens("r") == expected_tokens(list(range(10)), 2)
+        assert final.num_cached_tokens == 0  # the failed load does not count
     assert_all_free(sched)
 
 

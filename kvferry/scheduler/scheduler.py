@@ -28,6 +28,28 @@ from kvferry.worker.output import ModelRunnerOutput, SampleLogprobs
 logger = logging.getLogger(__name__)
 
 
+def _load_failure_policy(policy: str | None, connector: SchedulerConnector | None) -> str:
+    """The given policy, else the connector's --kv-transfer-config one, else "fail"."""
+    if policy is None:
+        transfer_config = getattr(connector, "transfer_config", None)
+        policy = getattr(transfer_config, "kv_load_failure_policy", "fail")
+    if policy not in LOAD_FAILURE_POLICIES:
+        raise ValueError(f"kv_load_failure_policy must be one of {LOAD_FAILURE_POLICIES}, not {policy!r}")
+    return policy
+
+
+def _check_config(config: SchedulerConfig, cache: CacheConfig, block_size: int, max_model_len: int) -> None:
+    if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+        logger.warning(
+            "chunked prefill is off and max_num_batched_tokens (%d) < max_model_len (%d): "
+            "longer prompts will be rejected",
+            config.max_num_batched_tokens,
+            max_model_len,
+        )
+    if cache.block_size != block_size:
+        logger.warning("cache block size %d differs from the KV config's %d", cache.block_size, block_size)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -38,30 +60,12 @@ class Scheduler:
         connector: SchedulerConnector | None = None,
         kv_load_failure_policy: str | None = None,
     ):
-        if kv_load_failure_policy is None:  # the connector's --kv-transfer-config, else "fail"
-            transfer_config = getattr(connector, "transfer_config", None)
-            kv_load_failure_policy = getattr(transfer_config, "kv_load_failure_policy", "fail")
-        if kv_load_failure_policy not in LOAD_FAILURE_POLICIES:
-            raise ValueError(f"kv_load_failure_policy must be one of {LOAD_FAILURE_POLICIES}")
         self.config = scheduler_config
-        if (
-            not scheduler_config.enable_chunked_prefill
-            and scheduler_config.max_num_batched_tokens < max_model_len
-        ):
-            logger.warning(
-                "chunked prefill is off and max_num_batched_tokens (%d) < max_model_len (%d): "
-                "longer prompts will be rejected",
-                scheduler_config.max_num_batched_tokens,
-                max_model_len,
-            )
         self.max_model_len = max_model_len
         self.connector = connector
-        self.kv_load_failure_policy = kv_load_failure_policy
+        self.kv_load_failure_policy = _load_failure_policy(kv_load_failure_policy, connector)
         block_size = kv_cache_config.block_size
-        if cache_config.block_size != block_size:
-            logger.warning(
-                "cache block size %d differs from the KV config's %d", cache_config.block_size, block_size
-            )
+        _check_config(scheduler_config, cache_config, block_size, max_model_len)
         # Connectors (offload, P/D) may key blocks by hash even without local prefix caching.
         hashing = cache_config.enable_prefix_caching or connector is not None
         self.block_hasher = BlockHasher(block_size) if hashing else None
@@ -395,6 +399,7 @@ class Scheduler:
             logger.warning("loading KV for %s failed; recomputing it", req_id)
             self.kv_cache_manager.free(request)
             request.num_computed_tokens = 0
+            request.num_cached_tokens = -1  # measured again when it is admitted
 
     def _handle_invalid_blocks(self, kv_output: object | None) -> set[str]:
         """Running requests whose KV load inside the step failed: failed or reset, per policy."""
@@ -411,4 +416,6 @@ class Scheduler:
             else:
                 logger.warning("KV blocks of %s failed to load; recomputing it", request.req_id)
                 self._preempt(request)
+                if request.num_output_tokens == 0:
+                    request.num_cached_tokens = -1  # measured again when it is admitted
         return {r.req_id for r in hit}
