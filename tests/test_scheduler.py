@@ -489,31 +489,21 @@ class FakeConnector:
         self.calls.append(("output", connector_output))
 
 
-def test_connector_metadata_on_every_step():
-    conn = FakeConnector()
-    sched = make_scheduler(connector=conn)
-    assert sched.schedule().kv_connector_metadata is not None  # empty step
-    add(sched, "r", list(range(6)), max_tokens=2)
-    run = run_all(sched)
-    assert all(so.kv_connector_metadata is not None for so in run.steps)
-    assert ("finished", "r", ([0, 1],)) in conn.calls
-    assert_all_free(sched)
-
-
 def test_connector_sync_load_counts_as_computed():
     conn = FakeConnector(external=8)
     sched = make_scheduler(connector=conn)
+    runner, run = FakeRunner(), Run()
+    assert step(sched, runner, run).kv_connector_metadata == {"num_tokens": 0}  # empty steps too
     add(sched, "r", list(range(10)), max_tokens=2)
-    runner = FakeRunner()
-    # The worker half would load the 8 tokens inside the forward: pre-fill the fake cache.
     so = sched.schedule()
     (new,) = so.scheduled_new_reqs
     assert new.num_computed_tokens == 8 and so.num_scheduled_tokens == {"r": 2}
-    runner.preload(list(range(10)), new.block_ids[0], 8)
+    runner.preload(list(range(10)), new.block_ids[0], 8)  # the worker half loads in the forward
     sched.update_from_output(so, runner.execute(so))
     assert ("alloc", "r", 8, ([0, 1, 2],)) in conn.calls
-    run_all(sched, runner)
-    assert sched.connector_hit_tokens == 8
+    run_all(sched, runner, run)
+    assert all(so.kv_connector_metadata is not None for so in run.steps)
+    assert ("finished", "r", ([0, 1, 2],)) in conn.calls and sched.connector_hit_tokens == 8
     assert_all_free(sched)
 
 
@@ -538,6 +528,12 @@ def test_connector_async_load_then_delayed_free():
     runner.kv_output = KVConnectorOutput(finished_sending={"r"})
     step(sched, runner, run)
     assert not sched.has_pending_kv_transfers()
+    # Sending reported in the step the request finishes: blocks are freed at once.
+    add(sched, "s", list(range(50, 55)), max_tokens=1)
+    conn.external = 0
+    runner.kv_output = KVConnectorOutput(finished_sending={"s"})
+    step(sched, runner, run)
+    assert run.final("s").finished and not sched.has_pending_kv_transfers()
     assert_all_free(sched)
 
 

@@ -79,6 +79,7 @@ class Scheduler:
         self._preempted_ids: set[str] = set()  # reset outside schedule() (KV load failures)
         self._pending_outputs: list[EngineCoreOutput] = []  # requests failed outside update
         self._delayed_free: set[str] = set()  # finished, blocks held until finished_sending
+        self._sent_early: set[str] = set()  # finished_sending came before the request finished
         # Metrics, in tokens: looked up in the prefix cache at admission, and found there.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -268,10 +269,13 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """Apply a step's results; one output per request that got tokens or finished."""
+        """Apply a step's results; one output per request that got tokens or finished.
+
+        Connector results come first (update_connector_output, failed loads, finished
+        transfers), then each scheduled request's sampled tokens and stop checks.
+        """
         outputs: list[EngineCoreOutput] = []
-        kv_output = model_runner_output.kv_connector_output
-        reset = self._handle_invalid_blocks(kv_output)
+        reset = self._update_kv_transfers(model_runner_output.kv_connector_output)
         index = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
         any_finished = False
         for req_id in scheduler_output.num_scheduled_tokens:
@@ -291,7 +295,6 @@ class Scheduler:
                 any_finished = any_finished or output.finished
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
-        self._update_kv_transfers(kv_output)
         # Requests failed outside the stop checks (in schedule() or just now) report too.
         outputs, self._pending_outputs = self._pending_outputs + outputs, []
         return outputs
@@ -352,33 +355,40 @@ class Scheduler:
             delay, params = self.connector.request_finished(
                 request, self.kv_cache_manager.get_block_ids(req_id)
             )
+        if delay and req_id in self._sent_early:
+            delay = False  # the connector already reported the blocks done
         if delay or receiving:  # a transfer may still read or write these blocks
             self._delayed_free.add(req_id)
         else:
+            self._sent_early.discard(req_id)
             self.kv_cache_manager.free(request)
             del self.requests[req_id]
         return params
 
     def _free_delayed(self, req_id: str) -> None:
-        if req_id not in self._delayed_free:
-            return
-        self._delayed_free.discard(req_id)
-        request = self.requests.pop(req_id)
-        self.kv_cache_manager.free(request)
+        if req_id in self._delayed_free:
+            self._delayed_free.discard(req_id)
+            self._sent_early.discard(req_id)
+            self.kv_cache_manager.free(self.requests.pop(req_id))
+        elif req_id in self.requests:  # sending done before the request finished
+            self._sent_early.add(req_id)
 
     # ---- KV connector results -----------------------------------------------------------
 
-    def _update_kv_transfers(self, kv_output: object | None) -> None:
+    def _update_kv_transfers(self, kv_output: object | None) -> set[str]:
+        """Act on the step's KVConnectorOutput; returns running requests reset by failed loads."""
         if kv_output is None:
-            return
+            return set()
         if self.connector is not None:
             self.connector.update_connector_output(kv_output)
+        reset = self._handle_invalid_blocks(kv_output)
         failed = set(connector_field(kv_output, "failed_recving"))
         done = set(connector_field(kv_output, "finished_recving")) | failed
         for req_id in done:
             self._on_recv_done(req_id, failed=req_id in failed)
         for req_id in connector_field(kv_output, "finished_sending"):
             self._free_delayed(req_id)
+        return reset
 
     def _on_recv_done(self, req_id: str, failed: bool) -> None:
         request = self.requests.get(req_id)
@@ -401,7 +411,7 @@ class Scheduler:
             request.num_computed_tokens = 0
             request.num_cached_tokens = -1  # measured again when it is admitted
 
-    def _handle_invalid_blocks(self, kv_output: object | None) -> set[str]:
+    def _handle_invalid_blocks(self, kv_output: object) -> set[str]:
         """Running requests whose KV load inside the step failed: failed or reset, per policy."""
         invalid = set(connector_field(kv_output, "invalid_block_ids"))
         if not invalid:
