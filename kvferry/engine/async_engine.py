@@ -107,7 +107,7 @@ class AsyncEngine:
         self.input_processor = input_processor
         self.output_processor = output_processor
         self.tokenizer = tokenizer
-        self._stats = _stats_from_wire(client.initial_stats)
+        self._stats = _stats_from_wire(client.wait_ready())
         self._streams: dict[str, _Stream] = {}
         self._stat_loggers: list[StatLogger] = []
         self._stats_waiters: list[tuple[int, asyncio.Future]] = []
@@ -124,8 +124,13 @@ class AsyncEngine:
         """Load the tokenizer, start the core process and wait until it is ready."""
         from kvferry.model.tokenizer import load_tokenizer
 
-        tokenizer = load_tokenizer(config.model)
-        client = CoreClient(config, core_factory, startup_timeout_s)
+        client = CoreClient(config, core_factory, wait=False)
+        try:
+            tokenizer = load_tokenizer(config.model)  # while the core loads the model
+            client.wait_ready(startup_timeout_s)
+        except BaseException:
+            client.shutdown()
+            raise
         inputs = InputProcessor(config.model, tokenizer)
         return cls(config.model, client, inputs, OutputProcessor(tokenizer), tokenizer)
 

@@ -54,13 +54,18 @@ def _private_dir() -> str:
 
 
 class CoreClient:
-    """Starts the core process and blocks until it is ready (or raises EngineStartupError)."""
+    """Starts the core process; ``wait_ready`` blocks until it is ready (or raises EngineStartupError).
+
+    With ``wait=True`` (the default) the constructor waits; ``wait=False`` lets the caller do
+    other start-up work (load the tokenizer) while the core loads the model.
+    """
 
     def __init__(
         self,
         config: EngineConfig,
         core_factory: CoreFactory = make_engine_core,
         startup_timeout_s: float = 900.0,
+        wait: bool = True,
     ):
         self._dir = _private_dir()
         self._ctx = zmq.Context()
@@ -74,18 +79,26 @@ class CoreClient:
         self._codec = CoreCodec()
         self._stats_seq = 0
         self._closed = False
+        self.initial_stats: dict | None = None
         args = (config, core_factory, self._in.last_endpoint.decode(), self._out.last_endpoint.decode())
         kwargs = {"log_level": logging.getLogger("kvferry").getEffectiveLevel()}
         ctx = multiprocessing.get_context("spawn")
         self._proc = ctx.Process(target=run_core_process, args=args, kwargs=kwargs, name="kvferry-core")
         self._proc.start()
         atexit.register(self.shutdown)
-        try:
-            self.initial_stats = self._wait_ready(startup_timeout_s)
-        except BaseException:
-            self.shutdown()
-            raise
-        logger.info("engine core process %d ready (sockets in %s)", self._proc.pid, self._dir)
+        if wait:
+            self.wait_ready(startup_timeout_s)
+
+    def wait_ready(self, timeout_s: float = 900.0) -> dict:
+        """Block until the core is ready; returns its initial stats. Shuts down on failure."""
+        if self.initial_stats is None:
+            try:
+                self.initial_stats = self._wait_ready(timeout_s)
+            except BaseException:
+                self.shutdown()
+                raise
+            logger.info("engine core process %d ready (sockets in %s)", self._proc.pid, self._dir)
+        return self.initial_stats
 
     @property
     def pid(self) -> int | None:
