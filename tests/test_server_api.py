@@ -152,6 +152,21 @@ def test_completion_batch(server: Server) -> None:
     assert texts == {0: resp.choices[0].text, 1: resp.choices[1].text}
 
 
+def test_token_batch_and_single_token_stream(server: Server) -> None:
+    client = server.client()
+    resp = client.completions.create(model=MODEL, prompt=[[110, 111], [120]], max_tokens=2)
+    tok = server.engine.tokenizer
+    assert [c.text for c in resp.choices] == [
+        tok.decode(expected_ids(110, 2)),
+        tok.decode(expected_ids(120, 2)),
+    ]
+    assert resp.usage.prompt_tokens == 3
+    chunks = list(client.completions.create(model=MODEL, prompt=[130], max_tokens=1, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == tok.decode(expected_ids(130, 1))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    wait_idle(server)
+
+
 def test_chat(server: Server) -> None:
     client = server.client()
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]

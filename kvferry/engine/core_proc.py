@@ -22,6 +22,7 @@ import os
 import shutil
 import signal
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Protocol
@@ -45,6 +46,8 @@ from kvferry.engine.types import EngineCoreOutput, EngineCoreRequest, FinishReas
 logger = logging.getLogger(__name__)
 
 PARENT_DEATH_GRACE_S = 10.0  # after this, a watchdog exits the child hard
+SPIN_STEP_S = 0.001  # an empty step faster than this means nothing could run ...
+SPIN_WAIT_MS = 1  # ... so wait this long on the socket before the next step (no hot spin)
 MAX_CONSECUTIVE_STEP_FAILURES = 10  # then the core is broken: exit (the parent reports it dead)
 
 
@@ -164,18 +167,23 @@ class CoreLoop:
         self.orphaned = False  # the parent died
 
     def run(self) -> None:
+        spinning = False  # the last step was empty and quick (e.g. waiting for remote KV)
         while not self.stopping:
             busy = self.core.has_unfinished_requests()
-            events = dict(self.poller.poll(0 if busy else None))
+            timeout = (SPIN_WAIT_MS if spinning else 0) if busy else None
+            events = dict(self.poller.poll(timeout))
             if self.parent_sentinel is not None and self.parent_sentinel in events:
                 logger.warning("parent process died; shutting the engine core down")
                 self.orphaned = True
                 return
             if self.in_sock in events:
                 self._drain()
+            spinning = False
             if not self.stopping and self.core.has_unfinished_requests():
-                self.pending.extend(self._step())
-                self.dirty = True
+                start = time.perf_counter()
+                outputs = self._step()
+                spinning = not outputs and time.perf_counter() - start < SPIN_STEP_S
+                self.pending.extend(outputs)
             self._push()
 
     def _drain(self) -> None:
@@ -250,7 +258,12 @@ class CoreLoop:
         return [_error_output(r, message) for r in failed]
 
     def _push(self) -> None:
-        if not self.dirty:
+        """Send pending outputs, or fresh stats after messages changed the core's state.
+
+        Steps without outputs (prefill chunks, waiting for remote KV) send nothing: the
+        front end asks for stats when it needs them (REQ_STATS).
+        """
+        if not self.dirty and not self.pending:
             return
         try:
             stats = stats_to_wire(self.core.stats())
