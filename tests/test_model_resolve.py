@@ -11,7 +11,7 @@ import torch
 
 from kvferry.errors import ModelLoadError
 from kvferry.model.resolve import resolve_model_config
-from kvferry.model.tokenizer import load_tokenizer
+from kvferry.model.tokenizer import gguf_tokenizer_cache_dir, load_tokenizer
 
 
 @pytest.fixture
@@ -68,17 +68,23 @@ def test_resolve_gguf_file(smollm2_gguf: Path) -> None:
     assert abs(hf.rms_norm_eps - 1e-5) < 1e-9
 
 
-def test_alias_uses_embedded_gguf(smollm2_gguf: Path, empty_hf_cache: Path) -> None:
+def test_alias_uses_embedded_gguf(
+    smollm2_gguf: Path, empty_hf_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     for alias in ("smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct"):
         cfg = resolve_model_config(alias, max_model_len=2048)
         assert cfg.gguf_file == str(smollm2_gguf)
         assert cfg.served_model_name == alias and cfg.max_model_len == 2048
-    tok = load_tokenizer(cfg)
-    assert tok.eos_token == "<|im_end|>"
-    text = tok.apply_chat_template(
-        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
-    )
-    assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    monkeypatch.setenv("KVFERRY_CACHE_DIR", str(tmp_path / "kvcache"))
+    converted, cached = load_tokenizer(cfg), load_tokenizer(cfg)  # the second comes from the cache
+    assert (gguf_tokenizer_cache_dir(smollm2_gguf) / "tokenizer.json").is_file()
+    messages = [{"role": "user", "content": "hi"}]
+    for tok in (converted, cached):
+        assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    sample = "Hello 12345 world\n\n  spaces <|im_start|>user"
+    assert converted(sample).input_ids == cached(sample).input_ids
 
 
 def test_hub_id_from_cache(tiny_qwen3: Path, empty_hf_cache: Path) -> None:

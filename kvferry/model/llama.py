@@ -42,18 +42,30 @@ STACKED = (
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, prefix: str, tp: TPGroup, dtype: torch.dtype, flags: dict[str, bool]):
+    def __init__(
+        self,
+        config: Any,
+        prefix: str,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        flags: dict[str, bool],
+        rotary_emb: RotaryEmbedding,
+    ):
         super().__init__()
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        head_dim = head_dim_of(config)
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, head_dim, heads, kv_heads, flags["qkv_bias"], tp, dtype
         )
         self.o_proj = RowParallelLinear(heads * head_dim, config.hidden_size, flags["o_bias"], tp, dtype)
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if flags["qk_norm"] else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if flags["qk_norm"] else None
-        self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_parameters(config))
+        self.rotary_emb = rotary_emb  # one cos/sin cache shared by every layer
         self.head_dim = head_dim
         self.attn = PagedAttention(
             f"{prefix}.attn",
@@ -87,10 +99,18 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, prefix: str, tp: TPGroup, dtype: torch.dtype, flags: dict[str, bool]):
+    def __init__(
+        self,
+        config: Any,
+        prefix: str,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        flags: dict[str, bool],
+        rotary_emb: RotaryEmbedding,
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, f"{prefix}.self_attn", tp, dtype, flags)
+        self.self_attn = LlamaAttention(config, f"{prefix}.self_attn", tp, dtype, flags, rotary_emb)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, tp, dtype)
 
@@ -114,8 +134,11 @@ class LlamaModel(nn.Module):
     def __init__(self, config: Any, tp: TPGroup, dtype: torch.dtype, flags: dict[str, bool]):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
+        rotary_emb = RotaryEmbedding(
+            head_dim_of(config), config.max_position_embeddings, rope_parameters(config)
+        )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, f"model.layers.{i}", tp, dtype, flags)
+            LlamaDecoderLayer(config, f"model.layers.{i}", tp, dtype, flags, rotary_emb)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)

@@ -9,6 +9,7 @@ from types import MappingProxyType
 from typing import Any
 
 from kvferry.errors import ModelLoadError
+from kvferry.model.loader.gguf_reader import GGUFFile
 
 logger = logging.getLogger(__name__)
 
@@ -25,21 +26,9 @@ class GGUFModelInfo:
     eos_token_ids: tuple[int, ...]
 
 
-def open_gguf(path: str | Path):
-    """A gguf.GGUFReader over `path` (memory-mapped); ModelLoadError when unreadable."""
-    from gguf import GGUFReader
-
-    try:
-        return GGUFReader(str(path))
-    except (OSError, ValueError) as err:
-        raise ModelLoadError(f"cannot read GGUF file {str(path)!r}: {err}") from err
-
-
-def gguf_fields(reader) -> dict[str, Any]:
-    """Scalar metadata of a GGUF file; the big tokenizer arrays are left out."""
-    skip = {"tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"}
-    skip.add("tokenizer.ggml.merges")
-    return {key: field.contents() for key, field in reader.fields.items() if key not in skip}
+def open_gguf(path: str | Path) -> GGUFFile:
+    """The parsed header of a GGUF file (tensor data stays memory-mapped)."""
+    return GGUFFile(path)
 
 
 def _rope_parameters(meta: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -91,21 +80,21 @@ def _eos_ids(meta: dict[str, Any]) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
-def gguf_model_info(path: str | Path, reader=None) -> GGUFModelInfo:
+def gguf_model_info(path: str | Path, reader: GGUFFile | None = None) -> GGUFModelInfo:
     """Build the transformers config of a GGUF checkpoint from its metadata."""
     reader = reader if reader is not None else open_gguf(path)
-    meta = gguf_fields(reader)
+    meta = dict(reader.fields)
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(
             f"GGUF file {str(path)!r} has architecture {arch!r}, which kvferry does not support; "
             f"supported GGUF architectures: {', '.join(GGUF_ARCHITECTURES)}"
         )
-    if "tokenizer.ggml.tokens" in reader.fields:
-        meta["_num_tokens"] = len(reader.fields["tokenizer.ggml.tokens"].data)
+    if "tokenizer.ggml.tokens" in meta:
+        meta["_num_tokens"] = len(meta["tokenizer.ggml.tokens"])
     architecture = GGUF_ARCHITECTURES[arch]
     try:
-        kwargs = _config_kwargs(meta, arch, {t.name for t in reader.tensors})
+        kwargs = _config_kwargs(meta, arch, reader.tensor_names())
     except KeyError as err:
         raise ModelLoadError(f"GGUF file {str(path)!r} lacks metadata key {err}") from err
     config = _config_class(arch)(**kwargs, architectures=[architecture])

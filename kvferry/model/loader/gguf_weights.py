@@ -7,11 +7,10 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from kvferry.errors import ModelLoadError
-from kvferry.model.loader.gguf_config import gguf_fields, open_gguf
+from kvferry.model.loader.gguf_reader import GGUFFile
 
 logger = logging.getLogger(__name__)
 
@@ -59,17 +58,10 @@ def unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return shaped.transpose(1, 2).reshape(weight.shape)
 
 
-def _dequantize(tensor) -> torch.Tensor:
-    from gguf.quants import dequantize
-
-    array = dequantize(tensor.data, tensor.tensor_type)
-    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32).copy())
-
-
-def iter_gguf_weights(path: str | Path, reader=None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(path: str | Path, reader: GGUFFile | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, float32 tensor) for each tensor of a GGUF checkpoint."""
-    reader = reader if reader is not None else open_gguf(path)
-    meta = gguf_fields(reader)
+    reader = reader if reader is not None else GGUFFile(path)
+    meta = reader.fields
     arch = meta.get("general.architecture")
     heads = int(meta.get(f"{arch}.attention.head_count", 0))
     kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
@@ -77,7 +69,7 @@ def iter_gguf_weights(path: str | Path, reader=None) -> Iterator[tuple[str, torc
         if tensor.name == "rope_freqs.weight":
             raise ModelLoadError("GGUF rope_freqs (llama 3.1 rope scaling) is not supported")
         name = hf_name(tensor.name)
-        value = _dequantize(tensor)
+        value = reader.dequantize(tensor)
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             value = unpermute_rope(value, heads if ".q_proj." in name else kv_heads)
         yield name, value
