@@ -88,7 +88,10 @@ class EngineCore:
         self.scheduler.abort_requests(req_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Work left for step(): requests to run, finished ids the workers must still drop,
+        or KV transfers whose completion frees blocks."""
+        s = self.scheduler
+        return s.has_unfinished_requests() or s.has_finished_requests() or s.has_pending_kv_transfers()
 
     def step(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
