@@ -1,0 +1,156 @@
+"""Layer math: TP sharding (ranks simulated in one process), rope, norm."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvferry.errors import ConfigError, ModelLoadError
+from kvferry.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from kvferry.model.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from kvferry.model.layers.norm import RMSNorm
+from kvferry.model.layers.parallel import TPGroup
+from kvferry.model.layers.rotary import RotaryEmbedding, inverse_frequencies
+
+
+@dataclass(frozen=True)
+class LocalTP(TPGroup):
+    """A rank whose collectives do nothing: the test combines ranks' outputs itself."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def _load(layer: torch.nn.Module, name: str, full: torch.Tensor, shard_id: object = None) -> None:
+    param = getattr(layer, name)
+    param.weight_loader(param, full, shard_id)
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_column_and_row_parallel_compose(size: int) -> None:
+    w1, b1, w2 = torch.randn(16, 8), torch.randn(16), torch.randn(8, 16)
+    x = torch.randn(3, 8)
+    expected = F.linear(F.linear(x, w1, b1), w2)
+    total = torch.zeros(3, 8)
+    for rank in range(size):
+        tp = LocalTP(rank, size)
+        col, row = ColumnParallelLinear(8, 16, True, tp), RowParallelLinear(16, 8, False, tp)
+        _load(col, "weight", w1)
+        _load(col, "bias", b1)
+        _load(row, "weight", w2)
+        total += row(col(x))
+    torch.testing.assert_close(total, expected)
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_merged_gate_up_shards(size: int) -> None:
+    gate, up, x = torch.randn(12, 6), torch.randn(12, 6), torch.randn(2, 6)
+    parts = []
+    for rank in range(size):
+        layer = MergedColumnParallelLinear(6, [12, 12], False, LocalTP(rank, size))
+        _load(layer, "weight", gate, 0)
+        _load(layer, "weight", up, 1)
+        parts.append(layer(x).chunk(2, dim=-1))  # this rank's (gate, up) slices
+    torch.testing.assert_close(torch.cat([p[0] for p in parts], -1), F.linear(x, gate))
+    torch.testing.assert_close(torch.cat([p[1] for p in parts], -1), F.linear(x, up))
+
+
+@pytest.mark.parametrize(("size", "kv_heads"), [(1, 2), (2, 2), (2, 4), (4, 2)])
+def test_qkv_shards_by_head(size: int, kv_heads: int) -> None:
+    heads, head_dim, hidden = 8, 4, 16
+    wq, wk, wv = torch.randn(heads * head_dim, hidden), *torch.randn(2, kv_heads * head_dim, hidden)
+    bq, bk, bv = torch.randn(heads * head_dim), *torch.randn(2, kv_heads * head_dim)
+    x = torch.randn(3, hidden)
+    full_k = F.linear(x, wk, bk).view(3, kv_heads, head_dim)
+    qs = []
+    for rank in range(size):
+        layer = QKVParallelLinear(hidden, head_dim, heads, kv_heads, True, LocalTP(rank, size))
+        for shard, w, b in (("q", wq, bq), ("k", wk, bk), ("v", wv, bv)):
+            _load(layer, "weight", w, shard)
+            _load(layer, "bias", b, shard)
+        q, k, _ = layer.split_qkv(layer(x))
+        qs.append(q)
+        first, count = layer.kv_head_start, layer.num_kv_heads
+        assert count == max(1, kv_heads // size)
+        query_heads = range(rank * heads // size, (rank + 1) * heads // size)
+        assert all(h // (heads // kv_heads) in range(first, first + count) for h in query_heads)
+        torch.testing.assert_close(k.view(3, count, head_dim), full_k[:, first : first + count])
+    torch.testing.assert_close(torch.cat(qs, -1), F.linear(x, wq, bq))
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_vocab_parallel_embedding_and_head(size: int) -> None:
+    vocab, hidden = 11, 4  # 11 is not divisible by 2 or 3: the last shard is padded
+    weight, ids, h = torch.randn(vocab, hidden), torch.tensor([0, 5, 10, 3]), torch.randn(2, hidden)
+    embedded, logits = torch.zeros(4, hidden), []
+    for rank in range(size):
+        tp = LocalTP(rank, size)
+        emb, head = VocabParallelEmbedding(vocab, hidden, tp), ParallelLMHead(vocab, hidden, tp)
+        _load(emb, "weight", weight)
+        _load(head, "weight", weight)
+        embedded += emb(ids)
+        logits.append(head(h))
+    torch.testing.assert_close(embedded, weight[ids])
+    torch.testing.assert_close(torch.cat(logits, -1)[:, :vocab], h @ weight.T)
+
+
+def test_indivisible_sizes_are_config_errors() -> None:
+    with pytest.raises(ConfigError):
+        ColumnParallelLinear(4, 6, False, TPGroup(0, 4))
+    with pytest.raises(ConfigError):
+        TPGroup(2, 2)
+    with pytest.raises(ConfigError):
+        QKVParallelLinear(16, 4, 8, 2, False, TPGroup(0, 3))
+
+
+def test_wrong_checkpoint_shape_is_load_error() -> None:
+    layer = ColumnParallelLinear(4, 6, False, TPGroup())
+    with pytest.raises(ModelLoadError, match="shape"):
+        _load(layer, "weight", torch.randn(6, 5))
+
+
+def test_rmsnorm_fused_residual() -> None:
+    norm = RMSNorm(8, eps=1e-6)
+    norm.weight.data = torch.randn(8)
+    x, res = torch.randn(3, 8), torch.randn(3, 8)
+    out, new_res = norm(x, res)
+    s = x + res
+    torch.testing.assert_close(new_res, s)
+    torch.testing.assert_close(out, norm.weight * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def test_rope_rotates_relative_positions() -> None:
+    rope = RotaryEmbedding(16, 64, {"rope_type": "default", "rope_theta": 10000.0})
+    q, k = torch.randn(1, 2, 16), torch.randn(1, 2, 16)
+
+    def score(pq: int, pk: int) -> torch.Tensor:
+        rq, _ = rope(torch.tensor([pq]), q, q)
+        _, rk = rope(torch.tensor([pk]), k, k)
+        return (rq * rk).sum(-1)
+
+    torch.testing.assert_close(score(10, 3), score(30, 23), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(score(0, 0), (q * k).sum(-1))
+
+
+def test_rope_scaling_frequencies() -> None:
+    base = {"rope_type": "default", "rope_theta": 500000.0}
+    default = inverse_frequencies(64, base)
+    llama3 = inverse_frequencies(64, {**base, "rope_type": "llama3", "factor": 8.0} | _LLAMA3)
+    assert torch.equal(llama3[:4], default[:4])  # high frequencies kept
+    torch.testing.assert_close(llama3[-4:], default[-4:] / 8.0)  # low frequencies divided
+    with pytest.raises(ModelLoadError, match="yarn"):
+        inverse_frequencies(64, {**base, "rope_type": "yarn"})
+
+
+_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
