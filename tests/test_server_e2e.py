@@ -42,7 +42,8 @@ def _metric(text: str, name: str, **labels: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def url(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def server_proc(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
+    """The server process, started (not yet healthy: the reference runs meanwhile)."""
     port = _free_port()
     log = tmp_path_factory.mktemp("e2e") / "server.log"
     cmd = [
@@ -58,10 +59,8 @@ def url(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    base = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(proc, base, log)
-        yield base
+        yield proc, f"http://127.0.0.1:{port}", log
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -70,6 +69,13 @@ def url(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             proc.kill()
             proc.wait()
     assert proc.returncode == 0, log.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def url(server_proc: tuple, reference: dict[str, str]) -> str:
+    proc, base, log = server_proc
+    _wait_healthy(proc, base, log)
+    return base
 
 
 def _wait_healthy(proc: subprocess.Popen, base: str, log: Path) -> None:
@@ -87,7 +93,7 @@ def _wait_healthy(proc: subprocess.Popen, base: str, log: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama: Path) -> dict[str, str]:
+def reference(tiny_llama: Path, server_proc: tuple) -> dict[str, str]:
     """Greedy completions of PROMPTS from the offline engine, in this process."""
     llm = LLM(str(tiny_llama), kv_cache_bytes=5 << 20)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0))
