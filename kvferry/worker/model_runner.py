@@ -8,9 +8,11 @@ import torch
 
 from kvferry.config import EngineConfig
 from kvferry.connector.base import KVConnectorBase
+from kvferry.connector.output import KVConnectorOutput, KVConnectorStats
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.model.forward_context import ForwardContext
 from kvferry.scheduler.output import SchedulerOutput
+from kvferry.worker.connector_guard import ConnectorGuard
 from kvferry.worker.inputs import StepInputs, build_step_inputs
 from kvferry.worker.output import ModelRunnerOutput
 from kvferry.worker.request_state import RequestState, build_sampling_batch
@@ -49,19 +51,44 @@ class ModelRunner:
         if self.connector is None:
             return self._run_step(scheduler_output)
         # Invariant 1: the metadata is bound for the whole step, empty steps included.
+        guard = ConnectorGuard(self.connector)
         with self.connector.bound(scheduler_output.kv_connector_metadata):
-            self.connector.start_load_kv()
-            output = self._run_step(scheduler_output)
-            self.connector.wait_for_save()
-            output.kv_connector_output = self.connector.collect_output(scheduler_output.finished_req_ids)
+            guard.start_load_kv()
+            output = self._run_step(scheduler_output, guard)
+            guard.wait_for_save()
+            kv_output = self._collect_connector_output(scheduler_output)
+        if guard.load_failed:
+            kv_output.invalid_block_ids |= self._step_block_ids(scheduler_output)
+        if guard.save_failed:
+            kv_output.stats = (kv_output.stats or KVConnectorStats()).aggregate(
+                KVConnectorStats({"save_errors": 1})
+            )
+        output.kv_connector_output = kv_output
         return output
 
-    def _run_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def _collect_connector_output(self, scheduler_output: SchedulerOutput) -> KVConnectorOutput:
+        try:
+            return self.connector.collect_output(scheduler_output.finished_req_ids)
+        except Exception:
+            logger.exception("KV connector %s failed to report results", type(self.connector).__name__)
+            return KVConnectorOutput(invalid_block_ids=self._step_block_ids(scheduler_output))
+
+    def _step_block_ids(self, scheduler_output: SchedulerOutput) -> set[int]:
+        """Every block of the requests in this step: what a failed load may have left invalid."""
+        ids: set[int] = set()
+        for req_id in scheduler_output.num_scheduled_tokens:
+            for group in self.states[req_id].block_ids:
+                ids.update(group)
+        return ids
+
+    def _run_step(
+        self, scheduler_output: SchedulerOutput, hooks: ConnectorGuard | None = None
+    ) -> ModelRunnerOutput:
         if scheduler_output.is_empty:
             return ModelRunnerOutput.empty()
         states = [self.states[req_id] for req_id in scheduler_output.num_scheduled_tokens]
         inputs = build_step_inputs(states, scheduler_output.num_scheduled_tokens, self.kv_config, self.device)
-        hidden = self._forward(inputs)
+        hidden = self._forward(inputs, hooks)
         output = ModelRunnerOutput(req_ids=[s.req_id for s in inputs.ordered])
         sampled = self._sample(hidden, inputs)
         for state in inputs.ordered:
@@ -72,13 +99,13 @@ class ModelRunner:
             output.logprobs.append(logprobs)
         return output
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+    def _forward(self, inputs: StepInputs, hooks: ConnectorGuard | None) -> torch.Tensor:
         ctx = ForwardContext(
             attn=inputs.attn,
             layer_group=self.layer_group,
             kv_caches=self.kv_caches,
             layout=self.kv_config.layout,
-            kv_hooks=self.connector,
+            kv_hooks=hooks,
         )
         return self.model(inputs.input_ids, inputs.positions, ctx)
 
