@@ -7,7 +7,7 @@ import torch
 
 from kvferry.kv.spec import Layout
 from kvferry.model.forward_context import AttentionMetadata, ForwardContext, PrefillSpan
-from kvferry.model.layers.attention import PagedAttention, gather_kv, write_kv
+from kvferry.model.layers.attention import PagedAttention, Workspace, gather_kv, write_kv
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
 LAYER = "model.layers.0.self_attn.attn"
@@ -26,14 +26,19 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
 
 
 def _case(
-    seed: int, layout: Layout, seqs: list[tuple[int, int, bool]], block_size: int, num_blocks: int = 96
+    seed: int,
+    layout: Layout,
+    seqs: list[tuple[int, int, bool]],
+    block_size: int,
+    num_blocks: int = 96,
+    workspace: Workspace | None = None,
 ):
     """seqs: (context_len, query_len, is_decode). Returns (layer, q, k, v, ctx, references)."""
     gen = torch.Generator().manual_seed(seed)
     free = torch.randperm(num_blocks, generator=gen).tolist()
     shape = layout.shape(num_blocks, block_size, KV_HEADS, HEAD_DIM)
     cache = torch.randn(shape, generator=gen) * 5  # finite garbage outside the live slots
-    layer = PagedAttention(LAYER, HEADS, KV_HEADS, HEAD_DIM, scale=HEAD_DIM**-0.5)
+    layer = PagedAttention(LAYER, HEADS, KV_HEADS, HEAD_DIM, scale=HEAD_DIM**-0.5, workspace=workspace)
     order = sorted(range(len(seqs)), key=lambda i: not seqs[i][2])
     qs, ks, vs, slots, spans, tables, lens, refs = [], [], [], [], [], [], [], []
     for i in order:
@@ -84,10 +89,20 @@ MIXES = {
 @pytest.mark.parametrize("mix", list(MIXES))
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_paged_matches_reference(layout: Layout, mix: str, block_size: int) -> None:
-    layer, q, k, v, ctx, ref = _case(7, layout, MIXES[mix], block_size)
+    workspace = Workspace() if block_size == 16 else None
+    layer, q, k, v, ctx, ref = _case(7, layout, MIXES[mix], block_size, workspace=workspace)
     out = layer(q.flatten(1), k.flatten(1), v.flatten(1), ctx)
     assert out.shape == (q.shape[0], HEADS * HEAD_DIM)
     torch.testing.assert_close(out.view_as(q).double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_workspace_reuses_one_buffer() -> None:
+    workspace = Workspace()
+    first = workspace.take((2, 8, 4), torch.float32, torch.device("cpu"))
+    smaller = workspace.take((3, 5), torch.bfloat16, torch.device("cpu"))
+    assert smaller.data_ptr() == first.data_ptr()
+    bigger = workspace.take((2, 64, 4), torch.float32, torch.device("cpu"))
+    assert bigger.shape == (2, 64, 4)
 
 
 @pytest.mark.parametrize("layout", list(Layout))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from torch import nn
 from kvferry.errors import ModelLoadError
 from kvferry.model.forward_context import ForwardContext
 from kvferry.model.layers.activation import SiluAndMul
-from kvferry.model.layers.attention import PagedAttention
+from kvferry.model.layers.attention import PagedAttention, Workspace
 from kvferry.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvferry.model.layers.linear import (
     MergedColumnParallelLinear,
@@ -42,6 +43,14 @@ STACKED = (
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
+@dataclass(frozen=True)
+class Shared:
+    """What every layer of one model shares: the rope cache and the attention workspace."""
+
+    rotary_emb: RotaryEmbedding
+    workspace: Workspace
+
+
 def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
@@ -54,7 +63,7 @@ class LlamaAttention(nn.Module):
         tp: TPGroup,
         dtype: torch.dtype,
         flags: dict[str, bool],
-        rotary_emb: RotaryEmbedding,
+        shared: Shared,
     ):
         super().__init__()
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -65,7 +74,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(heads * head_dim, config.hidden_size, flags["o_bias"], tp, dtype)
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if flags["qk_norm"] else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if flags["qk_norm"] else None
-        self.rotary_emb = rotary_emb  # one cos/sin cache shared by every layer
+        self.rotary_emb = shared.rotary_emb
         self.head_dim = head_dim
         self.attn = PagedAttention(
             f"{prefix}.attn",
@@ -73,6 +82,7 @@ class LlamaAttention(nn.Module):
             self.qkv_proj.num_kv_heads,
             head_dim,
             scale=head_dim**-0.5,
+            workspace=shared.workspace,
         )
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -106,11 +116,11 @@ class LlamaDecoderLayer(nn.Module):
         tp: TPGroup,
         dtype: torch.dtype,
         flags: dict[str, bool],
-        rotary_emb: RotaryEmbedding,
+        shared: Shared,
     ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, f"{prefix}.self_attn", tp, dtype, flags, rotary_emb)
+        self.self_attn = LlamaAttention(config, f"{prefix}.self_attn", tp, dtype, flags, shared)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, tp, dtype)
 
@@ -134,11 +144,10 @@ class LlamaModel(nn.Module):
     def __init__(self, config: Any, tp: TPGroup, dtype: torch.dtype, flags: dict[str, bool]):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
-        rotary_emb = RotaryEmbedding(
-            head_dim_of(config), config.max_position_embeddings, rope_parameters(config)
-        )
+        rope = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, rope_parameters(config))
+        shared = Shared(rotary_emb=rope, workspace=Workspace())
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, f"model.layers.{i}", tp, dtype, flags, rotary_emb)
+            LlamaDecoderLayer(config, f"model.layers.{i}", tp, dtype, flags, shared)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)

@@ -12,6 +12,7 @@ are masked out, but NaN/inf garbage would still poison the weighted sum.
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 import torch.nn.functional as F
@@ -38,20 +39,67 @@ def write_kv(
     kv_cache[1][blocks, :, offsets] = v.to(kv_cache.dtype)
 
 
-def gather_kv(kv_cache: torch.Tensor, layout: Layout, block_table: torch.Tensor) -> torch.Tensor:
-    """KV of the blocks in `block_table` [..., n] as [2, ..., kv_heads, n * block_size, head_dim]."""
-    blocks = kv_cache[:, block_table]  # NHD: [2, ..., n, bs, H, D]; HND: [2, ..., n, H, bs, D]
+class Workspace:
+    """Grow-only scratch memory shared by the attention layers of one model.
+
+    Gathering KV into freshly allocated memory costs page faults several times the copy
+    itself on CPU; the layers run one after another, so one buffer serves them all. Only
+    one forward may run at a time per workspace.
+    """
+
+    def __init__(self) -> None:
+        self._buf: torch.Tensor | None = None
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        nbytes = math.prod(shape) * dtype.itemsize
+        buf = self._buf
+        if buf is None or buf.numel() < nbytes or buf.device != device:
+            buf = self._buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return buf[:nbytes].view(dtype).view(shape)
+
+
+def gather_kv(
+    kv_cache: torch.Tensor, layout: Layout, block_table: torch.Tensor, workspace: Workspace | None = None
+) -> torch.Tensor:
+    """KV of the blocks in `block_table` [..., n] as [2, ..., kv_heads, n * block_size, head_dim].
+
+    One index_select of contiguous chunks for K and V together: whole blocks for NHD (the
+    result is a transposed view), (block, head) rows for HND (the result is contiguous).
+    """
+    lead = block_table.shape[:-1]
     if layout is Layout.NHD:
-        blocks = blocks.flatten(-4, -3)  # [2, ..., n*bs, H, D]
-        return blocks.transpose(-3, -2)
-    return blocks.transpose(-4, -3).flatten(-3, -2)  # [2, ..., H, n*bs, D]
+        num_blocks, block_size, heads, head_dim = kv_cache.shape[1:]
+        index = block_table.flatten()
+        rows = _select(kv_cache.view(2, num_blocks, -1), index, workspace)
+        return rows.view(2, *lead, -1, heads, head_dim).transpose(-3, -2)
+    num_blocks, heads, block_size, head_dim = kv_cache.shape[1:]
+    head_ids = torch.arange(heads, device=block_table.device).unsqueeze(1)
+    index = (block_table.unsqueeze(-2) * heads + head_ids).flatten()  # [..., H, n] (block, head) rows
+    rows = _select(kv_cache.view(2, num_blocks * heads, -1), index, workspace)
+    return rows.view(2, *lead, heads, -1, head_dim)
+
+
+def _select(rows: torch.Tensor, index: torch.Tensor, workspace: Workspace | None) -> torch.Tensor:
+    if workspace is None:
+        return rows.index_select(1, index)
+    out = workspace.take((2, index.numel(), rows.shape[2]), rows.dtype, rows.device)
+    return torch.index_select(rows, 1, index, out=out)
 
 
 class PagedAttention(nn.Module):
     """Attention of one layer over its paged KV cache; heads are this rank's heads."""
 
-    def __init__(self, layer_name: str, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(
+        self,
+        layer_name: str,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        workspace: Workspace | None = None,
+    ):
         super().__init__()
+        self.workspace = workspace
         assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
         self.layer_name = layer_name
         self.num_heads = num_heads
@@ -87,7 +135,7 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         """All decode tokens in one SDPA call; a query head group shares its KV head."""
         batch = q.shape[0]
-        kv = gather_kv(kv_cache, layout, attn.decode_block_table)  # [2, B, H, L, D]
+        kv = gather_kv(kv_cache, layout, attn.decode_block_table, self.workspace)  # [2, B, H, L, D]
         kv = kv.to(q.dtype)
         length = kv.shape[3]
         visible = torch.arange(length, device=q.device) < attn.decode_seq_lens.unsqueeze(1)
@@ -117,7 +165,7 @@ class PagedAttention(nn.Module):
         total = span.context_len + span.query_len
         block_size = kv_cache.shape[2] if layout is Layout.NHD else kv_cache.shape[3]
         table = span.block_table[: -(-total // block_size)]
-        kv = gather_kv(kv_cache, layout, table)[:, :, :total].to(q.dtype)  # [2, H, total, D]
+        kv = gather_kv(kv_cache, layout, table, self.workspace)[:, :, :total].to(q.dtype)  # [2, H, total, D]
         query_pos = torch.arange(span.query_len, device=q.device).unsqueeze(1) + span.context_len
         mask = torch.arange(total, device=q.device).unsqueeze(0) <= query_pos  # [Lq, total]
         out = F.scaled_dot_product_attention(
