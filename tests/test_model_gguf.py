@@ -16,6 +16,7 @@ from kvferry.model.loader.gguf_weights import hf_name, unpermute_rope
 from kvferry.model.resolve import resolve_model_config
 from kvferry.model.tokenizer import load_tokenizer
 from tests.fixtures.paged import Chunk, PagedDriver
+from tests.fixtures.tiny_gguf import write_tiny_gguf
 
 ATOL = 5e-4  # logits reach ~40 here
 
@@ -101,3 +102,33 @@ def test_dequantize_matches_gguf_py(qtype: str) -> None:
     expected = gguf_dequantize(packed, kind).astype(np.float32)
     ours = dequantize(np.ascontiguousarray(packed).view(np.uint8).reshape(-1), int(kind), (6, 64))
     assert torch.equal(ours, torch.from_numpy(expected))
+
+
+def _reference(hf_config, state_dict: dict[str, torch.Tensor]):
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
+    ref.load_state_dict(state_dict, strict=False)
+    if hf_config.tie_word_embeddings:
+        ref.tie_weights()
+    return ref
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_tiny_gguf_matches_its_source(tiny_model: Path, tmp_path: Path, quantize: bool) -> None:
+    """Our GGUF path (metadata, names, llama q/k order, Q8_0) on all three tiny archs."""
+    from safetensors.torch import load_file
+
+    path = write_tiny_gguf(tiny_model, tmp_path / "tiny.gguf", quantize=quantize)
+    cfg = resolve_model_config(str(path))
+    source = resolve_model_config(str(tiny_model))
+    assert cfg.architecture == source.architecture and cfg.num_layers == source.num_layers
+    assert cfg.hf_config.tie_word_embeddings == source.hf_config.tie_word_embeddings
+    weights = gguf_state_dict(path) if quantize else load_file(str(tiny_model / "model.safetensors"))
+    ref = _reference(cfg.hf_config, weights)
+    prompt = [5, 9, 13, 200, 31, 77, 8, 41, 42]
+    driver = PagedDriver(load_model(cfg), num_blocks=16, block_size=4, seed=6)
+    out = driver.step([Chunk("x", prompt)])["x"]
+    with torch.no_grad():
+        expected = ref(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=0)
