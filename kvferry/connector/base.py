@@ -55,11 +55,19 @@ class KVConnectorBase:
     # Invariant 5: layouts this connector can work with, in order of preference.
     supported_layouts: ClassVar[tuple[Layout, ...]] = (Layout.NHD, Layout.HND)
 
-    def __init__(self, engine_config: EngineConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+        tp_rank: int = 0,
+    ):
         self.engine_config = engine_config
         self.transfer_config: KVTransferConfig = engine_config.kv_transfer
         self.role = role
         self.kv_cache_config = kv_cache_config
+        self.tp_rank = tp_rank  # the worker's tensor-parallel rank (0 for the scheduler half)
+        self.tp_size = engine_config.parallel.tensor_parallel_size
         self._metadata: KVConnectorMetadata | None = None
 
     @property

@@ -52,11 +52,11 @@ def resolve_connector_class(config: KVTransferConfig) -> type[KVConnectorBase]:
 
 
 def create_connector(
-    engine_config: EngineConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    engine_config: EngineConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig, tp_rank: int = 0
 ) -> KVConnectorBase | None:
     config = engine_config.kv_transfer
     if not config.enabled:
         return None
     cls = resolve_connector_class(config)
     logger.info("KV connector %s (%s half, kv_role=%s)", cls.__name__, role.value, config.kv_role)
-    return cls(engine_config, role, kv_cache_config)
+    return cls(engine_config, role, kv_cache_config, tp_rank)

@@ -25,8 +25,8 @@ class RecordingMetadata(KVConnectorMetadata):
 class RecordingConnector(KVConnectorBase):
     graph_safe = True
 
-    def __init__(self, engine_config, role, kv_cache_config):
-        super().__init__(engine_config, role, kv_cache_config)
+    def __init__(self, engine_config, role, kv_cache_config, tp_rank=0):
+        super().__init__(engine_config, role, kv_cache_config, tp_rank)
         self.path = self.extra_config.get("record_path")
         self.step = 0
 

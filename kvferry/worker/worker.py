@@ -34,7 +34,7 @@ class Worker:
 
     def initialize_kv_cache(self, kv_config: KVCacheConfig) -> None:
         kv_caches = allocate_kv_caches(kv_config, self.device)
-        connector = create_connector(self.config, KVConnectorRole.WORKER, kv_config)
+        connector = create_connector(self.config, KVConnectorRole.WORKER, kv_config, self.tp.rank)
         if connector is not None:
             connector.register_kv_caches(kv_caches, kv_config)
         self.runner.bind_kv_caches(kv_config, kv_caches, connector)
