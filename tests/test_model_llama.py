@@ -119,3 +119,18 @@ def test_bfloat16_weights(tiny_qwen2: Path) -> None:
     expected = _ref_logits(ref, prompt)
     assert out.dtype == torch.float32
     assert (out - expected).abs().max() < 0.15 * expected.abs().max()
+
+
+def test_sharded_safetensors_checkpoint(tiny_qwen3: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ref = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()
+    sharded = tmp_path / "sharded"
+    ref.save_pretrained(sharded, max_shard_size="100KB")
+    AutoTokenizer.from_pretrained(tiny_qwen3).save_pretrained(sharded)
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("*.safetensors"))) > 2
+    ours = load_model(resolve_model_config(str(sharded)))
+    prompt = _prompts(ref.config.vocab_size, (9,))[0]
+    out = PagedDriver(ours, block_size=4).step([Chunk("x", prompt)])["x"]
+    torch.testing.assert_close(out, _ref_logits(ref, prompt), atol=ATOL, rtol=0)
