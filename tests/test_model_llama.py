@@ -101,11 +101,14 @@ class LayerOrder:
         self.calls.append(("save", layer_name))
 
 
-def test_hooks_run_per_layer_in_order(tiny_llama: Path) -> None:
+@pytest.mark.parametrize("chunks", [[Chunk("x", [5, 6, 7])], []], ids=["tokens", "empty"])
+def test_hooks_run_per_layer_in_order(tiny_llama: Path, chunks: list[Chunk]) -> None:
     _, ours, _ = _models(tiny_llama)
     hooks = LayerOrder()
     driver = PagedDriver(ours, block_size=4, hooks=hooks)
-    driver.step([Chunk("x", [5, 6, 7])])
+    ids, positions, ctx = driver.build(chunks)
+    hidden = ours(ids, positions, ctx)  # an empty batch (dummy run) takes the same path
+    assert hidden.shape == (len(ids), ours.config.hidden_size)
     expected = [(kind, name) for name in ours.attention_layer_names() for kind in ("wait", "save")]
     assert hooks.calls == expected
 

@@ -87,8 +87,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden))
-        q = q.view(q.shape[0], -1, self.head_dim)
-        k = k.view(k.shape[0], -1, self.head_dim)
+        q = q.view(q.shape[0], self.qkv_proj.num_heads, self.head_dim)
+        k = k.view(k.shape[0], self.qkv_proj.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
