@@ -63,6 +63,24 @@ def test_blocks_freed_only_when_every_rank_reported(tiny_llama, tmp_path, tp, tp
             # Workers learn of the finish in the next step; rank r reports in its r + 1-th
             # step after that, so the slowest rank (tp - 1) decides: step + tp.
             assert released[req_id] == step + tp
+        # Connector stats are summed over ranks and steps (a late warm-up report may count).
+        reports = llm.stats().kv_connector["staggered_reports"]
+        assert tp * len(PROMPT_TEXTS) <= reports <= tp * (len(PROMPT_TEXTS) + 1)
         assert_pool_full(llm)
     finally:
         llm.engine.shutdown()
+
+
+def test_connector_counters_are_exported_to_prometheus():
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvferry.engine.core import EngineStats
+    from kvferry.entrypoints.openai.metrics import EngineStatsCollector
+
+    engine = SimpleNamespace(stats=EngineStats(kv_connector={"nixl_bytes_read": 4096.0}), is_dead=False)
+    registry = CollectorRegistry()
+    registry.register(EngineStatsCollector(engine, "m"))
+    text = generate_latest(registry).decode()
+    assert 'kvferry:kv_connector_nixl_bytes_read_total{model_name="m"} 4096.0' in text

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvferry.config import EngineConfig
 from kvferry.connector.base import KVConnectorRole
 from kvferry.connector.factory import create_connector
+from kvferry.connector.output import KVConnectorOutput
 from kvferry.engine.types import EngineCoreOutput, EngineCoreRequest
 from kvferry.engine.warmup import warmup_steps
 from kvferry.errors import ConfigError
@@ -32,6 +33,7 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found
     num_preemptions: int = 0
+    kv_connector: dict[str, float] = field(default_factory=dict)  # running totals of connector stats
 
 
 def make_executor(config: EngineConfig) -> Executor:
@@ -56,6 +58,7 @@ def make_executor(config: EngineConfig) -> Executor:
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
+        self._connector_totals: dict[str, float] = {}
         start = time.perf_counter()
         self.executor = make_executor(config)
         kv_config = self.executor.determine_kv_cache_config()
@@ -96,9 +99,16 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
+        self._accumulate_connector_stats(runner_output.kv_connector_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._maybe_log()
         return outputs
+
+    def _accumulate_connector_stats(self, kv_output: KVConnectorOutput | None) -> None:
+        if kv_output is None or kv_output.stats is None:
+            return
+        for key, value in kv_output.stats.data.items():
+            self._connector_totals[key] = self._connector_totals.get(key, 0.0) + value
 
     def stats(self) -> EngineStats:
         s = self.scheduler
@@ -111,6 +121,7 @@ class EngineCore:
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions,
+            kv_connector=dict(self._connector_totals),
         )
 
     def _maybe_log(self) -> None:
@@ -128,6 +139,10 @@ class EngineCore:
             st.prefix_cache_queries,
             st.num_preemptions,
         )
+        if st.kv_connector:
+            logger.info(
+                "KV connector: %s", ", ".join(f"{k} {v:g}" for k, v in sorted(st.kv_connector.items()))
+            )
 
     def shutdown(self) -> None:
         if self.connector is not None:

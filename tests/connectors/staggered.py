@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 from kvferry.connector.base import KVConnectorBase, KVConnectorMetadata
+from kvferry.connector.output import KVConnectorStats
 
 
 class StaggeredConnector(KVConnectorBase):
@@ -18,6 +19,7 @@ class StaggeredConnector(KVConnectorBase):
         super().__init__(engine_config, role, kv_cache_config, tp_rank)
         self.log_path = self.extra_config["log_path"]
         self.countdown: dict[str, int] = {}
+        self.reported = 0
         self.step = 0
 
     def _log(self, **fields) -> None:
@@ -47,4 +49,9 @@ class StaggeredConnector(KVConnectorBase):
             if self.countdown[req_id] == 0:
                 del self.countdown[req_id]
                 done.add(req_id)
+        self.reported += len(done)
         return done, set()
+
+    def get_stats(self):
+        stats, self.reported = KVConnectorStats({"staggered_reports": self.reported}), 0
+        return stats

@@ -138,6 +138,12 @@ class EngineStatsCollector(Collector):
             c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
             c.add_metric(value, float(val))
             yield c
+        for key, val in sorted((s.kv_connector or {}).items()):
+            c = CounterMetricFamily(
+                PREFIX + "kv_connector_" + key, f"KV connector counter {key}.", labels=labels
+            )
+            c.add_metric(value, float(val))
+            yield c
 
 
 def make_registry(engine: AsyncEngine, model_name: str) -> CollectorRegistry:
