@@ -39,6 +39,7 @@ def make_llm(
     seed: int = 0,
     kv_transfer: KVTransferConfig | None = None,
     tp: int = 1,
+    executor: str = "uniproc",
 ) -> LLM:
     model = resolve_model_config(str(model_dir), dtype="float32", max_model_len=max_model_len)
     config = EngineConfig(
@@ -50,7 +51,7 @@ def make_llm(
             enable_prefix_caching=prefix_caching,
         ),
         scheduler=SchedulerConfig(budget, max_num_seqs, chunked),
-        parallel=ParallelConfig(tensor_parallel_size=tp),
+        parallel=ParallelConfig(tensor_parallel_size=tp, executor=executor),
         kv_transfer=kv_transfer or KVTransferConfig(),
         seed=seed,
     )

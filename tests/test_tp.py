@@ -84,3 +84,20 @@ def test_connector_counters_are_exported_to_prometheus():
     registry.register(EngineStatsCollector(engine, "m"))
     text = generate_latest(registry).decode()
     assert 'kvferry:kv_connector_nixl_bytes_read_total{model_name="m"} 4096.0' in text
+
+
+@pytest.mark.ray
+def test_ray_executor_same_outputs_and_aggregation(tiny_llama, tmp_path, tp1_outputs):
+    pytest.importorskip("ray")
+    config, log = _staggered(tmp_path)
+    llm = make_llm(tiny_llama, tp=2, executor="ray", kv_transfer=config)
+    try:
+        outputs = llm.generate(PROMPT_TEXTS, GREEDY)
+        assert _tokens(outputs) == tp1_outputs
+        events = [json.loads(line) for line in log.read_text().splitlines()]
+        finished = {e["req"]: e["step"] for e in events if e["event"] == "finished"}
+        released = {e["req"]: e["step"] for e in events if e["event"] == "released" and e["req"] in finished}
+        assert all(released[r] == s + 2 for r, s in finished.items())  # same quorum as multiproc
+        assert_pool_full(llm)
+    finally:
+        llm.engine.shutdown()

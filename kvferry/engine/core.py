@@ -49,7 +49,7 @@ def make_executor(config: EngineConfig) -> Executor:
 
         return MultiprocExecutor(config)
     if kind == "ray":
-        from kvferry.executor.ray import RayExecutor
+        from kvferry.executor.ray_executor import RayExecutor
 
         return RayExecutor(config)
     raise ConfigError(f"unknown executor {kind!r}")

@@ -46,13 +46,13 @@ class WorkerReply:
     error: str | None = None
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def _init_distributed(rank: int, world_size: int, port: int, device: str):
+def init_distributed(rank: int, world_size: int, port: int, device: str):
     import torch
     import torch.distributed as dist
 
@@ -75,7 +75,7 @@ def _worker_main(rank: int, world_size: int, port: int, config: EngineConfig, co
         from kvferry.worker.worker import Worker
 
         device = f"cuda:{rank}" if config.device.startswith("cuda") else config.device
-        tp = _init_distributed(rank, world_size, port, device)
+        tp = init_distributed(rank, world_size, port, device)
         worker = Worker(config, tp)
         conn.send(WorkerReply(rank))
     except Exception:
@@ -105,7 +105,7 @@ class MultiprocExecutor(Executor):
         super().__init__(config)
         self.world_size = config.parallel.tensor_parallel_size
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self.conns: list[Connection] = []
         self.procs: list[mp.Process] = []
         for rank in range(self.world_size):

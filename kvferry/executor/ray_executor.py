@@ -1,0 +1,96 @@
+"""Executor with one Ray actor per tensor-parallel rank, on a local Ray cluster (loopback).
+
+Ray is an optional extra (`pip install kvferry[ray]`). The actors run the same Worker
+as the other executors; aggregation stays in the base Executor.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+from kvferry.config import EngineConfig
+from kvferry.errors import ConfigError
+from kvferry.executor.base import Executor
+from kvferry.executor.multiproc import free_port, init_distributed
+from kvferry.kv.spec import KVCacheConfig
+from kvferry.scheduler.output import SchedulerOutput
+from kvferry.worker.output import ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class RayWorker:
+    """The Ray actor body: builds a Worker for its rank and serves the typed calls."""
+
+    def __init__(self, rank: int, world_size: int, port: int, config: EngineConfig):
+        from kvferry.worker.worker import Worker
+
+        tp = init_distributed(rank, world_size, port, config.device)
+        self.worker = Worker(config, tp)
+
+    def determine_kv_cache_config(self) -> KVCacheConfig:
+        return self.worker.determine_kv_cache_config()
+
+    def initialize_kv_cache(self, kv_config: KVCacheConfig) -> None:
+        self.worker.initialize_kv_cache(kv_config)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+
+def _start_ray(num_workers: int):
+    try:
+        import ray
+    except ImportError as exc:
+        raise ConfigError("the ray executor needs Ray: pip install 'kvferry[ray]'") from exc
+    if not ray.is_initialized():
+        ray.init(
+            address="local",
+            _node_ip_address="127.0.0.1",
+            num_cpus=max(num_workers, os.cpu_count() or 1),
+            include_dashboard=False,
+            log_to_driver=False,
+            # Actors import kvferry (and out-of-tree connectors) from the same paths as the driver.
+            runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}},
+        )
+    return ray
+
+
+class RayExecutor(Executor):
+    def __init__(self, config: EngineConfig):
+        super().__init__(config)
+        self.world_size = config.parallel.tensor_parallel_size
+        self.ray = _start_ray(self.world_size)
+        actor_cls = self.ray.remote(num_cpus=0)(RayWorker)
+        port = free_port()
+        self.actors = [
+            actor_cls.remote(rank, self.world_size, port, config) for rank in range(self.world_size)
+        ]
+        self.ray.get([a.__ray_ready__.remote() for a in self.actors])
+        logger.info("started %d Ray worker actors", self.world_size)
+
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        return self.ray.get([getattr(a, method).remote(*args) for a in self.actors])
+
+    def determine_kv_cache_config(self) -> KVCacheConfig:
+        return min(self._all("determine_kv_cache_config"), key=lambda c: c.num_blocks)
+
+    def initialize_kv_cache(self, kv_config: KVCacheConfig) -> None:
+        self._all("initialize_kv_cache", kv_config)
+
+    def execute_on_workers(self, scheduler_output: SchedulerOutput) -> list[ModelRunnerOutput]:
+        return self._all("execute_model", scheduler_output)
+
+    def shutdown(self) -> None:
+        try:
+            self._all("shutdown")
+        finally:
+            for actor in self.actors:
+                self.ray.kill(actor)
+            self.ray.shutdown()
