@@ -1,0 +1,197 @@
+"""The proxy's FastAPI app: OpenAI routes, /health, /metrics.
+
+POST /v1/completions, /v1/chat/completions   prefill, then decode (SSE when "stream": true)
+GET  /v1/models                              a decode instance's answer
+GET  /health                                 200 while each role has a healthy instance
+GET  /metrics                                the proxy's Prometheus metrics
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvferry.entrypoints.proxy.config import ProxyConfig, normalize_url
+from kvferry.entrypoints.proxy.errors import BadRequestError, ProxyError, error_body, install_error_handlers
+from kvferry.entrypoints.proxy.health import health_loop
+from kvferry.entrypoints.proxy.metrics import ProxyMetrics
+from kvferry.entrypoints.proxy.pd import CHAT, COMPLETIONS, ProxyContext, check_body, complete
+from kvferry.entrypoints.proxy.pool import InstancePool, make_policy
+from kvferry.entrypoints.proxy.streaming import open_stream
+from kvferry.entrypoints.proxy.upstream import Upstream
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+CLIENT_CLOSED_STATUS = 499
+FORWARDED_HEADERS = ("authorization", "x-request-id")
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its answer was ready."""
+
+
+def make_context(config: ProxyConfig, client: httpx.AsyncClient) -> ProxyContext:
+    prefill = InstancePool(
+        "prefill", [normalize_url(u) for u in config.prefill_urls], make_policy(config.policy)
+    )
+    decode = InstancePool(
+        "decode", [normalize_url(u) for u in config.decode_urls], make_policy(config.policy)
+    )
+    metrics = ProxyMetrics([prefill, decode])
+    return ProxyContext(prefill, decode, Upstream(client, metrics), metrics, config.early_first_token)
+
+
+def make_client(config: ProxyConfig) -> httpx.AsyncClient:
+    timeout = httpx.Timeout(config.read_timeout_s, connect=config.connect_timeout_s)
+    limits = httpx.Limits(max_connections=config.max_connections, max_keepalive_connections=256)
+    return httpx.AsyncClient(timeout=timeout, limits=limits)
+
+
+def build_app(config: ProxyConfig) -> FastAPI:
+    """The proxy app for ``config``; its httpx client and health checks live with the app."""
+    client = make_client(config)
+    ctx = make_context(config, client)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        checks = asyncio.create_task(
+            health_loop(client, ctx.pools, config.health_interval_s, config.health_timeout_s)
+        )
+        try:
+            yield
+        finally:
+            checks.cancel()
+            await asyncio.gather(checks, return_exceptions=True)
+            await client.aclose()
+
+    app = FastAPI(title="kvferry proxy", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.state.proxy = ctx
+    install_error_handlers(app)
+    if config.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    _add_openai_routes(app, ctx)
+    _add_ops_routes(app, ctx)
+    return app
+
+
+def _add_openai_routes(app: FastAPI, ctx: ProxyContext) -> None:
+    @app.post(COMPLETIONS)
+    async def completions(request: Request) -> Response:
+        return await _generate(ctx, COMPLETIONS, request)
+
+    @app.post(CHAT)
+    async def chat(request: Request) -> Response:
+        return await _generate(ctx, CHAT, request)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return JSONResponse(await ctx.upstream.get_json(ctx.decode, "/v1/models", _forwarded(request)))
+
+
+def _add_ops_routes(app: FastAPI, ctx: ProxyContext) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        state = {pool.role: [i.describe() for i in pool.instances] for pool in ctx.pools}
+        missing = [pool.role for pool in ctx.pools if pool.num_healthy == 0]
+        if missing:
+            body = error_body(f"no healthy {' or '.join(missing)} instance", "service_unavailable_error")
+            return JSONResponse({**body, "instances": state}, status_code=503)
+        return JSONResponse({"status": "ok", "instances": state})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _generate(ctx: ProxyContext, path: str, request: Request) -> Response:
+    start = time.monotonic()
+    status = 200
+    try:
+        body = check_body(await _json(request))
+        headers = _forwarded(request)
+        if body.get("stream"):
+            events = await _until_disconnect(request, open_stream(ctx, path, body, headers, start))
+            return StreamingResponse(events, media_type="text/event-stream")
+        return JSONResponse(await _until_disconnect(request, complete(ctx, path, body, headers)))
+    except ClientDisconnected:
+        status = CLIENT_CLOSED_STATUS
+        return Response(status_code=status)
+    except ProxyError as exc:
+        status = exc.status_code
+        raise
+    except Exception:
+        status = 500
+        raise
+    finally:
+        ctx.metrics.request(path, status)
+
+
+async def _json(request: Request) -> object:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise BadRequestError(f"malformed JSON body: {exc}") from exc
+
+
+def _forwarded(request: Request) -> dict[str, str]:
+    return {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``; cancel it (dropping its upstream connections) if the client disconnects."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        logger.info("client disconnected; upstream requests cancelled")
+        raise ClientDisconnected()
+    return task.result()
+
+
+class ApiKeyMiddleware:
+    """Pure ASGI middleware: /v1/* needs ``Authorization: Bearer <api_key>``, else HTTP 401."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1"):
+            await self.app(scope, receive, send)
+            return
+        header = Headers(scope=scope).get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), self._key):
+            await self.app(scope, receive, send)
+            return
+        message = "Incorrect API key provided." if header else "Missing API key (Authorization: Bearer ...)."
+        response = JSONResponse(error_body(message, "invalid_request_error", code="invalid_api_key"), 401)
+        await response(scope, receive, send)

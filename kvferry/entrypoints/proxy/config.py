@@ -1,0 +1,43 @@
+"""ProxyConfig: where the instances are and how the proxy talks to them."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from kvferry.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+POLICIES = ("round_robin", "least_loaded")
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    prefill_urls: tuple[str, ...]
+    decode_urls: tuple[str, ...]
+    policy: str = "round_robin"
+    api_key: str | None = None
+    health_interval_s: float = 5.0
+    health_timeout_s: float = 2.0
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float | None = None  # None: no limit (long generations)
+    max_connections: int = 1024
+    early_first_token: bool = True  # stream the prefill's token before the decoder answers
+
+    def __post_init__(self) -> None:
+        if not self.prefill_urls or not self.decode_urls:
+            raise ConfigError("the proxy needs at least one prefill and one decode URL")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy must be one of {POLICIES}, not {self.policy!r}")
+        if self.health_interval_s <= 0 or self.health_timeout_s <= 0:
+            raise ConfigError("health check interval and timeout must be positive")
+        for url in self.prefill_urls + self.decode_urls:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"instance URL must start with http:// or https://: {url!r}")
+
+
+def normalize_url(url: str) -> str:
+    """An instance base URL without a trailing slash or /v1 suffix."""
+    url = url.rstrip("/")
+    return url.removesuffix("/v1")

@@ -1,0 +1,63 @@
+"""``kvferry proxy --prefill URL [URL ...] --decode URL [URL ...]``: the P/D proxy."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from kvferry.entrypoints.proxy.config import POLICIES, ProxyConfig
+
+logger = logging.getLogger(__name__)
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill instance URLs")
+    parser.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode instance URLs")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--policy", default="round_robin", choices=POLICIES, help="how an instance is picked")
+    parser.add_argument("--api-key", default=None, help="clients must send it; forwarded to instances")
+    parser.add_argument("--health-interval", type=float, default=5.0, help="seconds between health checks")
+    parser.add_argument("--health-timeout", type=float, default=2.0)
+    parser.add_argument("--connect-timeout", type=float, default=5.0)
+    parser.add_argument("--read-timeout", type=float, default=None, help="seconds; default: none")
+    parser.add_argument(
+        "--no-early-first-token",
+        dest="early_first_token",
+        action="store_false",
+        help="do not stream the prefill's token before the decoder's stream",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> ProxyConfig:
+    return ProxyConfig(
+        prefill_urls=tuple(args.prefill),
+        decode_urls=tuple(args.decode),
+        policy=args.policy,
+        api_key=args.api_key,
+        health_interval_s=args.health_interval,
+        health_timeout_s=args.health_timeout,
+        connect_timeout_s=args.connect_timeout,
+        read_timeout_s=args.read_timeout,
+        early_first_token=args.early_first_token,
+    )
+
+
+def run(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from kvferry.entrypoints.proxy.app import build_app
+
+    config = config_from_args(args)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per upstream request
+    app = build_app(config)
+    logger.info(
+        "proxy on http://%s:%d: prefill %s, decode %s (%s)",
+        args.host,
+        args.port,
+        " ".join(config.prefill_urls),
+        " ".join(config.decode_urls),
+        config.policy,
+    )
+    level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
+    uvicorn.run(app, host=args.host, port=args.port, log_level=level, timeout_graceful_shutdown=5)

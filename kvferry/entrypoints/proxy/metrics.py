@@ -1,0 +1,83 @@
+"""The proxy's Prometheus metrics, in a registry of its own (one per app)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvferry.entrypoints.proxy.pool import InstancePool
+
+logger = logging.getLogger(__name__)
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class _PoolCollector(Collector):
+    """Health and in-flight requests per instance, read from the pools at scrape time."""
+
+    def __init__(self, pools: Sequence[InstancePool]) -> None:
+        self._pools = pools
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        healthy = GaugeMetricFamily(
+            "kvferry_proxy:instance_healthy",
+            "1 if the instance passed its last health check",
+            labels=["role", "instance"],
+        )
+        in_flight = GaugeMetricFamily(
+            "kvferry_proxy:instance_in_flight",
+            "requests in flight on the instance",
+            labels=["role", "instance"],
+        )
+        for pool in self._pools:
+            for inst in pool.instances:
+                healthy.add_metric([pool.role, inst.url], float(inst.healthy))
+                in_flight.add_metric([pool.role, inst.url], float(inst.in_flight))
+        yield healthy
+        yield in_flight
+
+
+class ProxyMetrics:
+    def __init__(self, pools: Sequence[InstancePool]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_PoolCollector(pools))
+        self._requests = Counter(
+            "kvferry_proxy:requests",
+            "client requests by endpoint and HTTP status",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self._upstream = Counter(
+            "kvferry_proxy:upstream_requests",
+            "requests sent to instances, by outcome (HTTP status, connect_error, error)",
+            ["role", "instance", "outcome"],
+            registry=self.registry,
+        )
+        self._prefill = Histogram(
+            "kvferry_proxy:prefill_seconds",
+            "time from receiving a request to the prefill's answer",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self._first_chunk = Histogram(
+            "kvferry_proxy:time_to_first_chunk_seconds",
+            "time from receiving a streamed request to its first content chunk",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+
+    def request(self, endpoint: str, status: int) -> None:
+        self._requests.labels(endpoint, str(status)).inc()
+
+    def upstream(self, role: str, url: str, outcome: str) -> None:
+        self._upstream.labels(role, url, outcome).inc()
+
+    def prefill_done(self, seconds: float) -> None:
+        self._prefill.observe(seconds)
+
+    def first_chunk(self, seconds: float) -> None:
+        self._first_chunk.observe(seconds)

@@ -1,0 +1,168 @@
+"""P/D request shaping and the non-streamed flow.
+
+One client request becomes one *leg* per prompt (a completions batch is split, since
+``kv_transfer_params`` belongs to one request). Each leg: POST the prefill body to a
+prefill instance, then the original body plus the prefill's ``kv_transfer_params`` to a
+decode instance. The decoder regenerates the whole answer (its first token is the
+prefiller's, computed again from the transferred KV), so its answer and usage are the
+client's answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import time
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from kvferry.entrypoints.proxy.errors import BadRequestError
+from kvferry.entrypoints.proxy.metrics import ProxyMetrics
+from kvferry.entrypoints.proxy.pool import InstancePool
+from kvferry.entrypoints.proxy.upstream import Upstream
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+
+
+@dataclass
+class ProxyContext:
+    """What a request handler needs: pools, the upstream client, metrics, options."""
+
+    prefill: InstancePool
+    decode: InstancePool
+    upstream: Upstream
+    metrics: ProxyMetrics
+    early_first_token: bool = True
+    pools: list[InstancePool] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.pools = [self.prefill, self.decode]
+
+
+def split_legs(path: str, body: dict) -> list[dict]:
+    """One body per prompt: a completions batch (list of strings or token lists) is split."""
+    prompt = body.get("prompt")
+    if path != COMPLETIONS or not isinstance(prompt, list) or not prompt:
+        return [body]
+    if all(isinstance(x, int) for x in prompt):
+        return [body]  # one prompt given as token ids
+    legs = []
+    for one in prompt:
+        leg = dict(body)
+        leg["prompt"] = one
+        legs.append(leg)
+    return legs
+
+
+def prefill_body(path: str, body: dict) -> dict:
+    """The request for the prefiller: one token, not streamed, KV kept for a remote decoder."""
+    out = copy.deepcopy(body)
+    out["max_tokens"] = 1
+    if path == CHAT:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    out.pop("stream_options", None)
+    out["kv_transfer_params"] = {"do_remote_decode": True}
+    return out
+
+
+def decode_body(body: dict, prefill_response: dict) -> dict:
+    """The original request plus the prefill's kv_transfer_params (none: the decoder recomputes)."""
+    out = dict(body)
+    out.pop("kv_transfer_params", None)
+    params = prefill_response.get("kv_transfer_params")
+    if isinstance(params, dict):
+        out["kv_transfer_params"] = params
+    return out
+
+
+def first_text(path: str, prefill_response: dict) -> str:
+    """The text of the prefill's one generated token ("" if it has none)."""
+    choices = prefill_response.get("choices") or [{}]
+    choice = choices[0]
+    if path == CHAT:
+        return (choice.get("message") or {}).get("content") or ""
+    return choice.get("text") or ""
+
+
+def is_greedy(body: dict) -> bool:
+    """Whether the decoder must regenerate exactly the prefiller's first token."""
+    return body.get("temperature") == 0 or body.get("top_k") == 1
+
+
+def wants_logprobs(path: str, body: dict) -> bool:
+    if path == CHAT:
+        return bool(body.get("logprobs"))
+    return body.get("logprobs") is not None
+
+
+def check_body(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise BadRequestError("the request body must be a JSON object")
+    return body
+
+
+async def gather_all(work: Sequence[Awaitable[T]]) -> list[T]:
+    """Await all; on the first failure cancel the rest and raise that failure."""
+    tasks = [asyncio.ensure_future(w) for w in work]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def run_prefill(ctx: ProxyContext, path: str, body: dict, headers: dict[str, str]) -> dict:
+    start = time.monotonic()
+    _, response = await ctx.upstream.post_json(ctx.prefill, path, prefill_body(path, body), headers)
+    ctx.metrics.prefill_done(time.monotonic() - start)
+    return response
+
+
+async def run_leg(ctx: ProxyContext, path: str, body: dict, headers: dict[str, str]) -> dict:
+    prefill = await run_prefill(ctx, path, body, headers)
+    _, answer = await ctx.upstream.post_json(ctx.decode, path, decode_body(body, prefill), headers)
+    return answer
+
+
+async def complete(ctx: ProxyContext, path: str, body: dict, headers: dict[str, str]) -> dict:
+    """A non-streamed answer: the decoder's, or the decoders' merged for a batch."""
+    legs = split_legs(path, body)
+    answers = await gather_all([run_leg(ctx, path, leg, headers) for leg in legs])
+    if len(answers) == 1:
+        return answers[0]
+    return merge_answers(answers)
+
+
+def merge_answers(answers: list[dict]) -> dict:
+    """One completions answer from one answer per prompt: choices re-indexed, usage summed."""
+    merged = {k: v for k, v in answers[0].items() if k not in ("choices", "usage", "kv_transfer_params")}
+    choices = []
+    for i, answer in enumerate(answers):
+        for choice in answer.get("choices", []):
+            choices.append({**choice, "index": i})
+    merged["choices"] = choices
+    usages = [a["usage"] for a in answers if isinstance(a.get("usage"), dict)]
+    if usages:
+        merged["usage"] = sum_usage(usages)
+    return merged
+
+
+def sum_usage(usages: list[dict]) -> dict:
+    """Field-wise sum of OpenAI usage objects (nested detail objects too)."""
+    total: dict[str, Any] = {}
+    for usage in usages:
+        for key, value in usage.items():
+            if isinstance(value, dict):
+                total[key] = sum_usage([total.get(key, {}), value])
+            elif isinstance(value, int | float):
+                total[key] = total.get(key, 0) + value
+    return total

@@ -1,0 +1,246 @@
+"""Streamed answers (SSE).
+
+Per leg (one prompt): the prefill runs first. When the decoder must regenerate exactly
+the prefiller's first token (greedy, no logprobs) and that token's text is complete, the
+text goes to the client at once, so the time to first token is the prefill's; the
+decoder's stream follows with that same text dropped from its start. Otherwise the
+decoder's stream is opened before the response starts (so its errors keep their HTTP
+status) and passed through. All chunks get the proxy's id and their leg's choice index;
+usage chunks are summed into one at the end. An error after the response started is
+sent in-stream as an OpenAI error body, like the server does, then ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kvferry.entrypoints.proxy.errors import exception_event_body
+from kvferry.entrypoints.proxy.pd import (
+    CHAT,
+    ProxyContext,
+    decode_body,
+    first_text,
+    gather_all,
+    is_greedy,
+    run_prefill,
+    split_legs,
+    sum_usage,
+    wants_logprobs,
+)
+from kvferry.entrypoints.proxy.upstream import SSE_DONE, UpstreamStream
+
+logger = logging.getLogger(__name__)
+
+SSE_DONE_LINE = "data: [DONE]\n\n"
+REPLACEMENT_CHAR = "\ufffd"  # an incomplete character: never stream it early
+
+
+def sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+class StreamLeg:
+    """One prompt's prefill, then its decoder stream."""
+
+    def __init__(self, ctx: ProxyContext, path: str, index: int, body: dict, headers: dict[str, str]) -> None:
+        self.ctx = ctx
+        self.path = path
+        self.index = index
+        self.body = body
+        self.headers = headers
+        self.prefill: dict = {}
+        self.early: str | None = None  # the prefill's text, sent before the decoder's stream
+        self.pending = ""  # early text still to drop from the decoder's stream
+        self.stream: UpstreamStream | None = None
+
+    async def prepare(self, allow_early: bool) -> None:
+        self.prefill = await run_prefill(self.ctx, self.path, self.body, self.headers)
+        text = first_text(self.path, self.prefill)
+        if allow_early and text and REPLACEMENT_CHAR not in text:
+            self.early = text
+        else:
+            await self._open_decoder()
+
+    async def _open_decoder(self) -> None:
+        body = decode_body(self.body, self.prefill)
+        self.stream = await self.ctx.upstream.open_stream(self.ctx.decode, self.path, body, self.headers)
+
+    async def chunks(self) -> AsyncIterator[dict]:
+        """Chunks for the client; an ``{"error": ...}`` chunk ends the leg."""
+        if self.early is not None:
+            for chunk in early_chunks(self.path, self.prefill, self.early):
+                yield chunk
+            self.pending = self.early
+            await self._open_decoder()
+        assert self.stream is not None
+        async for obj in self.stream.events():
+            if obj is SSE_DONE:
+                break
+            if isinstance(obj, dict) and "error" in obj:
+                yield obj
+                return
+            chunk = self._strip_early(obj)
+            if chunk is not None:
+                yield chunk
+        if self.pending:
+            logger.warning("decoder's answer is shorter than the prefill's first token %r", self.early)
+
+    def _strip_early(self, chunk: dict) -> dict | None:
+        if self.early is None:
+            return chunk
+        chunk, self.pending = strip_sent(self.path, chunk, self.pending)
+        return chunk
+
+    async def aclose(self) -> None:
+        if self.stream is not None:
+            await self.stream.aclose()
+
+
+def early_chunks(path: str, prefill: dict, text: str) -> list[dict]:
+    meta = {"id": None, "created": prefill.get("created", int(time.time())), "model": prefill.get("model")}
+    if path == CHAT:
+        meta["object"] = "chat.completion.chunk"
+        role = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        first = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+        return [{**meta, "choices": [role]}, {**meta, "choices": [first]}]
+    meta["object"] = "text_completion"
+    return [{**meta, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}]}]
+
+
+def _skip(text: str, pending: str) -> tuple[str, str]:
+    n = min(len(text), len(pending))
+    if text[:n] != pending[:n]:
+        logger.warning("decoder's text %r does not start with the prefill's first token %r", text, pending)
+        return text[n:], ""
+    return text[n:], pending[n:]
+
+
+def strip_sent(path: str, chunk: dict, pending: str) -> tuple[dict | None, str]:
+    """Drop from a decoder chunk what the client already got early: ``pending`` text and,
+    for chat, the role. Returns the chunk (None when nothing is left) and what is still pending."""
+    choices = []
+    for choice in chunk.get("choices") or []:
+        choice = dict(choice)
+        if path == CHAT:
+            delta = {k: v for k, v in (choice.get("delta") or {}).items() if k != "role"}
+            text = delta.get("content") or ""
+            text, pending = _skip(text, pending) if text and pending else (text, pending)
+            delta.pop("content", None)
+            if text:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            text, pending = (
+                _skip(choice.get("text") or "", pending) if pending else (choice.get("text"), pending)
+            )
+            choice["text"] = text
+        if text or choice.get("finish_reason") is not None or choice.get("logprobs") is not None:
+            choices.append(choice)
+    if not choices and not chunk.get("usage"):
+        return None, pending
+    return {**chunk, "choices": choices}, pending
+
+
+def _has_text(chunk: dict) -> bool:
+    for choice in chunk.get("choices") or []:
+        if choice.get("text") or (choice.get("delta") or {}).get("content"):
+            return True
+    return False
+
+
+async def _interleave(legs: list[StreamLeg]) -> AsyncIterator[tuple[StreamLeg, dict]]:
+    if len(legs) == 1:
+        async for chunk in legs[0].chunks():
+            yield legs[0], chunk
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(leg: StreamLeg) -> None:
+        try:
+            async for chunk in leg.chunks():
+                await queue.put((leg, chunk))
+        except Exception as exc:
+            await queue.put((leg, exc))
+        await queue.put((leg, None))
+
+    tasks = [asyncio.ensure_future(pump(leg)) for leg in legs]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            leg, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield leg, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def open_stream(
+    ctx: ProxyContext, path: str, body: dict, headers: dict[str, str], start: float
+) -> AsyncIterator[str]:
+    """Run the prefills (errors raise here, before any response); the SSE lines to send."""
+    legs = [StreamLeg(ctx, path, i, leg, headers) for i, leg in enumerate(split_legs(path, body))]
+    allow_early = ctx.early_first_token and is_greedy(body) and not wants_logprobs(path, body)
+    try:
+        await gather_all([leg.prepare(allow_early) for leg in legs])
+    except BaseException:
+        await _close(legs)
+        raise
+    return _events(ctx, path, legs, start)
+
+
+async def _events(ctx: ProxyContext, path: str, legs: list[StreamLeg], start: float) -> AsyncIterator[str]:
+    prefix = "chatcmpl" if path == CHAT else "cmpl"
+    stream_id = f"{prefix}-{uuid.uuid4().hex}"
+    usages: list[dict] = []
+    first = True
+    try:
+        async with contextlib.aclosing(_interleave(legs)) as items:
+            async for leg, chunk in items:
+                if "error" in chunk:
+                    yield sse(chunk)
+                    break
+                chunk["id"] = stream_id
+                if not chunk.get("choices") and chunk.get("usage"):
+                    usages.append(chunk)
+                    continue
+                for choice in chunk["choices"]:
+                    choice["index"] = leg.index
+                if first and _has_text(chunk):
+                    first = False
+                    ctx.metrics.first_chunk(time.monotonic() - start)
+                yield sse(chunk)
+            else:
+                if usages:
+                    yield sse({**usages[-1], "usage": sum_usage([u["usage"] for u in usages])})
+    except Exception as exc:  # an instance failed after the response started: tell the client in-stream
+        logger.warning("stream %s failed: %s", stream_id, exc)
+        yield sse(exception_event_body(exc))
+    finally:
+        await _close(legs)
+    yield SSE_DONE_LINE
+
+
+async def _close(legs: list[StreamLeg]) -> None:
+    for leg in legs:
+        try:
+            await leg.aclose()
+        except Exception:
+            logger.exception("closing an upstream stream failed")
