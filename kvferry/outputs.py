@@ -29,4 +29,5 @@ class RequestOutput:
     delta_token_ids: list[int] = field(default_factory=list)
     delta_logprobs: list[SampleLogprobs] = field(default_factory=list)
     error: str | None = None
+    invalid_param: str | None = None  # set when the error is the client's (HTTP 400)
     kv_transfer_params: dict | None = None

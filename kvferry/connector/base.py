@@ -76,9 +76,16 @@ class KVConnectorBase:
 
     # ---- scheduler half -------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         """Tokens beyond num_computed_tokens this connector can provide, and whether the
-        load is asynchronous (the request then waits for finished_recving)."""
+        load is asynchronous (the request then waits for finished_recving).
+
+        (None, False): the connector cannot tell yet (e.g. a lookup is under way); the
+        scheduler skips the request this step and asks again. Raising InvalidRequestError
+        rejects the request (HTTP 400), e.g. for kv_transfer_params that do not check out.
+        """
         return 0, False
 
     def update_state_after_alloc(
@@ -99,6 +106,17 @@ class KVConnectorBase:
         """The request finished. Returns (delay_free, kv_transfer_params): with delay_free
         the scheduler keeps the blocks until finished_sending names the request."""
         return False, None
+
+    @classmethod
+    def prepare_config(cls, engine_config: EngineConfig) -> EngineConfig:
+        """Resolve, once and before any half is built, settings every half must agree on
+        (e.g. an engine id or a port chosen at start-up). Default: unchanged."""
+        return engine_config
+
+    @classmethod
+    def validate_kv_transfer_params(cls, transfer_config: KVTransferConfig, params: dict | None) -> None:
+        """Check a request's kv_transfer_params synchronously in the front end; raise
+        InvalidRequestError (HTTP 400) for malformed ones. Default: accept anything."""
 
     @classmethod
     def expected_finished_count(cls, engine_config: EngineConfig) -> int:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
+from collections.abc import Callable
 
 from kvferry.config import EngineConfig, KVTransferConfig
 from kvferry.connector.base import KVConnectorBase, KVConnectorRole
@@ -49,6 +51,22 @@ def resolve_connector_class(config: KVTransferConfig) -> type[KVConnectorBase]:
             f"{class_name} does not support kv_role {config.kv_role!r} (supports {sorted(cls.supported_roles)})"
         )
     return cls
+
+
+def prepare_engine_config(engine_config: EngineConfig) -> EngineConfig:
+    """The config with the connector's start-up decisions applied (see KVConnectorBase.prepare_config)."""
+    if not engine_config.kv_transfer.enabled:
+        return engine_config
+    return resolve_connector_class(engine_config.kv_transfer).prepare_config(engine_config)
+
+
+def kv_params_validator(engine_config: EngineConfig) -> Callable[[dict | None], None] | None:
+    """The front end's synchronous check of kv_transfer_params, or None without a connector."""
+    config = engine_config.kv_transfer
+    if not config.enabled:
+        return None
+    cls = resolve_connector_class(config)
+    return functools.partial(cls.validate_kv_transfer_params, config)
 
 
 def create_connector(

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvferry.config import EngineConfig, ModelConfig
+from kvferry.connector.factory import kv_params_validator
 from kvferry.engine.core import EngineStats
 from kvferry.engine.core_client import CoreClient
 from kvferry.engine.core_proc import CoreFactory, make_engine_core
@@ -88,6 +89,14 @@ class _Stream:
     finished: bool = False
 
 
+def _request_error(message: str | None, invalid_param: str | None) -> KVFerryError:
+    """The exception a failed request raises: the client's fault (400) or the engine's (500)."""
+    message = message or "the engine failed this request"
+    if invalid_param is not None:
+        return InvalidRequestError(message, param=invalid_param or None)
+    return RequestFailedError(message)
+
+
 def _stats_from_wire(raw: dict) -> EngineStats:
     names = {f.name for f in dataclasses.fields(EngineStats)}
     return EngineStats(**{k: v for k, v in raw.items() if k in names})
@@ -131,7 +140,7 @@ class AsyncEngine:
         except BaseException:
             client.shutdown()
             raise
-        inputs = InputProcessor(config.model, tokenizer)
+        inputs = InputProcessor(config.model, tokenizer, kv_params_validator(config))
         return cls(config.model, client, inputs, OutputProcessor(tokenizer), tokenizer)
 
     # -- public API ----------------------------------------------------------------------
@@ -301,7 +310,7 @@ class AsyncEngine:
         reason = out.outputs[0].finish_reason if out.outputs else None
         if out.error is not None or reason == "error":
             iteration.finished.append(self._finished_stats(stream.timing, "error"))
-            stream.queue.put_nowait(RequestFailedError(out.error or "the engine failed this request"))
+            stream.queue.put_nowait(_request_error(out.error, out.invalid_param))
             return
         iteration.finished.append(self._finished_stats(stream.timing, reason or "stop"))
         stream.queue.put_nowait(out)
@@ -313,7 +322,7 @@ class AsyncEngine:
             if out.error is not None and stream is not None and not stream.finished:
                 stream.finished = True
                 self.output_processor.abort_request(out.req_id)
-                stream.queue.put_nowait(RequestFailedError(out.error))
+                stream.queue.put_nowait(_request_error(out.error, out.invalid_param))
 
     def _fail_batch(self, outputs: list[EngineCoreOutput], error: BaseException) -> None:
         ids = []

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from kvferry.config import EngineConfig
 from kvferry.connector.base import KVConnectorRole
-from kvferry.connector.factory import create_connector
+from kvferry.connector.factory import create_connector, prepare_engine_config
 from kvferry.connector.output import KVConnectorOutput
 from kvferry.engine.types import EngineCoreOutput, EngineCoreRequest
 from kvferry.engine.warmup import warmup_steps
@@ -57,6 +57,7 @@ def make_executor(config: EngineConfig) -> Executor:
 
 class EngineCore:
     def __init__(self, config: EngineConfig):
+        config = prepare_engine_config(config)  # connector decisions every half and rank shares
         self.config = config
         self._connector_totals: dict[str, float] = {}
         start = time.perf_counter()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from kvferry.config import ModelConfig
 from kvferry.engine.types import EngineCoreRequest
@@ -11,9 +12,16 @@ from kvferry.sampling_params import SamplingParams
 
 
 class InputProcessor:
-    def __init__(self, model_config: ModelConfig, tokenizer):
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        tokenizer,
+        kv_params_validator: Callable[[dict | None], None] | None = None,
+    ):
         self.model_config = model_config
         self.tokenizer = tokenizer
+        # The KV connector's synchronous check of kv_transfer_params (raises InvalidRequestError).
+        self.kv_params_validator = kv_params_validator
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -35,6 +43,8 @@ class InputProcessor:
     ) -> EngineCoreRequest:
         token_ids = self.tokenize(prompt)
         self._validate(token_ids, params)
+        if self.kv_params_validator is not None and kv_transfer_params is not None:
+            self.kv_params_validator(kv_transfer_params)
         return EngineCoreRequest(request_id, token_ids, params, time.time(), kv_transfer_params)
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:

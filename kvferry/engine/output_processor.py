@@ -128,5 +128,6 @@ class OutputProcessor:
             delta_token_ids=new_tokens,
             delta_logprobs=list(out.new_logprobs),
             error=out.error,
+            invalid_param=out.invalid_param,
             kv_transfer_params=out.kv_transfer_params,
         )

@@ -35,6 +35,8 @@ class EngineCoreOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from a cache (not computed)
     error: str | None = None
+    # Set (to the parameter's name, or "") when the error is the client's: HTTP 400, not 500.
+    invalid_param: str | None = None
     kv_transfer_params: dict | None = None
 
     @property

@@ -89,6 +89,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.error: str | None = None  # why the engine failed it (FINISHED_ERROR)
+        self.invalid_param: str | None = None  # set when the error is the client's (HTTP 400)
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # set when first scheduled: prompt tokens served from a cache
         self.num_preemptions = 0

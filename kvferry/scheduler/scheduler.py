@@ -15,6 +15,7 @@ from collections.abc import Iterable
 
 from kvferry.config import LOAD_FAILURE_POLICIES, CacheConfig, SchedulerConfig
 from kvferry.engine.types import EngineCoreOutput, EngineCoreRequest
+from kvferry.errors import InvalidRequestError
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.scheduler.hashing import BlockHasher
 from kvferry.scheduler.interfaces import SchedulerConnector, connector_field
@@ -196,22 +197,36 @@ class Scheduler:
         logger.debug("preempted %s (%d tokens)", request.req_id, request.num_tokens)
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
-        skipped: list[Request] = []  # loading remote KV: keep their place in the queue
+        skipped: list[Request] = []  # loading remote KV, or deferred: keep their place in the queue
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 skipped.append(self.waiting.popleft())
                 continue
-            if not self._admit(request, plan):
+            admitted = self._admit(request, plan)
+            if admitted is None:  # the connector cannot tell its hits yet: ask again next step
+                skipped.append(self.waiting.popleft())
+                continue
+            if not admitted:
                 break
         self.waiting.extendleft(reversed(skipped))
 
-    def _admit(self, request: Request, plan: StepPlan) -> bool:
-        """Try to start the head of the waiting queue. False: stop admitting this step."""
+    def _admit(self, request: Request, plan: StepPlan) -> bool | None:
+        """Try to start the head of the waiting queue. False: stop admitting this step;
+        None: the connector deferred the request (it stays waiting, untouched)."""
         kv = self.kv_cache_manager
         if request.num_computed_tokens == 0:
             hits, num_local = kv.get_computed_blocks(request)
-            num_external, load_async = self._external_hits(request, num_local)
+            try:
+                external = self._external_hits(request, num_local)
+            except InvalidRequestError as exc:  # e.g. kv_transfer_params that do not check out
+                self._finish(
+                    request, RequestStatus.FINISHED_ERROR, exc.message, invalid_param=exc.param or ""
+                )
+                return True
+            if external is None:
+                return None
+            num_external, load_async = external
         else:  # its remote KV has arrived
             hits, num_local, num_external, load_async = None, 0, 0, False
         num_computed = request.num_computed_tokens + num_local + num_external
@@ -245,10 +260,12 @@ class Scheduler:
         plan.add_new(request, num_new)
         return True
 
-    def _external_hits(self, request: Request, num_local: int) -> tuple[int, bool]:
+    def _external_hits(self, request: Request, num_local: int) -> tuple[int, bool] | None:
         if self.connector is None:
             return 0, False
         num, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
+        if num is None:
+            return None
         num = max(0, min(num, request.num_tokens - 1 - num_local))  # the last token is computed
         return num, load_async and num > 0
 
@@ -323,14 +340,23 @@ class Scheduler:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=max(0, request.num_cached_tokens),
             error=request.error,
+            invalid_param=request.invalid_param,
         )
 
     # ---- finishing --------------------------------------------------------------------
 
     def _finish(
-        self, request: Request, status: RequestStatus, error: str | None = None, emit: bool = True
+        self,
+        request: Request,
+        status: RequestStatus,
+        error: str | None = None,
+        emit: bool = True,
+        invalid_param: str | None = None,
     ) -> None:
-        """Finish a request outside the normal stop checks (abort, failure)."""
+        """Finish a request outside the normal stop checks (abort, failure).
+
+        With invalid_param the error is the client's (HTTP 400), naming that parameter.
+        """
         receiving = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
@@ -338,6 +364,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         request.error = error
+        request.invalid_param = invalid_param
         if error is not None:
             logger.warning("request %s failed: %s", request.req_id, error)
         params = self._release(request, receiving)

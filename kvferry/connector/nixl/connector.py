@@ -1,0 +1,138 @@
+"""NixlConnector: P/D disaggregation by pulling KV over NIXL (DESIGN.md section 5).
+
+    kv_role producer  prefill instance: finished prefills that asked for remote decode
+                      keep their blocks under a lease until the decoder has read them
+    kv_role consumer  decode instance: requests with do_remote_prefill read the remote
+                      blocks (beyond the local prefix hit) before they run
+    kv_role both      either, per request
+
+One class, two halves: the scheduler half is scheduler_side.NixlScheduler, the worker
+half worker_side.NixlWorker; this class routes the connector API to them. See
+docs/connector.md (NixlConnector) for the kv_transfer_params contract and the settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+import uuid
+from typing import TYPE_CHECKING
+
+from kvferry.connector.base import KVConnectorBase, KVConnectorRole
+from kvferry.connector.nixl.metadata import NixlConnectorMetadata, NixlSettings
+from kvferry.connector.nixl.params import validate_params
+from kvferry.connector.output import KVConnectorOutput, KVConnectorStats
+from kvferry.kv.spec import KVCacheConfig, Layout
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvferry.config import EngineConfig, KVTransferConfig
+    from kvferry.scheduler.output import SchedulerOutput
+    from kvferry.scheduler.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class NixlConnector(KVConnectorBase):
+    # All work happens outside the forward (loads finish before their request runs; holds
+    # start after it finished): the per-layer hooks do nothing, so capturing them is safe.
+    graph_safe = True
+    supported_layouts = (Layout.NHD, Layout.HND)
+
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+        tp_rank: int = 0,
+    ):
+        super().__init__(engine_config, role, kv_cache_config, tp_rank)
+        self.settings = NixlSettings.from_extra(self.extra_config)
+        self.scheduler = None
+        self.worker = None
+        self._failed: set[str] = set()
+        self._stats: dict[str, float] = {}
+        if role is KVConnectorRole.SCHEDULER:
+            from kvferry.connector.nixl.scheduler_side import NixlScheduler
+
+            self.scheduler = NixlScheduler(engine_config, kv_cache_config, self.settings)
+        else:
+            from kvferry.connector.nixl.worker_side import NixlWorker
+
+            self.worker = NixlWorker(engine_config, self.settings, tp_rank)
+
+    @classmethod
+    def prepare_config(cls, engine_config: EngineConfig) -> EngineConfig:
+        """Pick the engine id and the side-channel port once, for every half and rank."""
+        transfer = engine_config.kv_transfer
+        extra = dict(transfer.kv_connector_extra_config)
+        extra.setdefault("engine_id", f"kvf-{uuid.uuid4().hex[:12]}")
+        if not extra.get("side_channel_port") and transfer.kv_role in ("producer", "both"):
+            extra["side_channel_port"] = _free_port(extra.get("side_channel_host", "127.0.0.1"))
+        NixlSettings.from_extra(extra)  # a bad setting fails the start-up, clearly
+        transfer = dataclasses.replace(transfer, kv_connector_extra_config=extra)
+        return dataclasses.replace(engine_config, kv_transfer=transfer)
+
+    @classmethod
+    def validate_kv_transfer_params(cls, transfer_config: KVTransferConfig, params: dict | None) -> None:
+        validate_params(transfer_config.kv_role, params)
+
+    # ---- scheduler half -------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: tuple[list[int], ...], num_external: int
+    ) -> None:
+        self.scheduler.update_state_after_alloc(request, block_ids, num_external)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> NixlConnectorMetadata:
+        return self.scheduler.build_connector_meta()
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        self.scheduler.update_connector_output(set(output.finished_recving))
+
+    def request_finished(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict | None]:
+        return self.scheduler.request_finished(request, block_ids)
+
+    # ---- worker half ----------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], kv_cache_config: KVCacheConfig) -> None:
+        self.worker.register(kv_caches, kv_cache_config)
+
+    def start_load_kv(self) -> None:
+        meta = self.metadata
+        assert isinstance(meta, NixlConnectorMetadata), f"bad metadata {meta!r}"
+        self.worker.start_load(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        sending, recving, self._failed, stats = self.worker.take()
+        self._stats = stats
+        return sending, recving
+
+    def get_failed_recving(self) -> set[str]:
+        failed, self._failed = self._failed, set()
+        return failed
+
+    def get_stats(self) -> KVConnectorStats | None:
+        stats, self._stats = self._stats, {}
+        return KVConnectorStats(stats) if stats else None
+
+    def shutdown(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.shutdown()
+        if self.worker is not None:
+            self.worker.shutdown()

@@ -1,0 +1,272 @@
+"""Decode side of a worker: read remote blocks, then get them acknowledged (invariant 6).
+
+Per load:  info (handshake, once per remote engine) -> read (one NIXL READ per prefill
+rank this rank shares KV heads with) -> ack (Done to each of those ranks; every one must
+ACK that the blocks were still held) -> over: finished, or finished and failed.
+
+A load whose READ is still in flight is never reported: the scheduler may hand its blocks
+to another request once it is, and a late write would corrupt them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvferry.connector.nixl.agent import Agent, NixlError, Transfer
+from kvferry.connector.nixl.channel import Address, Clients, Pending
+from kvferry.connector.nixl.metadata import LoadSpec, NixlSettings
+from kvferry.connector.nixl.plan import RankView, concat, plan_read, shared_heads
+from kvferry.connector.nixl.protocol import Ack, Done, EngineInfo, Handshake, HandshakeReply
+from kvferry.kv.spec import Layout
+
+logger = logging.getLogger(__name__)
+
+INFO, READ, ACK = "info", "read", "ack"
+
+
+@dataclass
+class RemoteEngine:
+    info: EngineInfo
+    views: dict[int, list[RankView]]  # prefill rank -> one view per KV cache group
+    agents: dict[int, str] = field(default_factory=dict)  # prefill rank -> NIXL agent name
+
+
+@dataclass
+class Load:
+    spec: LoadSpec
+    started: float
+    stage: str = INFO
+    engine: RemoteEngine | None = None
+    readers: list[int] = field(default_factory=list)  # prefill ranks this rank reads from
+    transfers: dict[int, Transfer] = field(default_factory=dict)
+    acks: list[Pending] = field(default_factory=list)
+    failure: str | None = None
+    cancelled: bool = False
+    read_done: float = 0.0
+
+
+def remote_views(info: EngineInfo) -> dict[int, list[RankView]]:
+    views = {}
+    for rank in info.ranks:
+        by_name = {layer.name: layer for layer in rank.layers}
+        views[rank.rank] = [
+            RankView(
+                layout=Layout(info.layout),
+                heads=g.kv_heads,
+                head_start=rank.rank * g.kv_heads,
+                block_size=g.block_size,
+                head_size=g.head_size,
+                itemsize=getattr(torch, g.dtype).itemsize,
+                layers={name: by_name[name] for name in g.layer_names},
+            )
+            for g in info.groups
+        ]
+    return views
+
+
+def _overlap(local: RankView, remote: RankView) -> bool:
+    lo, hi = shared_heads(local, remote)
+    return lo < hi
+
+
+class ConsumerLoads:
+    def __init__(
+        self,
+        agent: Agent,
+        clients: Clients,
+        local: list[RankView],
+        settings: NixlSettings,
+        rank: int,
+        tp: int,
+    ):
+        self.agent = agent
+        self.clients = clients
+        self.local = local  # one view per KV cache group
+        self.settings = settings
+        self.rank = rank
+        self.tp = tp
+        self.engines: dict[Address, RemoteEngine] = {}
+        self.handshakes: dict[Address, Pending] = {}
+        self.loads: dict[str, Load] = {}
+        self.finished: set[str] = set()
+        self.failed: set[str] = set()
+        self.stats: dict[str, float] = {}
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.loads)
+
+    def add(self, spec: LoadSpec) -> None:
+        load = Load(spec, time.monotonic())
+        if spec.fail is not None:
+            load.failure = spec.fail
+            self._finish(load)
+            return
+        self.loads[spec.request_id] = load
+
+    def cancel(self, request_id: str) -> None:
+        load = self.loads.get(request_id)
+        if load is not None:
+            load.cancelled = True
+
+    def tick(self) -> None:
+        for load in list(self.loads.values()):
+            if load.stage == INFO:
+                self._start(load)
+            if load.stage == READ:
+                self._poll_reads(load)
+            if load.stage == ACK and all(p.done for p in load.acks):
+                self._acknowledged(load)
+
+    def _count(self, key: str, value: float = 1.0) -> None:
+        self.stats[key] = self.stats.get(key, 0.0) + value
+
+    # ---- handshake ----------------------------------------------------------------------
+
+    def _engine(self, load: Load) -> RemoteEngine | str | None:
+        """The remote engine (agents loaded), an error, or None while the handshake runs."""
+        spec = load.spec
+        address = (spec.host, spec.port)
+        engine = self.engines.get(address)
+        if engine is not None and engine.info.engine_id == spec.engine_id:
+            return engine
+        pending = self.handshakes.get(address)
+        if pending is None:
+            msg = Handshake(self.clients.next_seq())
+            self.handshakes[address] = self.clients.send(address, msg, self.settings.handshake_timeout_s)
+            return None
+        if not pending.done:
+            return None
+        del self.handshakes[address]
+        reply = pending.reply
+        if not isinstance(reply, HandshakeReply) or reply.info is None:
+            return f"handshake with {address[0]}:{address[1]} failed: {pending.error or 'bad reply'}"
+        if reply.info.engine_id != spec.engine_id:
+            return f"the engine at {address[0]}:{address[1]} is {reply.info.engine_id}, not {spec.engine_id}"
+        engine = RemoteEngine(reply.info, remote_views(reply.info))
+        for rank in reply.info.ranks:
+            engine.agents[rank.rank] = self.agent.add_remote(rank.agent_metadata)
+        self.engines[address] = engine
+        return engine
+
+    # ---- reads --------------------------------------------------------------------------
+
+    def _start(self, load: Load) -> None:
+        if load.cancelled:
+            self._finish(load)
+            return
+        try:
+            engine = self._engine(load)
+        except NixlError as exc:
+            engine = str(exc)
+        if engine is None:
+            return
+        if isinstance(engine, str):
+            load.failure = engine
+            self._finish(load)
+            return
+        load.engine = engine
+        load.stage = READ
+        load.readers = [p for p, views in engine.views.items() if _overlap(self.local[0], views[0])]
+        for p in load.readers:
+            plan = concat(
+                [
+                    plan_read(local, remote, local.layers.keys(), lids, rids)
+                    for local, remote, (lids, rids) in zip(
+                        self.local, engine.views[p], load.spec.groups, strict=True
+                    )
+                ]
+            )
+            if not plan.num_descriptors:
+                continue
+            try:
+                load.transfers[p] = self.agent.read(plan, engine.agents[p])
+            except NixlError as exc:
+                load.failure = str(exc)
+                break
+            self._count("nixl_transfers")
+            self._count("nixl_descriptors", plan.num_descriptors)
+
+    def _poll_reads(self, load: Load) -> None:
+        states = [self.agent.poll(t) for t in load.transfers.values()]
+        if "PROC" in states:
+            if time.monotonic() - load.started > self.settings.transfer_timeout_s:
+                self._abandon_reads(load)
+            return
+        if not load.read_done:
+            load.read_done = time.monotonic()
+            self._account(load, states)
+        if load.failure is None and not load.cancelled:
+            if time.monotonic() - load.read_done < self.settings.fault_done_delay_s:
+                return  # fault injection: a slow decoder
+            self._send_done(load, ok=True)
+            load.stage = ACK
+            return
+        self._send_done(load, ok=False)
+        self._finish(load)
+
+    def _account(self, load: Load, states: list[str]) -> None:
+        seconds = load.read_done - load.started
+        for transfer in load.transfers.values():
+            self.agent.release(transfer)
+            if transfer.state == "DONE":
+                self._count("nixl_bytes_read", transfer.num_bytes)
+        self._count("nixl_transfer_seconds", seconds)
+        if "ERR" in states and load.failure is None:
+            load.failure = f"NIXL READ of {load.spec.remote_request_id} failed"
+
+    def _abandon_reads(self, load: Load) -> None:
+        """A READ past its timeout: report the load only once NIXL let go of every handle."""
+        still = {p: t for p, t in load.transfers.items() if t.state == "PROC" and not self.agent.release(t)}
+        if still:
+            return
+        load.transfers = {}
+        load.failure = f"NIXL READ of {load.spec.remote_request_id} timed out"
+        load.read_done = time.monotonic()
+        self._send_done(load, ok=False)
+        self._finish(load)
+
+    def _send_done(self, load: Load, ok: bool) -> None:
+        timeout = self.settings.ack_timeout_s if ok else None
+        for p in load.readers:
+            rank = load.engine.info.ranks[p]
+            msg = Done(
+                self.clients.next_seq(),
+                load.spec.remote_request_id,
+                self.settings.engine_id,
+                self.rank,
+                self.tp,
+                ok,
+            )
+            pending = self.clients.send((rank.host, rank.port), msg, timeout)
+            if pending is not None:
+                load.acks.append(pending)
+
+    def _acknowledged(self, load: Load) -> None:
+        for pending in load.acks:
+            if not isinstance(pending.reply, Ack):
+                load.failure = (
+                    f"the prefill engine did not acknowledge the read: {pending.error or 'bad reply'}"
+                )
+            elif not pending.reply.ok:
+                load.failure = f"the prefill engine refused the read: {pending.reply.message}"
+        self._finish(load)
+
+    def _finish(self, load: Load) -> None:
+        request_id = load.spec.request_id
+        self.loads.pop(request_id, None)
+        self.finished.add(request_id)
+        if load.failure is not None:
+            self.failed.add(request_id)
+            if not load.cancelled:
+                self._count("nixl_failed_transfers")
+                logger.warning("loading remote KV of %s failed: %s", request_id, load.failure)
+
+    def take(self) -> tuple[set[str], set[str], dict[str, float]]:
+        finished, failed, stats = self.finished, self.failed, self.stats
+        self.finished, self.failed, self.stats = set(), set(), {}
+        return finished, failed, stats

@@ -1,0 +1,77 @@
+"""Scheduler half -> worker half, once per step, and the connector's settings."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from kvferry.connector.base import KVConnectorMetadata
+from kvferry.connector.nixl.leases import Hold
+from kvferry.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Read a remote prefill's blocks into a request's local blocks."""
+
+    request_id: str  # local
+    engine_id: str
+    host: str
+    port: int
+    remote_request_id: str
+    # per KV cache group: (local block ids, remote block ids), pairwise
+    groups: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+    fail: str | None = None  # do not read: report the load failed, for this reason
+
+
+@dataclass
+class NixlConnectorMetadata(KVConnectorMetadata):
+    holds: list[Hold] = field(default_factory=list)  # prefills to keep for decoders
+    loads: list[LoadSpec] = field(default_factory=list)  # remote KV to read
+    cancels: list[str] = field(default_factory=list)  # loads whose request finished meanwhile
+
+
+_DEFAULTS: dict[str, object] = {
+    "engine_id": None,  # chosen at start-up (prepare_config) when not given
+    "side_channel_host": "127.0.0.1",
+    "side_channel_port": 0,  # 0: a free port, chosen at start-up; TP rank r > 0 binds any free port
+    "lease_s": 30.0,  # a finished prefill's blocks are kept this long for its decoder
+    "heartbeat_s": None,  # decoder: extend waiting leases this often (None: lease / 3; 0: never)
+    "handshake_timeout_s": 5.0,
+    "ack_timeout_s": 5.0,
+    "transfer_timeout_s": 60.0,
+    "unknown_grace_s": 2.0,  # prefiller: wait this long for a hold a decoder asks about
+    "fault_done_delay_s": 0.0,  # fault injection (tests): decoder waits this long before Done
+}
+
+
+@dataclass(frozen=True)
+class NixlSettings:
+    engine_id: str
+    side_channel_host: str
+    side_channel_port: int
+    lease_s: float
+    heartbeat_s: float | None
+    handshake_timeout_s: float
+    ack_timeout_s: float
+    transfer_timeout_s: float
+    unknown_grace_s: float
+    fault_done_delay_s: float
+
+    @classmethod
+    def from_extra(cls, extra: dict) -> NixlSettings:
+        unknown = set(extra) - set(_DEFAULTS)
+        if unknown:
+            raise ConfigError(f"NixlConnector: unknown kv_connector_extra_config keys {sorted(unknown)}")
+        values = {**_DEFAULTS, **extra}
+        if not isinstance(values["engine_id"], str) or not values["engine_id"]:
+            raise ConfigError("NixlConnector: engine_id must be a non-empty string")
+        port = values["side_channel_port"]
+        if not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ConfigError("NixlConnector: side_channel_port must be an integer in [0, 65535]")
+        for key in ("lease_s", "handshake_timeout_s", "ack_timeout_s", "transfer_timeout_s"):
+            if not isinstance(values[key], int | float) or values[key] <= 0:
+                raise ConfigError(f"NixlConnector: {key} must be a positive number")
+        return cls(**values)

@@ -1,0 +1,145 @@
+"""Which bytes go where: NIXL READ descriptor pairs for a set of blocks (pure numpy).
+
+A block of one layer on one rank holds K (then, ``capacity`` blocks later, V) as
+``block_size x heads x head_size`` in NHD or ``heads x block_size x head_size`` in HND.
+A decode rank reads, from one prefill rank, the KV heads both hold (heterogeneous TP: a
+head slice), and converts the layout on the way when the two differ. The unit is one
+(token, head) row of ``head_size`` elements, contiguous in both layouts; runs that are
+contiguous on both sides are merged, so equal layouts and equal head sets read whole
+blocks (and runs of consecutive blocks) with one descriptor.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvferry.connector.nixl.protocol import LayerRegion
+from kvferry.kv.spec import Layout
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankView:
+    """One rank's KV cache as the planner needs it."""
+
+    layout: Layout
+    heads: int  # KV heads this rank holds
+    head_start: int  # global index of its first head
+    block_size: int
+    head_size: int
+    itemsize: int
+    layers: dict[str, LayerRegion]
+    device_id: int = 0
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_size * self.heads * self.head_size * self.itemsize
+
+    def row_offsets(self, tokens: np.ndarray, heads: np.ndarray) -> np.ndarray:
+        """Byte offsets in a block of the (token, global head) rows."""
+        local = heads - self.head_start
+        if self.layout is Layout.NHD:
+            rows = tokens * self.heads + local
+        else:
+            rows = local * self.block_size + tokens
+        return rows * (self.head_size * self.itemsize)
+
+
+@dataclass
+class ReadPlan:
+    local: np.ndarray  # [n, 3] uint64: address, length, device id
+    remote: np.ndarray  # [n, 3]
+
+    @property
+    def num_descriptors(self) -> int:
+        return len(self.local)
+
+    @property
+    def num_bytes(self) -> int:
+        return int(self.local[:, 1].sum()) if len(self.local) else 0
+
+
+def shared_heads(a: RankView, b: RankView) -> tuple[int, int]:
+    """The global KV head range both ranks hold (empty when lo >= hi)."""
+    return max(a.head_start, b.head_start), min(a.head_start + a.heads, b.head_start + b.heads)
+
+
+def _merge(loc: np.ndarray, rem: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Merge consecutive rows contiguous on both sides."""
+    if len(loc) == 0:
+        return loc, rem, length
+    ends_l = loc[:-1] + length[:-1]
+    ends_r = rem[:-1] + length[:-1]
+    starts = np.concatenate(([True], (loc[1:] != ends_l) | (rem[1:] != ends_r)))
+    idx = np.flatnonzero(starts)
+    return loc[idx], rem[idx], np.add.reduceat(length, idx)
+
+
+def _block_template(local: RankView, remote: RankView) -> tuple[np.ndarray, ...]:
+    """Offsets (local, remote) and lengths of the rows one block pair exchanges."""
+    lo, hi = shared_heads(local, remote)
+    heads = np.arange(lo, hi, dtype=np.int64)
+    tokens = np.arange(local.block_size, dtype=np.int64)
+    if local.layout is Layout.HND:  # follow the local order: its runs stay contiguous
+        h, t = np.meshgrid(heads, tokens, indexing="ij")
+    else:
+        t, h = np.meshgrid(tokens, heads, indexing="ij")
+    h, t = h.ravel(), t.ravel()
+    row = np.full(len(h), local.head_size * local.itemsize, dtype=np.int64)
+    return _merge(local.row_offsets(t, h), remote.row_offsets(t, h), row)
+
+
+def plan_read(
+    local: RankView,
+    remote: RankView,
+    layer_names: Sequence[str],
+    local_ids: Sequence[int],
+    remote_ids: Sequence[int],
+) -> ReadPlan:
+    """Descriptors reading `remote` blocks into `local` blocks of one KV cache group.
+
+    The block ids pair up; both ranks must agree on block size, head size and item size.
+    """
+    assert local.block_size == remote.block_size and local.head_size == remote.head_size
+    assert local.itemsize == remote.itemsize and len(local_ids) == len(remote_ids)
+    lo, hi = shared_heads(local, remote)
+    if lo >= hi or not local_ids:
+        return empty_plan()
+    t_loc, t_rem, t_len = _block_template(local, remote)
+    lb = np.asarray(local_ids, dtype=np.int64)
+    rb = np.asarray(remote_ids, dtype=np.int64)
+    locs, rems, lens = [], [], []
+    for name in layer_names:
+        lreg, rreg = local.layers[name], remote.layers[name]
+        for kv in (0, 1):
+            lbase = lreg.base + kv * lreg.capacity * local.block_bytes + lb * local.block_bytes
+            rbase = rreg.base + kv * rreg.capacity * remote.block_bytes + rb * remote.block_bytes
+            locs.append((lbase[:, None] + t_loc[None, :]).ravel())
+            rems.append((rbase[:, None] + t_rem[None, :]).ravel())
+            lens.append(np.broadcast_to(t_len, (len(lb), len(t_len))).ravel())
+    loc, rem, length = _merge(np.concatenate(locs), np.concatenate(rems), np.concatenate(lens))
+    return ReadPlan(_descs(loc, length, local.device_id), _descs(rem, length, remote.device_id))
+
+
+def empty_plan() -> ReadPlan:
+    return ReadPlan(np.zeros((0, 3), dtype=np.uint64), np.zeros((0, 3), dtype=np.uint64))
+
+
+def concat(plans: Sequence[ReadPlan]) -> ReadPlan:
+    plans = [p for p in plans if p.num_descriptors]
+    if not plans:
+        return empty_plan()
+    return ReadPlan(np.concatenate([p.local for p in plans]), np.concatenate([p.remote for p in plans]))
+
+
+def _descs(addr: np.ndarray, length: np.ndarray, device_id: int) -> np.ndarray:
+    out = np.empty((len(addr), 3), dtype=np.uint64)
+    out[:, 0] = addr
+    out[:, 1] = length
+    out[:, 2] = device_id
+    return out

@@ -1,0 +1,294 @@
+"""The NixlConnector's scheduler half: holds for decoders, loads from prefillers.
+
+Prefill side: `request_finished` of a request that asked for remote decode keeps its
+blocks (delay free), queues a Hold for the workers (whose side channels run the lease)
+and returns the kv_transfer_params the proxy hands the decoder.
+
+Decode side, per request pointing to a remote prefill:
+
+    handshake (once per remote engine) -> validate the params against it (HTTP 400)
+    -> Check with every prefill rank (still held? same blocks, same prompt?) -> ready
+    -> async load of the blocks beyond the local prefix hit -> spent
+
+Until the answers are in, `get_num_new_matched_tokens` defers the request (None). Sockets
+are polled without blocking, whenever the scheduler calls in; while any request waits the
+engine keeps stepping, so replies are picked up within a step. Waiting requests' leases
+get heartbeats.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from kvferry.config import EngineConfig
+from kvferry.connector.nixl.channel import Address, Clients, Pending
+from kvferry.connector.nixl.leases import Hold
+from kvferry.connector.nixl.metadata import LoadSpec, NixlConnectorMetadata, NixlSettings
+from kvferry.connector.nixl.params import RemotePrefill, parse_remote_prefill, wants_remote_decode
+from kvferry.connector.nixl.protocol import (
+    EXPIRED,
+    HELD,
+    Check,
+    CheckReply,
+    EngineInfo,
+    Handshake,
+    HandshakeReply,
+    Heartbeat,
+    Release,
+)
+from kvferry.connector.nixl.regions import compat_hash, group_infos, token_hash
+from kvferry.connector.nixl.validate import check_remote, null_block
+from kvferry.errors import InvalidRequestError
+from kvferry.kv.spec import KVCacheConfig
+from kvferry.scheduler.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+MAX_ENGINES = 256  # remote engines whose handshake is cached
+NORMAL_FINISH = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+
+# DecodeState.stage
+HANDSHAKE, CHECK, READY, LOADING, SPENT = "handshake", "check", "ready", "loading", "spent"
+
+
+@dataclass
+class DecodeState:
+    remote: RemotePrefill
+    stage: str = HANDSHAKE
+    info: EngineInfo | None = None
+    checks: list[Pending] = field(default_factory=list)
+    invalid: str | None = None  # the params do not check out: HTTP 400
+    failure: str | None = None  # the remote KV cannot be had: load failure policy
+    lease_s: float = 0.0
+    num_computed: int = 0
+
+
+class NixlScheduler:
+    def __init__(self, engine_config: EngineConfig, kv_cache_config: KVCacheConfig, settings: NixlSettings):
+        self.config = engine_config
+        self.kv_config = kv_cache_config
+        self.settings = settings
+        self.role = engine_config.kv_transfer.kv_role
+        self.block_size = kv_cache_config.block_size
+        self.compat = compat_hash(engine_config.model, kv_cache_config)
+        self.groups = group_infos(kv_cache_config)
+        self.ctx = zmq.Context()
+        self.clients = Clients(self.ctx, zmq.Poller())
+        self.engines: dict[Address, EngineInfo] = {}
+        self.handshakes: dict[Address, Pending] = {}
+        self.decodes: dict[str, DecodeState] = {}
+        self.holds: list[Hold] = []
+        self.loads: list[LoadSpec] = []
+        self.cancels: list[str] = []
+        self._last_heartbeat = time.monotonic()
+
+    # ---- decode side ------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed: int) -> tuple[int | None, bool]:
+        state = self.decodes.get(request.req_id)
+        if state is None:
+            remote = parse_remote_prefill(request.kv_transfer_params)
+            if remote is None or self.role == "producer":
+                return 0, False
+            state = self.decodes[request.req_id] = DecodeState(remote)
+        self._advance(request, state)
+        if state.invalid is not None:
+            del self.decodes[request.req_id]
+            raise InvalidRequestError(state.invalid, param="kv_transfer_params")
+        if state.stage in (HANDSHAKE, CHECK):
+            return None, False
+        if state.stage != READY:
+            return 0, False  # spent: loaded (or failed) once; a recomputation computes locally
+        num = state.remote.num_tokens - num_computed
+        if num <= 0:
+            self._release(state)
+            return 0, False
+        state.num_computed = num_computed
+        return num, True
+
+    def _advance(self, request: Request, state: DecodeState) -> None:
+        self.clients.receive()
+        if state.stage == HANDSHAKE:
+            info = self._engine_info(state)
+            if info is None:
+                return
+            state.info = info
+            state.invalid = check_remote(state.remote, info, self, request.num_prompt_tokens)
+            if state.invalid is None:
+                self._send_checks(request, state)
+        if state.stage == CHECK and all(p.done for p in state.checks):
+            self._check_results(state)
+
+    def _engine_info(self, state: DecodeState) -> EngineInfo | None:
+        """The remote engine's handshake, once per address; None while it is under way."""
+        address = (state.remote.host, state.remote.port)
+        info = self.engines.get(address)
+        if info is not None:
+            return info
+        pending = self.handshakes.get(address)
+        if pending is None:
+            msg = Handshake(self.clients.next_seq())
+            self.handshakes[address] = self.clients.send(address, msg, self.settings.handshake_timeout_s)
+            return None
+        if not pending.done:
+            return None
+        del self.handshakes[address]
+        reply = pending.reply
+        if isinstance(reply, HandshakeReply) and reply.info is not None:
+            if len(self.engines) >= MAX_ENGINES:
+                self.engines.pop(next(iter(self.engines)))
+            self.engines[address] = reply.info
+            return reply.info
+        why = pending.error or (reply.error if isinstance(reply, HandshakeReply) else "bad reply")
+        state.invalid = (
+            f"kv_transfer_params: cannot reach the remote engine at {address[0]}:{address[1]}: {why}"
+        )
+        return None
+
+    def _send_checks(self, request: Request, state: DecodeState) -> None:
+        remote = state.remote
+        digest = token_hash(request.prompt_token_ids[: remote.num_tokens])
+        block_ids = [list(ids) for ids in remote.block_ids]
+        for rank in state.info.ranks:
+            msg = Check(self.clients.next_seq(), remote.request_id, block_ids, remote.num_tokens, digest)
+            state.checks.append(
+                self.clients.send((rank.host, rank.port), msg, self.settings.handshake_timeout_s)
+            )
+        state.stage = CHECK
+
+    def _check_results(self, state: DecodeState) -> None:
+        for pending in state.checks:
+            reply = pending.reply
+            if not isinstance(reply, CheckReply):
+                state.failure = f"the prefill engine did not answer: {pending.error or 'bad reply'}"
+            elif reply.status == EXPIRED:
+                state.failure = reply.message
+            elif reply.status != HELD:
+                state.invalid = f"kv_transfer_params: {reply.message}"
+                return
+            else:
+                state.lease_s = reply.lease_s
+        state.checks = []
+        state.stage = READY
+        if state.failure is not None:
+            logger.warning("remote KV of %s cannot be loaded: %s", state.remote.request_id, state.failure)
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: tuple[list[int], ...], num_external: int
+    ) -> None:
+        state = self.decodes.get(request.req_id)
+        if state is None or state.stage != READY:
+            return
+        if num_external <= 0:
+            self._release(state)
+            return
+        first = state.num_computed // self.block_size
+        last = -(-(state.num_computed + num_external) // self.block_size)
+        local_null, remote_null = null_block(self.groups), null_block(state.info.groups)
+        groups = []
+        for local_ids, remote_ids in zip(block_ids, state.remote.block_ids, strict=True):
+            pairs = [
+                (lb, rb)
+                for lb, rb in zip(local_ids[first:last], remote_ids[first:last], strict=True)
+                if lb != local_null and rb != remote_null
+            ]
+            groups.append((tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)))
+        remote = state.remote
+        self.loads.append(
+            LoadSpec(
+                request.req_id,
+                remote.engine_id,
+                remote.host,
+                remote.port,
+                remote.request_id,
+                tuple(groups),
+                state.failure,
+            )
+        )
+        state.stage = LOADING
+
+    def _release(self, state: DecodeState) -> None:
+        """Tell every prefill rank the decoder will not read (frees its blocks early)."""
+        if state.info is not None and state.stage in (CHECK, READY):
+            for rank in state.info.ranks:
+                msg = Release(self.clients.next_seq(), state.remote.request_id)
+                self.clients.send((rank.host, rank.port), msg, None)
+        state.stage = SPENT
+
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        waiting: dict[Address, list[str]] = {}
+        interval = None
+        for state in self.decodes.values():
+            if state.stage in (READY, LOADING) and state.info is not None and state.failure is None:
+                every = (
+                    self.settings.heartbeat_s if self.settings.heartbeat_s is not None else state.lease_s / 3
+                )
+                interval = every if interval is None else min(interval, every)
+                for rank in state.info.ranks:
+                    waiting.setdefault((rank.host, rank.port), []).append(state.remote.request_id)
+        if not waiting or not interval or now - self._last_heartbeat < interval:
+            return
+        self._last_heartbeat = now
+        for address, request_ids in waiting.items():
+            self.clients.send(address, Heartbeat(self.clients.next_seq(), request_ids), None)
+
+    # ---- both sides -------------------------------------------------------------------
+
+    def build_connector_meta(self) -> NixlConnectorMetadata:
+        self.clients.receive()
+        self._heartbeat()
+        meta = NixlConnectorMetadata(self.holds, self.loads, self.cancels)
+        self.holds, self.loads, self.cancels = [], [], []
+        return meta
+
+    def update_connector_output(self, finished_recving: set[str]) -> None:
+        for req_id in finished_recving:
+            state = self.decodes.get(req_id)
+            if state is not None:
+                state.stage = SPENT
+
+    def request_finished(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict | None]:
+        state = self.decodes.pop(request.req_id, None)
+        if state is not None:
+            if state.stage == LOADING:
+                self.cancels.append(request.req_id)  # the worker reports it once its reads are over
+            else:
+                self._release(state)
+        if self.role == "consumer" or not wants_remote_decode(request.kv_transfer_params):
+            return False, None
+        return self._hold(request, block_ids)
+
+    def _hold(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        num_tokens = request.num_prompt_tokens
+        if request.status not in NORMAL_FINISH or request.num_computed_tokens < num_tokens:
+            return False, None
+        num_blocks = -(-num_tokens // self.block_size)
+        held = tuple(tuple(ids[:num_blocks]) for ids in block_ids)
+        lease_s = self.settings.lease_s
+        expiry = time.time() + lease_s
+        digest = token_hash(request.prompt_token_ids)
+        self.holds.append(Hold(request.req_id, held, num_tokens, digest, lease_s, expiry))
+        first = request.output_token_ids[0] if request.output_token_ids else None
+        remote = RemotePrefill(
+            engine_id=self.settings.engine_id,
+            host=self.settings.side_channel_host,
+            port=self.settings.side_channel_port,
+            block_ids=held,
+            request_id=request.req_id,
+            num_tokens=num_tokens,
+            tp_size=self.config.parallel.tensor_parallel_size,
+            lease_expiry=expiry,
+            first_token_id=first,
+        )
+        return True, remote.to_params()
+
+    def shutdown(self) -> None:
+        self.clients.close()
+        self.ctx.term()

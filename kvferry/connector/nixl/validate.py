@@ -1,0 +1,71 @@
+"""Decode side: does a request's remote prefill check out against the remote's handshake?"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Protocol
+
+from kvferry.connector.nixl.params import RemotePrefill
+from kvferry.connector.nixl.protocol import EngineInfo, GroupInfo
+
+logger = logging.getLogger(__name__)
+
+NO_NULL_BLOCK = -1
+
+
+class LocalEngine(Protocol):
+    compat: str
+    block_size: int
+    groups: list[GroupInfo]
+
+
+def null_block(groups: Sequence[GroupInfo]) -> int:
+    """The id of the placeholder block of an engine with these groups (sliding windows reserve 0)."""
+    return 0 if any(g.kind == "sliding" for g in groups) else NO_NULL_BLOCK
+
+
+def _engine_mismatch(remote: RemotePrefill, info: EngineInfo, local: LocalEngine) -> str | None:
+    where = f"{remote.host}:{remote.port}"
+    if info.engine_id != remote.engine_id:
+        return f"remote_engine_id {remote.engine_id!r} is not the engine at {where} ({info.engine_id!r})"
+    if info.compat_hash != local.compat:
+        return (
+            f"the engine at {where} serves an incompatible model or KV cache "
+            f"(model, dtype, KV heads, head size or layers differ: {info.compat_hash} != {local.compat})"
+        )
+    if info.block_size != local.block_size:
+        return (
+            f"the engine at {where} uses KV blocks of {info.block_size} tokens, this one {local.block_size}"
+        )
+    if info.tp_size != remote.tp_size or len(info.ranks) != info.tp_size:
+        return f"remote_tp_size is {remote.tp_size}, the engine at {where} runs {info.tp_size} ranks"
+    return None
+
+
+def check_remote(
+    remote: RemotePrefill, info: EngineInfo, local: LocalEngine, num_prompt_tokens: int
+) -> str | None:
+    """Why the params do not match the remote engine (a client error), or None."""
+    problem = _engine_mismatch(remote, info, local)
+    if problem is not None:
+        return f"kv_transfer_params: {problem}"
+    if remote.num_tokens > num_prompt_tokens:
+        return (
+            f"kv_transfer_params: remote_num_tokens ({remote.num_tokens}) exceeds the prompt "
+            f"({num_prompt_tokens} tokens)"
+        )
+    if len(remote.block_ids) != len(info.groups):
+        return f"kv_transfer_params: remote_block_ids has {len(remote.block_ids)} groups, the engine {len(info.groups)}"
+    needed = -(-remote.num_tokens // info.block_size)
+    null = null_block(info.groups)
+    for gid, ids in enumerate(remote.block_ids):
+        if len(ids) != needed:
+            return (
+                f"kv_transfer_params: remote_block_ids[{gid}] has {len(ids)} blocks; "
+                f"{remote.num_tokens} tokens take {needed}"
+            )
+        bad = [b for b in ids if b >= info.num_blocks or (b == null and info.groups[gid].kind == "full")]
+        if bad:
+            return f"kv_transfer_params: remote block ids {bad[:4]} are out of range [0, {info.num_blocks})"
+    return None

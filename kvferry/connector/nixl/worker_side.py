@@ -1,0 +1,253 @@
+"""The NixlConnector's worker half: registration, and one thread that moves the bytes.
+
+`register` registers the KV regions with a NIXL agent (no progress thread), binds the
+side channel (prefill roles), gathers every TP rank's agent and regions (so any rank can
+answer a handshake for the whole engine) and starts the transfer thread. The thread owns
+the agent and the sockets: it serves the side channel and the leases, runs the decode
+loads, and progresses NIXL every millisecond while anything is outstanding. The step
+hooks only hand it the step's metadata and take its results.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+
+import torch
+import zmq
+
+from kvferry.config import EngineConfig
+from kvferry.connector.nixl.agent import Agent
+from kvferry.connector.nixl.channel import Clients, Server
+from kvferry.connector.nixl.leases import LeaseTable
+from kvferry.connector.nixl.loads import ConsumerLoads
+from kvferry.connector.nixl.metadata import NixlConnectorMetadata, NixlSettings
+from kvferry.connector.nixl.plan import RankView
+from kvferry.connector.nixl.protocol import EngineInfo, LayerRegion, RankInfo
+from kvferry.connector.nixl.regions import compat_hash, describe_regions, group_infos
+from kvferry.connector.nixl.serve import ProducerService
+from kvferry.kv.spec import KVCacheConfig
+
+logger = logging.getLogger(__name__)
+
+POLL_BUSY_MS = 1
+POLL_IDLE_MS = 50
+
+
+def gather_ranks(info: RankInfo, tp_size: int) -> list[RankInfo]:
+    """Every TP rank's RankInfo, in rank order (a collective: all ranks register together)."""
+    if tp_size == 1:
+        return [info]
+    import torch.distributed as dist
+
+    out: list[RankInfo | None] = [None] * tp_size
+    dist.all_gather_object(out, info)
+    return sorted(out, key=lambda r: r.rank)
+
+
+def local_views(
+    config: KVCacheConfig, layers: list[LayerRegion], rank: int, device_id: int
+) -> list[RankView]:
+    by_name = {layer.name: layer for layer in layers}
+    return [
+        RankView(
+            layout=config.layout,
+            heads=g.spec.num_kv_heads,
+            head_start=rank * g.spec.num_kv_heads,
+            block_size=g.spec.block_size,
+            head_size=g.spec.head_size,
+            itemsize=g.spec.dtype.itemsize,
+            layers={name: by_name[name] for name in g.layer_names},
+            device_id=device_id,
+        )
+        for g in config.groups
+    ]
+
+
+class TransferThread(threading.Thread):
+    """Owns the agent and sockets after registration; talks to the step hooks by queues."""
+
+    def __init__(
+        self,
+        agent: Agent,
+        ctx: zmq.Context,
+        poller: zmq.Poller,
+        clients: Clients,
+        producer: ProducerService | None,
+        consumer: ConsumerLoads | None,
+    ):
+        super().__init__(name=f"nixl-{agent.name}", daemon=True)
+        self.agent, self.ctx, self.poller, self.clients = agent, ctx, poller, clients
+        self.producer, self.consumer = producer, consumer
+        self._lock = threading.Lock()
+        self._inbox: list[NixlConnectorMetadata] = []
+        self._sending: set[str] = set()
+        self._stats: dict[str, float] = {}
+        self._halt = threading.Event()
+        addr = f"inproc://nixl-wake-{uuid.uuid4().hex}"
+        self._wake_in = ctx.socket(zmq.PULL)
+        self._wake_in.bind(addr)
+        poller.register(self._wake_in, zmq.POLLIN)
+        self._wake_out = ctx.socket(zmq.PUSH)  # used by the step hooks' thread only
+        self._wake_out.connect(addr)
+        self._expired_seen = 0
+
+    def submit(self, meta: NixlConnectorMetadata) -> None:
+        if not (meta.holds or meta.loads or meta.cancels):
+            return
+        with self._lock:
+            self._inbox.append(meta)
+        self._wake_out.send(b"", zmq.NOBLOCK)
+
+    def take(self) -> tuple[set[str], set[str], set[str], dict[str, float]]:
+        """(finished sending, finished receiving, failed receiving, stats) since the last call."""
+        with self._lock:
+            sending, self._sending = self._sending, set()
+            stats, self._stats = self._stats, {}
+            recving, failed, load_stats = self.consumer.take() if self.consumer else (set(), set(), {})
+        for key, value in load_stats.items():
+            stats[key] = stats.get(key, 0.0) + value
+        return sending, recving, failed, stats
+
+    def stop(self) -> None:
+        self._halt.set()
+        self._wake_out.send(b"", zmq.NOBLOCK)
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            busy = (self.producer is not None and self.producer.busy) or (
+                self.consumer is not None and self.consumer.busy
+            )
+            self.poller.poll(POLL_BUSY_MS if busy else POLL_IDLE_MS)
+            try:
+                self._once(busy)
+            except Exception:
+                logger.exception("NIXL transfer thread: iteration failed")
+        self._close()
+
+    def _once(self, busy: bool) -> None:
+        while True:
+            try:
+                self._wake_in.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        for meta in inbox:
+            self._apply(meta)
+        self.clients.receive()
+        with self._lock:  # results and load state change together with take()
+            if self.producer is not None:
+                self.producer.serve()
+                self.producer.tick()
+                self._collect_producer()
+            if self.consumer is not None:
+                self.consumer.tick()
+        if busy:
+            self.agent.progress()
+
+    def _apply(self, meta: NixlConnectorMetadata) -> None:
+        if self.producer is not None and meta.holds:
+            self.producer.hold(meta.holds)
+        if self.consumer is not None:
+            for spec in meta.loads:
+                self.consumer.add(spec)
+            for request_id in meta.cancels:
+                self.consumer.cancel(request_id)
+
+    def _collect_producer(self) -> None:
+        table = self.producer.table
+        self._sending |= table.take_finished()
+        if table.num_expired != self._expired_seen:
+            self._stats["nixl_expired_leases"] = (
+                self._stats.get("nixl_expired_leases", 0.0) + table.num_expired - self._expired_seen
+            )
+            self._expired_seen = table.num_expired
+
+    def _close(self) -> None:
+        self.clients.close()
+        if self.producer is not None:
+            self.producer.server.close()
+        self.poller.unregister(self._wake_in)
+        self._wake_in.close(linger=0)
+        self.agent.close()
+
+
+class NixlWorker:
+    def __init__(self, engine_config: EngineConfig, settings: NixlSettings, tp_rank: int):
+        self.config = engine_config
+        self.settings = settings
+        self.rank = tp_rank
+        self.tp_size = engine_config.parallel.tensor_parallel_size
+        self.role = engine_config.kv_transfer.kv_role
+        self.thread: TransferThread | None = None
+        self.ctx: zmq.Context | None = None
+
+    def register(self, kv_caches: dict[str, torch.Tensor], config: KVCacheConfig) -> None:
+        regions, layers = describe_regions(kv_caches, config)
+        device_id = regions[0].device_id if regions else 0
+        agent = Agent(f"{self.settings.engine_id}-tp{self.rank}-{uuid.uuid4().hex[:8]}", self.config.device)
+        agent.register(regions)
+        self.ctx = zmq.Context()
+        poller = zmq.Poller()
+        server = None
+        if self.role in ("producer", "both"):
+            port = self.settings.side_channel_port if self.rank == 0 else 0
+            server = Server(self.ctx, self.settings.side_channel_host, port, poller)
+        mine = RankInfo(
+            self.rank,
+            self.settings.side_channel_host,
+            server.port if server else 0,
+            agent.name,
+            agent.metadata(),
+            layers,
+        )
+        info = EngineInfo(
+            engine_id=self.settings.engine_id,
+            compat_hash=compat_hash(self.config.model, config),
+            tp_size=self.tp_size,
+            block_size=config.block_size,
+            num_blocks=config.num_blocks,
+            layout=config.layout.value,
+            total_kv_heads=self.config.model.num_kv_heads,
+            lease_s=self.settings.lease_s,
+            groups=group_infos(config),
+            ranks=gather_ranks(mine, self.tp_size),
+        )
+        clients = Clients(self.ctx, poller)
+        producer = consumer = None
+        if server is not None:
+            table = LeaseTable(self.rank, self.tp_size, self.config.model.num_kv_heads)
+            producer = ProducerService(server, info, table, self.settings.unknown_grace_s)
+        if self.role in ("consumer", "both"):
+            views = local_views(config, layers, self.rank, device_id)
+            consumer = ConsumerLoads(agent, clients, views, self.settings, self.rank, self.tp_size)
+        self.thread = TransferThread(agent, self.ctx, poller, clients, producer, consumer)
+        self.thread.start()
+        logger.info(
+            "NIXL worker rank %d of engine %s: %d regions, side channel %s",
+            self.rank,
+            self.settings.engine_id,
+            len(regions),
+            f"{mine.host}:{mine.port}" if server else "none",
+        )
+
+    def start_load(self, meta: NixlConnectorMetadata) -> None:
+        if self.thread is not None:
+            self.thread.submit(meta)
+
+    def take(self) -> tuple[set[str], set[str], set[str], dict[str, float]]:
+        if self.thread is None:
+            return set(), set(), set(), {}
+        return self.thread.take()
+
+    def shutdown(self) -> None:
+        if self.thread is not None:
+            self.thread.stop()
+            self.thread.join(timeout=5)
+            self.thread._wake_out.close(linger=0)
+            self.thread = None
+        if self.ctx is not None:
+            self.ctx.term()
+            self.ctx = None

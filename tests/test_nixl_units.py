@@ -1,0 +1,172 @@
+"""NixlConnector pieces without NIXL: params contract, lease table, scheduler seam."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvferry.connector.nixl.leases import Hold, LeaseTable, readers_of
+from kvferry.connector.nixl.params import RemotePrefill, parse_remote_prefill, validate_params
+from kvferry.connector.nixl.protocol import EXPIRED, HELD, MISMATCH, UNKNOWN
+from kvferry.engine.types import FinishReason
+from kvferry.errors import InvalidRequestError
+from tests.test_scheduler import (
+    FakeConnector,
+    FakeRunner,
+    Run,
+    add,
+    assert_all_free,
+    make_scheduler,
+    run_all,
+    step,
+)
+
+GOOD = RemotePrefill("e1", "127.0.0.1", 5555, ((3, 4),), "req-1", 20, 1, 1e9, 7).to_params()
+
+
+# ---- params ---------------------------------------------------------------------------
+
+
+def test_params_roundtrip():
+    assert parse_remote_prefill(GOOD) == RemotePrefill(
+        "e1", "127.0.0.1", 5555, ((3, 4),), "req-1", 20, 1, 1e9, 7
+    )
+    assert parse_remote_prefill({"do_remote_decode": True}) is None
+    assert parse_remote_prefill({"do_remote_prefill": False, "remote_block_ids": None}) is None
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"do_remote_prefill": "yes"},
+        {"remote_engine_id": 3},
+        {"remote_engine_id": ""},
+        {"remote_port": "5555"},
+        {"remote_port": 70000},
+        {"remote_block_ids": [3, 4]},
+        {"remote_block_ids": [[3, -1]]},
+        {"remote_block_ids": [[3, True]]},
+        {"remote_block_ids": []},
+        {"remote_num_tokens": 0},
+        {"remote_num_tokens": 2.5},
+        {"remote_tp_size": None},
+        {"lease_expiry": "soon"},
+        {"first_token_id": -3},
+        {"remote_request_id": None},
+    ],
+)
+def test_malformed_params_are_client_errors(change):
+    with pytest.raises(InvalidRequestError) as info:
+        validate_params("consumer", {**GOOD, **change})
+    assert info.value.param == "kv_transfer_params"
+
+
+def test_params_must_fit_the_role():
+    validate_params("producer", {"do_remote_decode": True})
+    validate_params("both", GOOD)
+    with pytest.raises(InvalidRequestError):
+        validate_params("consumer", {"do_remote_decode": True})
+    with pytest.raises(InvalidRequestError):
+        validate_params("producer", GOOD)
+    with pytest.raises(InvalidRequestError):
+        validate_params("both", {"do_remote_decode": 1})
+    with pytest.raises(InvalidRequestError):
+        validate_params("both", ["do_remote_decode"])  # type: ignore[arg-type]
+
+
+# ---- leases -----------------------------------------------------------------------------
+
+
+def _hold(request_id="p", lease_s=10.0, now=100.0) -> Hold:
+    return Hold(request_id, ((1, 2),), 20, "h", lease_s, expiry=now + lease_s)
+
+
+@pytest.mark.parametrize(
+    ("rank", "tp", "consumer_tp", "readers"),
+    [(0, 1, 1, [0]), (0, 1, 2, [0, 1]), (0, 2, 1, [0]), (1, 2, 1, [0]), (1, 2, 2, [1]), (1, 2, 4, [2, 3])],
+)
+def test_readers_of(rank, tp, consumer_tp, readers):
+    assert readers_of(rank, tp, consumer_tp, total_heads=4) == readers
+
+
+def test_lease_acks_while_held_and_ends_when_every_reader_reported():
+    table = LeaseTable(rank=0, tp=1, total_heads=2)
+    table.add(_hold(), now=0.0, wall_now=100.0)
+    assert table.check("p", [[1, 2]], 20, "h", now=1.0) == (HELD, "")
+    assert table.check("p", [[1, 3]], 20, "h", now=1.0)[0] == MISMATCH
+    assert table.check("p", [[1, 2]], 20, "other prompt", now=1.0)[0] == MISMATCH
+    assert table.check("q", [[1, 2]], 20, "h", now=1.0)[0] == UNKNOWN
+    first = table.done("p", "dec", 0, consumer_tp=2, ok=True)
+    assert first.known and first.ok and not table.take_finished()  # decode rank 1 still reads
+    assert table.done("p", "dec", 1, consumer_tp=2, ok=True).ok
+    assert table.take_finished() == {"p"}
+    late = table.done("p", "dec", 1, consumer_tp=2, ok=True)
+    assert late.known and not late.ok  # ended: never an ACK again
+    assert table.check("p", [[1, 2]], 20, "h", now=2.0)[0] == EXPIRED
+
+
+def test_expired_lease_frees_and_refuses_the_late_read():
+    table = LeaseTable(rank=0, tp=1, total_heads=2)
+    table.add(_hold(lease_s=5.0), now=0.0, wall_now=100.0)
+    table.heartbeat(["p"], now=4.0)  # extends to 9
+    assert table.expire(now=8.0) == [] and len(table) == 1
+    assert table.expire(now=9.5) == ["p"] and table.num_expired == 1
+    assert table.take_finished() == {"p"}
+    verdict = table.done("p", "dec", 0, consumer_tp=1, ok=True)
+    assert verdict.known and not verdict.ok and "expired" in verdict.message
+
+
+def test_release_and_unknown_reader():
+    table = LeaseTable(rank=1, tp=2, total_heads=2)
+    table.add(_hold(), now=0.0, wall_now=100.0)
+    assert not table.done("p", "dec", 0, consumer_tp=2, ok=True).ok  # decode rank 0 reads prefill rank 0
+    table.release("p")
+    assert table.take_finished() == {"p"} and len(table) == 0
+    assert not table.done("nothing", "dec", 0, consumer_tp=1, ok=True).known
+
+
+# ---- scheduler seam ---------------------------------------------------------------------
+
+
+class DeferringConnector(FakeConnector):
+    """Cannot tell a request's hits for `defer` steps; rejects requests named 'bad*'."""
+
+    def __init__(self, defer: int):
+        super().__init__(external=0)
+        self.defer = defer
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        if request.req_id.startswith("bad"):
+            raise InvalidRequestError("forged kv_transfer_params", param="kv_transfer_params")
+        if request.req_id == "slow" and self.defer > 0:
+            self.defer -= 1
+            return None, False
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+
+def test_deferred_request_keeps_its_place_and_others_run():
+    sched = make_scheduler(connector=DeferringConnector(defer=3))
+    runner, run = FakeRunner(), Run()
+    add(sched, "slow", list(range(10)), max_tokens=2)
+    add(sched, "fast", list(range(20, 30)), max_tokens=2)
+    so = step(sched, runner, run)
+    assert set(so.num_scheduled_tokens) == {"fast"}
+    assert sched.waiting[0].req_id == "slow"
+    for _ in range(2):
+        assert "slow" not in step(sched, runner, run).num_scheduled_tokens
+    assert "slow" in step(sched, runner, run).num_scheduled_tokens
+    run_all(sched, runner, run)
+    assert run.final("slow").finished and run.final("fast").finished
+    assert_all_free(sched)
+
+
+def test_connector_rejection_is_a_client_error():
+    sched = make_scheduler(connector=DeferringConnector(defer=0))
+    runner, run = FakeRunner(), Run()
+    add(sched, "bad", list(range(10)))
+    add(sched, "good", list(range(10)), max_tokens=1)
+    step(sched, runner, run)
+    bad = run.final("bad")
+    assert bad.finish_reason == FinishReason.ERROR and bad.invalid_param == "kv_transfer_params"
+    assert "forged" in bad.error
+    assert run.final("good").finished and run.final("good").invalid_param is None
+    assert_all_free(sched)
