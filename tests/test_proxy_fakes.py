@@ -169,16 +169,19 @@ def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 9
     raise AssertionError(f"{url} not healthy after {timeout} s:\n{log.read_text()[-3000:]}")
 
 
-def stop(proc: subprocess.Popen, timeout: float = 20.0) -> int:
-    """SIGINT, wait, then SIGKILL the process group; the exit code."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
+def stop(procs: list[subprocess.Popen], timeout: float = 20.0) -> list[int]:
+    """SIGINT all, wait, then SIGKILL what is left of their process groups; the exit codes."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + timeout
+    for proc in procs:
         try:
-            proc.wait(timeout)
+            proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    return proc.wait()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return [proc.wait() for proc in procs]

@@ -1,0 +1,398 @@
+"""``kvferry disagg MODEL --prefill N --decode M``: a P/D deployment on localhost.
+
+Starts N prefill instances (``kvferry serve``, KV connector role producer), M decode
+instances (role consumer) and the proxy, each a subprocess in its own process group with
+a free port and a log file; waits until every one is healthy (on failure: its log tail,
+and everything started so far is stopped); prints the proxy URL; on Ctrl-C or SIGTERM
+stops the proxy, then the instances (SIGINT, then SIGKILL of the whole group after a
+grace period), leaving no process behind. Children also get SIGINT if the launcher dies.
+
+``--kv-connector none`` starts colocated instances without a connector: the decoder then
+recomputes the prompt and ignores the prefill's ``kv_transfer_params``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvferry.errors import ConfigError, KVFerryError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CONNECTOR = "NixlConnector"
+NO_CONNECTOR = "none"
+KV_ROLES = {"prefill": "producer", "decode": "consumer"}
+# Engine options that disagg sets per role itself, so they are not passed through.
+OWN_ENGINE_OPTIONS = {"help", "tensor_parallel_size", "kv_transfer_config"}
+LOG_TAIL_BYTES = 4000
+PR_SET_PDEATHSIG = 1
+
+
+class LaunchError(KVFerryError):
+    """A process of the deployment failed to start or died."""
+
+
+@dataclass
+class Child:
+    name: str  # prefill-0, decode-1, proxy
+    cmd: list[str]
+    url: str
+    log: Path
+    proc: subprocess.Popen | None = None
+    extra: dict = field(default_factory=dict)
+
+    def log_tail(self) -> str:
+        try:
+            data = self.log.read_bytes()[-LOG_TAIL_BYTES:]
+        except OSError:
+            return "(no log)"
+        return data.decode("utf-8", "replace")
+
+
+# ---- arguments ------------------------------------------------------------------------
+
+
+def _engine_parser() -> argparse.ArgumentParser:
+    from kvferry.entrypoints.cli import add_engine_args
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_args(parser)
+    return parser
+
+
+def _passthrough_actions() -> list[argparse.Action]:
+    """`kvferry serve`'s engine options, less those disagg sets per role."""
+    return [a for a in _engine_parser()._actions if a.option_strings and a.dest not in OWN_ENGINE_OPTIONS]
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default="smollm2", help="as for `kvferry serve`")
+    parser.add_argument("--prefill", type=int, default=1, help="number of prefill instances")
+    parser.add_argument("--decode", type=int, default=1, help="number of decode instances")
+    parser.add_argument("--prefill-tp", type=int, default=1, help="tensor parallel size of prefill instances")
+    parser.add_argument("--decode-tp", type=int, default=1, help="tensor parallel size of decode instances")
+    parser.add_argument("--host", default="127.0.0.1", help="the proxy's host")
+    parser.add_argument("--port", type=int, default=8000, help="the proxy's port")
+    parser.add_argument("--policy", default="round_robin", choices=["round_robin", "least_loaded"])
+    parser.add_argument("--api-key", default=None, help="required by the proxy and the instances")
+    parser.add_argument(
+        "--kv-connector", default=DEFAULT_CONNECTOR, help=f"connector name, or '{NO_CONNECTOR}' (colocated)"
+    )
+    parser.add_argument("--kv-connector-extra-config", default="{}", help="JSON merged into each instance's")
+    parser.add_argument("--kv-load-failure-policy", default=None, choices=["fail", "recompute"])
+    parser.add_argument("--log-dir", default=None, help="instance logs (default: a new temporary dir)")
+    parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to become healthy")
+    parser.add_argument("--stop-timeout", type=float, default=20.0, help="grace seconds before SIGKILL")
+    engine = parser.add_argument_group("engine options (passed to every instance)")
+    for action in _passthrough_actions():
+        engine._add_action(action)
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine options given on the command line, as `kvferry serve` arguments."""
+    argv: list[str] = []
+    for action in _passthrough_actions():
+        value = getattr(args, action.dest, action.default)
+        if value == action.default:
+            continue
+        flag = action.option_strings[0]
+        if isinstance(action, argparse._StoreTrueAction | argparse._StoreFalseAction):
+            argv.append(flag)
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def kv_transfer_json(
+    connector: str, role: str, extra: dict, side_port: int, policy: str | None
+) -> str | None:
+    """The --kv-transfer-config of one instance (None without a connector)."""
+    if connector == NO_CONNECTOR:
+        return None
+    config: dict = {
+        "kv_connector": connector,
+        "kv_role": KV_ROLES[role],
+        "kv_connector_extra_config": {
+            "side_channel_host": "127.0.0.1",
+            "side_channel_port": side_port,
+            **extra,
+        },
+    }
+    if policy is not None:
+        config["kv_load_failure_policy"] = policy
+    return json.dumps(config)
+
+
+def check_connector(args: argparse.Namespace) -> dict:
+    """Fail fast on a connector that does not resolve; the parsed extra config."""
+    try:
+        extra = json.loads(args.kv_connector_extra_config)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--kv-connector-extra-config is not valid JSON: {exc}") from exc
+    if not isinstance(extra, dict):
+        raise ConfigError("--kv-connector-extra-config must be a JSON object")
+    if args.kv_connector != NO_CONNECTOR:
+        from kvferry.entrypoints.cli import parse_kv_transfer_config
+
+        for role in KV_ROLES:  # imports the connector and checks that it supports both roles
+            raw = kv_transfer_json(args.kv_connector, role, extra, 0, args.kv_load_failure_policy)
+            try:
+                parse_kv_transfer_config(raw)
+            except ConfigError as exc:
+                raise ConfigError(
+                    f"{exc} (--kv-connector {NO_CONNECTOR} starts colocated instances)"
+                ) from exc
+    return extra
+
+
+# ---- ports ------------------------------------------------------------------------------
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def free_port_range(count: int, host: str = "127.0.0.1", tries: int = 50) -> int:
+    """A base port such that base .. base+count-1 are all free (side channels, one per TP rank)."""
+    for _ in range(tries):
+        base = free_port(host)
+        if all(_port_free(host, base + i) for i in range(1, count)):
+            return base
+    raise LaunchError(f"no {count} consecutive free ports found")
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+# ---- processes --------------------------------------------------------------------------
+
+
+def _die_with_parent(parent: int) -> None:
+    """In the child, before exec: get SIGINT when the launcher dies (Linux)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGINT)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the launcher died before prctl took effect
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+def spawn(child: Child) -> None:
+    parent = os.getpid()
+    with open(child.log, "wb") as out:
+        child.proc = subprocess.Popen(
+            child.cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: stopped as a whole, no stray signals
+            preexec_fn=lambda: _die_with_parent(parent),
+        )
+    logger.info("started %s (pid %d): %s", child.name, child.proc.pid, " ".join(child.cmd))
+
+
+def _healthy(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url + "/health", timeout=2.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def wait_healthy(children: list[Child], deadline: float, stop: threading.Event) -> None:
+    """Return once every child answers /health with 200; raise LaunchError if one exits first."""
+    waiting = list(children)
+    while waiting:
+        for child in list(waiting):
+            assert child.proc is not None
+            if child.proc.poll() is not None:
+                raise LaunchError(
+                    f"{child.name} exited with code {child.proc.returncode} while starting; "
+                    f"log {child.log}:\n{child.log_tail()}"
+                )
+            if _healthy(child.url):
+                logger.info("%s is healthy at %s", child.name, child.url)
+                waiting.remove(child)
+        if stop.is_set():
+            raise LaunchError("interrupted while starting")
+        if waiting and time.monotonic() > deadline:
+            names = ", ".join(c.name for c in waiting)
+            raise LaunchError(f"not healthy in time: {names}; log {waiting[0].log}:\n{waiting[0].log_tail()}")
+        if waiting:
+            stop.wait(0.2)
+
+
+def stop_all(children: list[Child], grace: float) -> None:
+    """SIGINT each started child (in order), wait up to ``grace``, then SIGKILL whatever is left
+    of each one's process group (its engine core, TP workers).
+
+    SIGINT, not SIGTERM: uvicorn re-raises SIGTERM after its shutdown, which ends `kvferry
+    serve` before it stops its engine core; SIGINT lets it stop the core itself.
+    """
+    started = [c for c in children if c.proc is not None]
+    for child in started:
+        if child.proc.poll() is None:
+            _signal_group_leader(child, signal.SIGINT)
+    deadline = time.monotonic() + grace
+    for child in started:
+        try:
+            child.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            logger.warning("%s did not stop in %.0f s: killing it", child.name, grace)
+    for child in started:
+        _kill_group(child)
+        if child.proc.poll() is None:
+            child.proc.wait()
+        logger.info("%s stopped (exit code %s)", child.name, child.proc.returncode)
+
+
+def _signal_group_leader(child: Child, sig: int) -> None:
+    try:
+        child.proc.send_signal(sig)
+    except ProcessLookupError:
+        pass
+
+
+def _kill_group(child: Child) -> None:
+    try:
+        os.killpg(child.proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # the group is gone: nothing left behind
+
+
+def first_dead(children: list[Child]) -> Child | None:
+    for child in children:
+        if child.proc is not None and child.proc.poll() is not None:
+            return child
+    return None
+
+
+def watch(children: list[Child], stop: threading.Event) -> Child | None:
+    """Block until a stop is requested (None) or a child exits (that child)."""
+    while not stop.wait(0.5):
+        dead = first_dead(children)
+        if dead is not None:
+            return dead
+    return None
+
+
+# ---- the deployment ---------------------------------------------------------------------
+
+
+def _cli(args: argparse.Namespace, command: str) -> list[str]:
+    level = getattr(args, "log_level", "INFO")
+    return [sys.executable, "-m", "kvferry.entrypoints.cli", "--log-level", level, command]
+
+
+def plan_instances(args: argparse.Namespace, extra: dict, log_dir: Path) -> list[Child]:
+    passthrough = engine_argv(args)
+    children = []
+    for role, count, tp in (
+        ("prefill", args.prefill, args.prefill_tp),
+        ("decode", args.decode, args.decode_tp),
+    ):
+        for i in range(count):
+            port, side_port = free_port(), free_port_range(tp)
+            cmd = _cli(args, "serve") + [args.model, "--host", "127.0.0.1", "--port", str(port)]
+            cmd += ["--tensor-parallel-size", str(tp)] if tp > 1 else []
+            cmd += passthrough + (["--api-key", args.api_key] if args.api_key else [])
+            kv = kv_transfer_json(args.kv_connector, role, extra, side_port, args.kv_load_failure_policy)
+            cmd += ["--kv-transfer-config", kv] if kv else []
+            name = f"{role}-{i}"
+            url = f"http://127.0.0.1:{port}"
+            children.append(
+                Child(name, cmd, url, log_dir / f"{name}.log", extra={"side_channel_port": side_port})
+            )
+    return children
+
+
+def plan_proxy(args: argparse.Namespace, instances: list[Child], log_dir: Path) -> Child:
+    cmd = _cli(args, "proxy")
+    cmd += ["--prefill"] + [c.url for c in instances if c.name.startswith("prefill")]
+    cmd += ["--decode"] + [c.url for c in instances if c.name.startswith("decode")]
+    cmd += ["--host", args.host, "--port", str(args.port), "--policy", args.policy]
+    cmd += ["--api-key", args.api_key] if args.api_key else []
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    return Child("proxy", cmd, f"http://{host}:{args.port}", log_dir / "proxy.log")
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.prefill < 1 or args.decode < 1:
+        raise ConfigError("--prefill and --decode need at least one instance each")
+    if args.prefill_tp < 1 or args.decode_tp < 1:
+        raise ConfigError("--prefill-tp and --decode-tp must be at least 1")
+    if not _port_free(args.host if args.host else "0.0.0.0", args.port):
+        raise ConfigError(f"the proxy's port {args.port} on {args.host} is in use (--port)")
+
+
+def _install_signal_handlers(stop: threading.Event) -> None:
+    def on_signal(signum: int, _frame: object) -> None:
+        if not stop.is_set():
+            logger.info("%s: stopping everything", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+
+
+def start(children: list[Child], proxy: Child, timeout: float, stop: threading.Event) -> None:
+    deadline = time.monotonic() + timeout
+    for child in children:
+        spawn(child)
+    wait_healthy(children, deadline, stop)
+    spawn(proxy)
+    wait_healthy([proxy], deadline, stop)
+
+
+def run(args: argparse.Namespace) -> None:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per health poll
+    _check_args(args)
+    extra = check_connector(args)
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvferry-disagg-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    instances = plan_instances(args, extra, log_dir)
+    proxy = plan_proxy(args, instances, log_dir)
+    stop = threading.Event()
+    _install_signal_handlers(stop)
+    dead = None
+    try:
+        start(instances, proxy, args.startup_timeout, stop)
+        prefill = " ".join(c.url for c in instances if c.name.startswith("prefill"))
+        decode = " ".join(c.url for c in instances if c.name.startswith("decode"))
+        connector = args.kv_connector
+        print(
+            f"kvferry disagg: proxy ready at {proxy.url} (prefill: {prefill}; decode: {decode}; "
+            f"connector: {connector}; logs: {log_dir})",
+            flush=True,
+        )
+        dead = watch(instances + [proxy], stop)
+    finally:
+        stop_all([proxy] + instances, args.stop_timeout)
+    if dead is not None:
+        raise LaunchError(
+            f"{dead.name} exited with code {dead.proc.returncode}; everything was stopped. "
+            f"log {dead.log}:\n{dead.log_tail()}"
+        )
+    logger.info("all stopped")
