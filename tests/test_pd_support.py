@@ -1,0 +1,189 @@
+"""Helpers for the P/D end-to-end tests: `kvferry serve` processes with the NixlConnector.
+
+No tests here. Servers run in their own process groups (a kill takes the API server, the
+engine core and its workers down at once); every helper talks plain HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    name: str
+    proc: subprocess.Popen
+    url: str
+    log: Path
+
+    def post(self, body: dict, timeout: float = 60.0) -> httpx.Response:
+        return httpx.post(self.url + "/v1/completions", json={"model": MODEL, **body}, timeout=timeout)
+
+    def metrics(self) -> dict[str, float]:
+        """Every kvferry: sample of /metrics, by name (labels dropped; counters without _total)."""
+        out: dict[str, float] = {}
+        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith("kvferry:") and " " in line:
+                key, _, value = line.rpartition(" ")
+                name = key.split("{")[0].removeprefix("kvferry:").removesuffix("_total")
+                if "_bucket" not in name and "le=" not in key:
+                    out[name] = (
+                        out.get(name, 0.0) + float(value) if "finished_reason" in key else float(value)
+                    )
+        return out
+
+    def tail(self, chars: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-chars:]
+
+
+def start_server(
+    model_dir: Path,
+    log_dir: Path,
+    name: str,
+    kv: dict | None = None,
+    tp: int = 1,
+    layout: str = "NHD",
+    args: tuple[str, ...] = (),
+) -> Server:
+    """Start `kvferry serve` (not waiting for it); kv: the --kv-transfer-config object."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvferry.entrypoints.cli", "--log-level", "WARNING", "serve", str(model_dir)]
+    cmd += ["--served-model-name", MODEL, "--port", str(port), "--kv-cache-memory", "0.005"]
+    cmd += ["--kv-layout", layout, "--tensor-parallel-size", str(tp), *args]
+    if kv is not None:
+        cmd += ["--kv-transfer-config", json.dumps(kv)]
+    log = log_dir / f"{name}.log"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
+        )
+    return Server(name, proc, f"http://127.0.0.1:{port}", log)
+
+
+def nixl(role: str, policy: str = "fail", **extra) -> dict:
+    return {
+        "kv_connector": "NixlConnector",
+        "kv_role": role,
+        "kv_load_failure_policy": policy,
+        "kv_connector_extra_config": extra,
+    }
+
+
+def wait_healthy(servers: list[Server], timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    for server in servers:
+        while True:
+            if server.proc.poll() is not None:
+                raise AssertionError(f"{server.name} exited with {server.proc.returncode}:\n{server.tail()}")
+            try:
+                if httpx.get(server.url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{server.name} not healthy after {timeout} s:\n{server.tail()}")
+            time.sleep(0.2)
+
+
+def stop(servers: list[Server], timeout: float = 30.0) -> list[int]:
+    """SIGINT all, wait, then SIGKILL what is left of their process groups; the exit codes."""
+    for server in servers:
+        if server.proc.poll() is None:
+            server.proc.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + timeout
+    for server in servers:
+        try:
+            server.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        kill(server)
+    return [s.proc.wait() for s in servers]
+
+
+def kill(server: Server) -> None:
+    """SIGKILL the server's whole process group (API server, engine core, workers)."""
+    try:
+        os.killpg(server.proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def wait_idle(server: Server, timeout: float = 30.0) -> dict[str, float]:
+    """Metrics once nothing runs or waits and every KV block is free again (else fail)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = server.metrics()
+        if (
+            m["num_requests_running"] == 0
+            and m["num_requests_waiting"] == 0
+            and m["num_free_blocks"] == m["num_blocks"]
+        ):
+            return m
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"{server.name}: {m['num_blocks'] - m['num_free_blocks']} KV blocks not freed: {m}"
+            )
+        time.sleep(0.1)
+
+
+def prefill(server: Server, prompt: str | list[int]) -> dict:
+    """The prefill leg: max_tokens=1, do_remote_decode; returns the response's kv_transfer_params."""
+    body = {
+        "prompt": prompt,
+        "max_tokens": 1,
+        "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
+    resp = server.post(body)
+    assert resp.status_code == 200, resp.text
+    params = resp.json()["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True
+    return params
+
+
+def decode(
+    server: Server, prompt: str | list[int], params: dict | None, max_tokens: int = 12
+) -> httpx.Response:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    if params is not None:
+        body["kv_transfer_params"] = params
+    return server.post(body)
+
+
+def prompt_set(tokenizer, block_size: int = 16) -> list[str | list[int]]:
+    """>= 16 prompts: below one block, exact block multiples (token ids), long (chunked prefill)."""
+    texts = [
+        "the cat",
+        "hello",
+        "a small bird follows the river",
+        "the queen writes a letter to the king because it is late",
+        "my friend builds a long road near the house every day and the teacher reads a book",
+        "the engineer carries a heavy box before the rain and the children paint the blue sky at night "
+        "while the captain opens the golden door of the ancient castle by the sea",
+        " ".join(["the old man reads a golden book by the sea"] * 12),  # long: chunked
+        " ".join(["our team finds a bright star in the morning"] * 20),  # longer
+    ]
+    base = tokenizer.encode(" ".join(["a dog sees the red ball"] * 40))
+    exact = [base[: n * block_size] for n in (1, 2, 3, 5)]
+    odd = [base[:1], base[: block_size - 1], base[: block_size + 1], base[: 4 * block_size - 1]]
+    return texts + exact + odd
