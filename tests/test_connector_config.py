@@ -1,0 +1,81 @@
+"""Connector configuration errors at start-up, and a connector that raises during a step."""
+
+import pytest
+
+from kvferry.config import KVTransferConfig
+from kvferry.connector.factory import resolve_connector_class
+from kvferry.entrypoints.cli import parse_kv_transfer_config
+from kvferry.errors import ConfigError
+from kvferry.sampling_params import SamplingParams
+from tests.engine_helpers import PROMPT_TEXTS, assert_pool_full, make_llm
+
+BAD_CONFIGS = [
+    ('{"kv_connector": "NoSuchConnector"}', "unknown KV connector 'NoSuchConnector'"),
+    ('{"kv_connector": "X", "kv_connector_module_path": "no_such_module_xyz"}', "does not import"),
+    (
+        '{"kv_connector": "Missing", "kv_connector_module_path": "tests.connectors.faulty"}',
+        "has no connector class",
+    ),
+    (
+        '{"kv_connector": "NotAConnector", "kv_connector_module_path": "tests.connectors.faulty"}',
+        "does not implement",
+    ),
+    ('{"kv_connector": "RecordingConnector", "kv_role": "sideways"}', "kv_role must be one of"),
+    ('{"kv_connector": "RecordingConnector", "kv_load_failure_policy": "retry"}', "kv_load_failure_policy"),
+    ('{"kv_connector": "RecordingConnector", "colour": 1}', "unknown keys"),
+    ('{"kv_connector": "RecordingConnector", "kv_connector_extra_config": [1]}', "must be a JSON object"),
+    ("[1, 2]", "must be a JSON object"),
+    ("{not json", "not valid JSON"),
+]
+
+
+@pytest.mark.parametrize(("raw", "message"), BAD_CONFIGS)
+def test_bad_kv_transfer_config_is_a_clear_startup_error(raw, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_kv_transfer_config(raw)
+
+
+def test_role_the_connector_does_not_support(monkeypatch):
+    from kvferry.connector.recording import RecordingConnector
+
+    monkeypatch.setattr(RecordingConnector, "supported_roles", frozenset({"producer"}))
+    with pytest.raises(ConfigError, match="does not support kv_role 'consumer'"):
+        resolve_connector_class(KVTransferConfig("RecordingConnector", kv_role="consumer"))
+
+
+def test_out_of_tree_connector_by_module_path():
+    config = parse_kv_transfer_config(
+        '{"kv_connector": "FaultyConnector", "kv_connector_module_path": "tests.connectors.faulty"}'
+    )
+    assert resolve_connector_class(config).__module__ == "tests.connectors.faulty"
+
+
+def _faulty(policy, fail_forwards):
+    return KVTransferConfig(
+        "FaultyConnector",
+        kv_connector_module_path="tests.connectors.faulty",
+        kv_connector_extra_config={"fail_forwards": fail_forwards},
+        kv_load_failure_policy=policy,
+    )
+
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def test_raising_connector_with_fail_policy_fails_only_that_steps_requests(tiny_llama):
+    expected = [o.outputs[0].token_ids for o in make_llm(tiny_llama).generate(PROMPT_TEXTS[:2], GREEDY)]
+    llm = make_llm(tiny_llama, kv_transfer=_faulty("fail", [1]))
+    first = llm.generate(PROMPT_TEXTS[:2], GREEDY)  # both are in the failing forward
+    assert all(o.outputs[0].finish_reason == "error" and o.error for o in first)
+    again = llm.generate(PROMPT_TEXTS[:2], GREEDY)  # the engine keeps serving
+    assert [o.outputs[0].token_ids for o in again] == expected
+    assert_pool_full(llm)
+
+
+def test_raising_connector_with_recompute_policy_gives_correct_output(tiny_llama):
+    expected = [o.outputs[0].token_ids for o in make_llm(tiny_llama).generate(PROMPT_TEXTS[:4], GREEDY)]
+    llm = make_llm(tiny_llama, kv_transfer=_faulty("recompute", [1, 3]))
+    outputs = llm.generate(PROMPT_TEXTS[:4], GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
+    assert_pool_full(llm)
