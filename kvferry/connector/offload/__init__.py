@@ -1,0 +1,1 @@
+"""Offload connector: KV blocks of computed prompts to CPU DRAM and disk tiers (see README.md)."""

@@ -1,0 +1,66 @@
+"""BlockCopier: whole KV blocks between the device KV tensors and flat slot rows.
+
+A slot row holds one block of every KV tensor of this rank, back to back, each as its K
+bytes then its V bytes. Tensors shared by several layers are copied once (deduplicated
+by base address). The copy is byte-exact and layout-agnostic: a block's bytes are moved
+as they are, so NHD and HND both work (the tiers belong to one instance, one layout).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kvferry.kv.spec import KVCacheConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Segment:
+    view: torch.Tensor  # uint8 [2, num_blocks, half_bytes] over the KV tensor's storage
+    group: int  # KV cache group: which of a block's ids (one per group) addresses it
+    offset: int  # in the slot row
+    half: int  # bytes of K (= bytes of V) of one block
+
+
+class BlockCopier:
+    def __init__(self, kv_caches: dict[str, torch.Tensor], kv_cache_config: KVCacheConfig):
+        self.segments: list[_Segment] = []
+        seen: set[int] = set()
+        offset = 0
+        for tensor_spec in kv_cache_config.tensors:
+            layer = tensor_spec.shared_by[0]
+            tensor = kv_caches[layer]
+            if tensor.data_ptr() in seen:
+                continue
+            seen.add(tensor.data_ptr())
+            assert tensor.is_contiguous(), f"KV tensor of {layer} is not contiguous"
+            view = tensor.view(2, tensor.shape[1], -1).view(torch.uint8)
+            half = view.shape[2]
+            self.segments.append(_Segment(view, kv_cache_config.group_of(layer), offset, half))
+            offset += 2 * half
+        self.slot_bytes = offset
+        self.device = self.segments[0].view.device if self.segments else torch.device("cpu")
+
+    def gather(self, block_ids: list[tuple[int, ...]], out: torch.Tensor | None = None) -> torch.Tensor:
+        """The blocks as CPU rows [n, slot_bytes] (block_ids: one id per group per block)."""
+        n = len(block_ids)
+        if out is None:
+            out = torch.empty((n, self.slot_bytes), dtype=torch.uint8)
+        for seg in self.segments:
+            index = torch.tensor([ids[seg.group] for ids in block_ids], dtype=torch.int64, device=self.device)
+            src = seg.view.index_select(1, index)  # [2, n, half]
+            dst = out[:, seg.offset : seg.offset + 2 * seg.half].view(n, 2, seg.half)
+            dst.copy_(src.transpose(0, 1))
+        return out
+
+    def scatter(self, rows: torch.Tensor, block_ids: list[tuple[int, ...]]) -> None:
+        """Write rows [n, slot_bytes] into the device blocks."""
+        n = len(block_ids)
+        for seg in self.segments:
+            index = torch.tensor([ids[seg.group] for ids in block_ids], dtype=torch.int64, device=self.device)
+            src = rows[:, seg.offset : seg.offset + 2 * seg.half].view(n, 2, seg.half).transpose(0, 1)
+            seg.view.index_copy_(1, index, src.to(self.device))

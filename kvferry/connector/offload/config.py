@@ -1,0 +1,122 @@
+"""OffloadConfig: `kv_connector_extra_config` of the OffloadConnector, checked at start-up.
+
+Capacities are for the whole instance. With tensor parallelism every rank stores only its
+own KV-head slice of a block, at the same slot index as the other ranks, so a tier of
+`dram_gib` GiB holds `dram_gib GiB / (slot bytes per rank * TP size)` blocks and each rank
+allocates `dram_gib / TP size` GiB. `dram_blocks` / `disk_blocks` give the block count
+directly instead (tests, benchmarks).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+
+from kvferry.errors import ConfigError
+from kvferry.kv.spec import KVCacheConfig, SlidingWindowSpec
+
+logger = logging.getLogger(__name__)
+
+GIB = 1 << 30
+DEFAULT_DRAM_GIB = 1.0
+KNOWN_KEYS = frozenset({"dram_gib", "dram_blocks", "disk_dir", "disk_gib", "disk_blocks", "verify_checksum"})
+
+
+def _number(extra: dict, key: str, integer: bool = False) -> float | int | None:
+    value = extra.get(key)
+    if value is None:
+        return None
+    kind = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value) or value < 0:
+        what = "a non-negative integer" if integer else "a non-negative number"
+        raise ConfigError(f"offload: {key} must be {what}, not {value!r}")
+    return value
+
+
+def _exclusive(extra: dict, gib_key: str, blocks_key: str) -> tuple[float | None, int | None]:
+    gib, blocks = _number(extra, gib_key), _number(extra, blocks_key, integer=True)
+    if gib is not None and blocks is not None:
+        raise ConfigError(f"offload: give {gib_key} or {blocks_key}, not both")
+    return gib, blocks
+
+
+def _check_dir(path: object) -> str:
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"offload: disk_dir must be a directory path, not {path!r}")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"offload: disk_dir {path!r} cannot be created: {exc}") from exc
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"offload: disk_dir {path!r} is not writable")
+    return path
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    dram_gib: float | None = DEFAULT_DRAM_GIB
+    dram_blocks: int | None = None
+    disk_dir: str | None = None
+    disk_gib: float | None = None
+    disk_blocks: int | None = None
+    verify_checksum: bool = False  # crc32 of each slot's payload, checked on every load
+
+    @classmethod
+    def from_extra(cls, extra: dict) -> OffloadConfig:
+        unknown = set(extra) - KNOWN_KEYS
+        if unknown:
+            raise ConfigError(f"offload: unknown keys {sorted(unknown)}; known: {sorted(KNOWN_KEYS)}")
+        dram_gib, dram_blocks = _exclusive(extra, "dram_gib", "dram_blocks")
+        if dram_gib is None and dram_blocks is None:
+            dram_gib = DEFAULT_DRAM_GIB
+        disk_gib, disk_blocks = _exclusive(extra, "disk_gib", "disk_blocks")
+        disk_dir = extra.get("disk_dir")
+        has_disk = disk_gib is not None or disk_blocks is not None
+        if has_disk and disk_dir is None:
+            raise ConfigError("offload: disk_gib/disk_blocks need a disk_dir")
+        if disk_dir is not None and not has_disk:
+            raise ConfigError("offload: disk_dir needs a capacity (disk_gib or disk_blocks)")
+        if disk_dir is not None:
+            disk_dir = _check_dir(disk_dir)
+        verify = extra.get("verify_checksum", False)
+        if not isinstance(verify, bool):
+            raise ConfigError(f"offload: verify_checksum must be true or false, not {verify!r}")
+        return cls(dram_gib, dram_blocks, disk_dir, disk_gib, disk_blocks, verify)
+
+    def num_slots(self, slot_bytes: int, tp_size: int) -> tuple[int, int]:
+        """(DRAM slots, disk slots) for blocks of `slot_bytes` per rank over `tp_size` ranks."""
+        block_bytes = slot_bytes * tp_size  # one block of the whole instance
+
+        def slots(gib: float | None, blocks: int | None) -> int:
+            if blocks is not None:
+                return blocks
+            return int(gib * GIB // block_bytes) if gib else 0
+
+        dram = slots(self.dram_gib, self.dram_blocks)
+        disk = slots(self.disk_gib, self.disk_blocks) if self.disk_dir is not None else 0
+        if dram == 0 and disk == 0:
+            raise ConfigError(
+                f"offload: the tiers hold no block (one block takes {block_bytes} bytes over "
+                f"{tp_size} rank(s)); raise dram_gib or disk_gib"
+            )
+        return dram, disk
+
+
+def slot_bytes_per_rank(kv_cache_config: KVCacheConfig) -> int:
+    """Bytes one block takes on one rank over every KV tensor (shared tensors counted once)."""
+    total = 0
+    for tensor in kv_cache_config.tensors:
+        spec = kv_cache_config.groups[kv_cache_config.group_of(tensor.shared_by[0])].spec
+        total += spec.page_size_bytes
+    return total
+
+
+def check_kv_cache_config(kv_cache_config: KVCacheConfig) -> None:
+    """The offload tiers store whole blocks of full-attention groups only."""
+    for group in kv_cache_config.groups:
+        if isinstance(group.spec, SlidingWindowSpec):
+            raise ConfigError("offload: sliding-window KV cache groups are not supported yet")
+    if not kv_cache_config.tensors:
+        raise ConfigError("offload: the KV cache config lists no tensors")

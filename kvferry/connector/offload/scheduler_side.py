@@ -1,0 +1,170 @@
+"""OffloadScheduler: the scheduler half's logic (index, loads, saves, failures, delayed frees).
+
+Per step it tells the workers which tier slots to load into which device blocks (found at
+admission, right after the local prefix-cache lookup), and which newly computed full
+prompt blocks to save into which slots (with the demotions that make room). A request
+that had saves scheduled keeps its blocks after it finishes (delay_free) until every
+worker reports its saves done in `finished_sending`.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+
+from kvferry.connector.offload.config import OffloadConfig, check_kv_cache_config, slot_bytes_per_rank
+from kvferry.connector.offload.index import TierIndex
+from kvferry.connector.offload.metadata import LoadOp, OffloadMetadata, SaveFailed, SaveOp, Tier
+from kvferry.connector.output import KVConnectorOutput
+from kvferry.kv.spec import KVCacheConfig
+from kvferry.scheduler.output import BlockIds, SchedulerOutput
+from kvferry.scheduler.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Tracked:
+    """A request the workers hold blocks for: its block table and how far saves got."""
+
+    request: Request
+    block_ids: list[list[int]]  # per KV cache group
+    next_block: int = 0  # prompt blocks before this one were saved or found stored
+
+
+class OffloadScheduler:
+    def __init__(self, config: OffloadConfig, kv_cache_config: KVCacheConfig, tp_size: int):
+        check_kv_cache_config(kv_cache_config)
+        self.config = config
+        self.block_size = kv_cache_config.block_size
+        self.slot_bytes = slot_bytes_per_rank(kv_cache_config)
+        dram, disk = config.num_slots(self.slot_bytes, tp_size)
+        self.index = TierIndex(dram, disk)
+        self.instance_id = uuid.uuid4().hex
+        self._reqs: dict[str, _Tracked] = {}
+        self._local_hits: dict[str, int] = {}  # req -> local prefix hit of its last lookup
+        self._has_saves: set[str] = set()  # requests whose blocks saves may still read
+        self._pending_loads: list[LoadOp] = []  # for the metadata being built this step
+        self._step_loads: list[LoadOp] = []  # sent in the last metadata
+        self._step_saves: dict[str, list[SaveOp]] = {}
+        self._epoch = 0
+        self.counters: Counter[str] = Counter()  # decisions taken here (per connector instance)
+        self.totals: Counter[str] = Counter()  # worker stats summed over the engine's life
+        logger.info(
+            "offload tiers: %d DRAM + %d disk slots of %d bytes per rank (x%d ranks)",
+            dram,
+            disk,
+            self.slot_bytes,
+            tp_size,
+        )
+
+    # ---- admission ------------------------------------------------------------------
+
+    def num_matched(self, request: Request, num_computed_tokens: int) -> int:
+        """Tokens in stored blocks right after the local hit, whole blocks, never the last token."""
+        self._local_hits[request.req_id] = num_computed_tokens
+        start = num_computed_tokens // self.block_size
+        stop = (request.num_tokens - 1) // self.block_size
+        return self.index.count_prefix(request.block_hashes, start, stop) * self.block_size
+
+    def after_alloc(self, request: Request, block_ids: BlockIds, num_external: int) -> None:
+        tracked = _Tracked(request, [list(ids) for ids in block_ids])
+        self._reqs[request.req_id] = tracked
+        local = self._local_hits.pop(request.req_id, 0)
+        if num_external <= 0:
+            return
+        assert local % self.block_size == 0 and num_external % self.block_size == 0
+        start = local // self.block_size
+        for i in range(start, start + num_external // self.block_size):
+            block_hash = request.block_hashes[i]
+            entry = self.index.touch(block_hash)
+            assert entry is not None, "a matched block left the index before allocation"
+            ids = tuple(group[i] for group in tracked.block_ids)
+            load = LoadOp(request.req_id, entry.tier, entry.slot, block_hash, entry.epoch, ids)
+            self._pending_loads.append(load)
+            self.counters["loads_dram" if entry.tier is Tier.DRAM else "loads_disk"] += 1
+
+    # ---- per step ---------------------------------------------------------------------
+
+    def build_meta(self, so: SchedulerOutput) -> OffloadMetadata:
+        meta = OffloadMetadata(instance_id=self.instance_id, idle=so.is_empty)
+        meta.loads, self._pending_loads = self._pending_loads, []
+        # A preempted request keeps its (stale) entry until admission replaces it.
+        meta.preempted = sorted(so.preempted_req_ids & self._has_saves)
+        self._update_block_tables(so)
+        self._step_saves = {}
+        dropped = self.index.num_dropped
+        for req_id in so.num_scheduled_tokens:
+            tracked = self._reqs.get(req_id)
+            if tracked is not None:
+                self._schedule_saves(tracked, meta)
+        meta.num_evicted = self.index.num_dropped - dropped
+        self._step_loads = meta.loads
+        return meta
+
+    def _update_block_tables(self, so: SchedulerOutput) -> None:
+        for new in so.scheduled_new_reqs:
+            tracked = self._reqs.get(new.req_id)
+            if tracked is not None:
+                tracked.block_ids = [list(ids) for ids in new.block_ids]
+        cached = so.scheduled_cached_reqs
+        for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids):
+            tracked = self._reqs.get(req_id)
+            if tracked is not None and new_ids is not None:
+                for group, added in zip(tracked.block_ids, new_ids, strict=True):
+                    group.extend(added)
+
+    def _schedule_saves(self, tracked: _Tracked, meta: OffloadMetadata) -> None:
+        """Saves for the prompt blocks this step fills (num_computed_tokens already advanced)."""
+        request = tracked.request
+        full = min(request.num_computed_tokens, request.num_prompt_tokens) // self.block_size
+        for i in range(tracked.next_block, full):
+            block_hash = request.block_hashes[i]
+            if self.index.touch(block_hash) is not None:
+                continue  # stored already (or being saved): not saved again
+            self._epoch += 1
+            entry, demotions = self.index.insert(block_hash, self._epoch)
+            meta.ops.extend(demotions)
+            ids = tuple(group[i] for group in tracked.block_ids)
+            save = SaveOp(request.req_id, entry.tier, entry.slot, block_hash, entry.epoch, ids)
+            meta.ops.append(save)
+            self._step_saves.setdefault(request.req_id, []).append(save)
+            self._has_saves.add(request.req_id)
+            self.counters["saves"] += 1
+        tracked.next_block = max(tracked.next_block, full)
+
+    # ---- results ----------------------------------------------------------------------
+
+    def update_output(self, output: KVConnectorOutput) -> None:
+        if output.stats is not None:
+            self.totals.update(output.stats.data)
+        for event in output.events:
+            if isinstance(event, SaveFailed) and event.instance_id == self.instance_id:
+                if self.index.remove(event.block_hash, event.epoch):
+                    logger.warning("offload: a save failed; block dropped from the index")
+        if output.invalid_block_ids:
+            self._forget_failed_loads(set(output.invalid_block_ids))
+
+    def _forget_failed_loads(self, invalid: set[int]) -> None:
+        """Drop what failed loads read, and what the step saved for requests with invalid blocks
+        (computed over missing KV; another connector may have done the failed load)."""
+        for load in self._step_loads:
+            if invalid.intersection(load.block_ids) and self.index.remove(load.block_hash, load.epoch):
+                self.counters["load_failures"] += 1
+        for req_id, saves in self._step_saves.items():
+            tracked = self._reqs.get(req_id)
+            if tracked is None or any(invalid.intersection(ids) for ids in tracked.block_ids):
+                for save in saves:
+                    self.index.remove(save.block_hash, save.epoch)
+        logger.warning("offload: %d block(s) failed to load; dependent entries dropped", len(invalid))
+
+    def finished(self, request: Request) -> bool:
+        """delay_free: whether saves scheduled for the request may still read its blocks."""
+        self._reqs.pop(request.req_id, None)
+        self._local_hits.pop(request.req_id, None)
+        if request.req_id in self._has_saves:
+            self._has_saves.discard(request.req_id)
+            return True
+        return False

@@ -1,0 +1,238 @@
+"""OffloadWorker: the worker half's logic (tiers, loads before the forward, background saves).
+
+Loads run synchronously in start_load_kv, before the forward: each waits only for the
+background jobs that touch its slots. Saves and demotions of a step run as one background
+job submitted after the forward (wait_for_save), so the forward never waits for them;
+the scheduler keeps the request's device blocks until this worker reports the request in
+finished_sending. With tensor parallelism every rank runs this on its own KV-head slice;
+block counts are reported by rank 0 only, byte counts by every rank (their sum is the total).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+
+import torch
+
+from kvferry.connector.offload.blocks import BlockCopier
+from kvferry.connector.offload.config import OffloadConfig, check_kv_cache_config, slot_bytes_per_rank
+from kvferry.connector.offload.jobs import JobQueue
+from kvferry.connector.offload.metadata import DemoteOp, LoadOp, OffloadMetadata, SaveFailed, SaveOp, Tier
+from kvferry.connector.offload.tiers import DiskTier, DramTier, Tag, payload_crc
+from kvferry.kv.spec import KVCacheConfig
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.02  # an empty step waits this long for pending saves (no hot spin)
+
+
+class OffloadWorker:
+    def __init__(self, config: OffloadConfig, kv_cache_config: KVCacheConfig, tp_size: int, rank: int):
+        check_kv_cache_config(kv_cache_config)
+        self.rank = rank
+        self.verify = config.verify_checksum
+        self.slot_bytes = slot_bytes_per_rank(kv_cache_config)
+        dram_slots, disk_slots = config.num_slots(self.slot_bytes, tp_size)
+        self.dram = DramTier(dram_slots, self.slot_bytes) if dram_slots else None
+        self.disk = DiskTier(config.disk_dir, disk_slots, self.slot_bytes, rank) if disk_slots else None
+        self.copier: BlockCopier | None = None
+        self.jobs = JobQueue(f"kvferry-offload-rank{rank}")
+        self._slot_seq: dict[tuple[Tier, int], int] = {}  # last job touching a slot
+        self._req_seq: dict[str, int] = {}  # last job saving a request's blocks
+        self._awaiting: set[str] = set()  # finished, saves still running
+        self._failed_reqs: set[str] = set()  # loads failed this step: their saves are skipped
+        self._load_errors: set[int] = set()
+        self._lock = threading.Lock()  # guards the counters and events (both threads)
+        self._stats: Counter[str] = Counter()
+        self._events: list[object] = []
+
+    def register(self, kv_caches: dict[str, torch.Tensor], kv_cache_config: KVCacheConfig) -> None:
+        self.copier = BlockCopier(kv_caches, kv_cache_config)
+        assert self.copier.slot_bytes == self.slot_bytes, "slot size differs from the KV cache config"
+
+    # ---- before the forward -------------------------------------------------------------
+
+    def start_load(self, meta: OffloadMetadata) -> None:
+        for req_id in meta.preempted:  # their blocks may be reused by this very step
+            seq = self._req_seq.get(req_id)
+            if seq is not None:
+                self.jobs.wait(seq)
+        self._failed_reqs = set()
+        if not meta.loads:
+            return
+        self._wait_slots((load.tier, load.slot) for load in meta.loads)
+        rows = torch.empty((len(meta.loads), self.slot_bytes), dtype=torch.uint8)
+        ok = [self._read(load, rows[i]) for i, load in enumerate(meta.loads)]
+        good = [i for i, fine in enumerate(ok) if fine]
+        if good:
+            self._copier().scatter(rows[good], [meta.loads[i].block_ids for i in good])
+        for load, fine in zip(meta.loads, ok):
+            if not fine:
+                self._failed_reqs.add(load.req_id)
+                self._load_errors.update(load.block_ids)
+        self._count_loads([meta.loads[i] for i in good], len(meta.loads) - len(good))
+
+    def _read(self, load: LoadOp, out: torch.Tensor) -> bool:
+        tag = Tag(load.block_hash, load.epoch)
+        try:
+            if load.tier is Tier.DRAM:
+                if self.dram is None or not self.dram.check(load.slot, tag, self.verify):
+                    return False
+                out.copy_(self.dram.buffer[load.slot])
+                return True
+            return self.disk is not None and self.disk.read(load.slot, out, tag, self.verify)
+        except OSError:
+            logger.exception("offload: reading %s slot %d failed", load.tier.name, load.slot)
+            return False
+
+    def _count_loads(self, loaded: list[LoadOp], num_failed: int) -> None:
+        counts: Counter[str] = Counter()
+        if self.rank == 0:
+            counts["offload_loaded_blocks_dram"] = sum(1 for x in loaded if x.tier is Tier.DRAM)
+            counts["offload_loaded_blocks_disk"] = sum(1 for x in loaded if x.tier is Tier.DISK)
+            counts["offload_load_errors"] = num_failed
+        counts["offload_bytes_loaded"] = len(loaded) * self.slot_bytes
+        self._add_stats(counts)
+
+    def _wait_slots(self, keys) -> None:
+        seq = max((self._slot_seq.get(key, 0) for key in keys), default=0)
+        if seq:
+            self.jobs.wait(seq)
+
+    # ---- after the forward --------------------------------------------------------------
+
+    def submit_ops(self, meta: OffloadMetadata) -> None:
+        """Queue the step's saves and demotions as one background job, in metadata order."""
+        if self.rank == 0 and meta.num_evicted:
+            self._add_stats(Counter({"offload_evictions": meta.num_evicted}))
+        if not meta.ops:
+            return
+        skipped = self._failed_reqs
+        ops = [op for op in meta.ops if not (isinstance(op, SaveOp) and op.req_id in skipped)]
+        seq = self.jobs.submit(lambda: self._run_ops(ops, meta.instance_id))
+        for op in meta.ops:
+            if isinstance(op, SaveOp):
+                self._slot_seq[(op.tier, op.slot)] = seq
+                self._req_seq[op.req_id] = seq
+            else:
+                self._slot_seq[(Tier.DRAM, op.dram_slot)] = seq
+                self._slot_seq[(Tier.DISK, op.disk_slot)] = seq
+
+    def _run_ops(self, ops: list[SaveOp | DemoteOp], instance_id: str) -> None:
+        """Background thread: saves batched while consecutive, same tier, distinct slots."""
+        i = 0
+        while i < len(ops):
+            op = ops[i]
+            if isinstance(op, DemoteOp):
+                self._demote(op, instance_id)
+                i += 1
+                continue
+            batch, slots = [], set()
+            while i < len(ops) and isinstance(ops[i], SaveOp) and ops[i].tier is op.tier:
+                if ops[i].slot in slots:
+                    break
+                slots.add(ops[i].slot)
+                batch.append(ops[i])
+                i += 1
+            self._save(batch, instance_id)
+
+    def _save(self, batch: list[SaveOp], instance_id: str) -> None:
+        try:
+            rows = self._copier().gather([op.block_ids for op in batch])
+            tags = [
+                Tag(op.block_hash, op.epoch, payload_crc(rows[k]) if self.verify else 0)
+                for k, op in enumerate(batch)
+            ]
+            if batch[0].tier is Tier.DRAM:
+                self._dram().write([op.slot for op in batch], rows, tags)
+            else:
+                for k, op in enumerate(batch):
+                    self._disk().write(op.slot, rows[k], tags[k])
+        except Exception:
+            logger.exception("offload: saving %d block(s) failed", len(batch))
+            for op in batch:
+                self._fail(op.tier, op.slot, op.block_hash, op.epoch, instance_id)
+            return
+        counts: Counter[str] = Counter({"offload_bytes_saved": len(batch) * self.slot_bytes})
+        if self.rank == 0:
+            counts["offload_saved_blocks"] = len(batch)
+        self._add_stats(counts)
+
+    def _demote(self, op: DemoteOp, instance_id: str) -> None:
+        try:
+            tag = self._dram().tag(op.dram_slot)
+            if tag is None or tag.block_hash != op.block_hash or tag.epoch != op.epoch:
+                raise OSError(f"DRAM slot {op.dram_slot} does not hold the block to demote")
+            self._disk().write(op.disk_slot, self._dram().buffer[op.dram_slot], tag)
+        except Exception:
+            logger.exception("offload: demoting DRAM slot %d to disk failed", op.dram_slot)
+            self._fail(Tier.DISK, op.disk_slot, op.block_hash, op.epoch, instance_id)
+            return
+        if self.rank == 0:
+            self._add_stats(Counter({"offload_demoted_blocks": 1}))
+
+    def _fail(self, tier: Tier, slot: int, block_hash: bytes, epoch: int, instance_id: str) -> None:
+        try:
+            if tier is Tier.DRAM:
+                self._dram().invalidate(slot)
+            else:
+                self._disk().invalidate(slot)
+        except Exception:
+            logger.exception("offload: invalidating %s slot %d failed", tier.name, slot)
+        with self._lock:
+            self._stats["offload_save_errors"] += 1
+            self._events.append(SaveFailed(instance_id, block_hash, epoch))
+
+    # ---- results ------------------------------------------------------------------------
+
+    def finished_sending(self, finished_req_ids: set[str], idle: bool) -> set[str]:
+        """Finished requests whose saves all completed on this rank."""
+        self._awaiting |= {r for r in finished_req_ids if r in self._req_seq}
+        if not self._awaiting:
+            return set()
+        if idle:  # nothing else to do this step: give the saves a moment
+            self.jobs.wait(min(self._req_seq[r] for r in self._awaiting), IDLE_WAIT_S)
+        done = {r for r in self._awaiting if self.jobs.is_done(self._req_seq[r])}
+        for req_id in done:
+            del self._req_seq[req_id]
+        self._awaiting -= done
+        return done
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_stats(self) -> dict[str, float]:
+        with self._lock:
+            stats, self._stats = self._stats, Counter()
+        return {k: v for k, v in stats.items() if v}
+
+    def take_events(self) -> list[object]:
+        with self._lock:
+            events, self._events = self._events, []
+        return events
+
+    def close(self) -> None:
+        self.jobs.close()
+        if self.disk is not None:
+            self.disk.close()
+
+    def _add_stats(self, counts: Counter[str]) -> None:
+        with self._lock:
+            self._stats.update(counts)
+
+    def _copier(self) -> BlockCopier:
+        assert self.copier is not None, "register_kv_caches was not called"
+        return self.copier
+
+    def _dram(self) -> DramTier:
+        if self.dram is None:
+            raise OSError("offload: no DRAM tier")
+        return self.dram
+
+    def _disk(self) -> DiskTier:
+        if self.disk is None:
+            raise OSError("offload: no disk tier")
+        return self.disk
