@@ -470,6 +470,9 @@ class FakeConnector:
         self.external, self.load_async, self.delay_free = external, load_async, delay_free
         self.calls: list[tuple] = []
 
+    def request_added(self, request):
+        self.calls.append(("added", request.req_id))
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         self.calls.append(("match", request.req_id, num_computed_tokens))
         return self.external, self.load_async

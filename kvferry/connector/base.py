@@ -76,6 +76,9 @@ class KVConnectorBase:
 
     # ---- scheduler half -------------------------------------------------------------
 
+    def request_added(self, request: Request) -> None:
+        """A request was queued; the connector may start lookups for it early."""
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:

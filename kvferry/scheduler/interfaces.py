@@ -17,13 +17,21 @@ from kvferry.scheduler.request import Request
 class SchedulerConnector(Protocol):
     """Scheduler half of a KV connector."""
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def request_added(self, request: Request) -> None:
+        """A request was queued (lookups may start before its turn comes)."""
+        ...
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         """Tokens beyond the `num_computed_tokens` local prefix hit that the connector can load.
 
         Returns (count, load_async). With load_async the request waits in
         WAITING_FOR_REMOTE_KVS until a worker reports it in `finished_recving`; otherwise
         the load happens inside the next forward. The scheduler clamps the count so the
-        request's last token is always computed.
+        request's last token is always computed. (None, False): the connector cannot tell
+        yet; the request keeps its place and is asked again next step. Raising
+        InvalidRequestError fails the request as the client's error (HTTP 400).
         """
         ...
 

@@ -101,6 +101,8 @@ class Scheduler:
             raise ValueError(f"request id {request.req_id!r} is already in use")
         self.requests[request.req_id] = request
         self.waiting.append(request)
+        if self.connector is not None:
+            self.connector.request_added(request)
 
     def abort_requests(self, req_ids: str | Iterable[str]) -> None:
         """Finish requests now and free their blocks; unknown or finished ids are ignored."""

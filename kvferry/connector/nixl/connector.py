@@ -87,6 +87,9 @@ class NixlConnector(KVConnectorBase):
 
     # ---- scheduler half -------------------------------------------------------------
 
+    def request_added(self, request: Request) -> None:
+        self.scheduler.request_added(request)
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:

@@ -57,6 +57,7 @@ HANDSHAKE, CHECK, READY, LOADING, SPENT = "handshake", "check", "ready", "loadin
 
 @dataclass
 class DecodeState:
+    request: Request
     remote: RemotePrefill
     stage: str = HANDSHAKE
     info: EngineInfo | None = None
@@ -88,14 +89,29 @@ class NixlScheduler:
 
     # ---- decode side ------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed: int) -> tuple[int | None, bool]:
+    def request_added(self, request: Request) -> None:
+        """Start the handshake and the Check at arrival: the answers (and the heartbeats that
+        keep the prefill's lease alive) need not wait for the request's turn."""
+        try:
+            self._state(request)
+        except InvalidRequestError:
+            pass  # reported when the scheduler asks for the request's hits
+
+    def _state(self, request: Request) -> DecodeState | None:
         state = self.decodes.get(request.req_id)
         if state is None:
             remote = parse_remote_prefill(request.kv_transfer_params)
             if remote is None or self.role == "producer":
-                return 0, False
-            state = self.decodes[request.req_id] = DecodeState(remote)
-        self._advance(request, state)
+                return None
+            state = self.decodes[request.req_id] = DecodeState(request, remote)
+            self._advance(state)
+        return state
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed: int) -> tuple[int | None, bool]:
+        state = self._state(request)
+        if state is None:
+            return 0, False
+        self._advance(state)
         if state.invalid is not None:
             del self.decodes[request.req_id]
             raise InvalidRequestError(state.invalid, param="kv_transfer_params")
@@ -110,16 +126,16 @@ class NixlScheduler:
         state.num_computed = num_computed
         return num, True
 
-    def _advance(self, request: Request, state: DecodeState) -> None:
+    def _advance(self, state: DecodeState) -> None:
         self.clients.receive()
-        if state.stage == HANDSHAKE:
+        if state.stage == HANDSHAKE and state.invalid is None:
             info = self._engine_info(state)
             if info is None:
                 return
             state.info = info
-            state.invalid = check_remote(state.remote, info, self, request.num_prompt_tokens)
+            state.invalid = check_remote(state.remote, info, self, state.request.num_prompt_tokens)
             if state.invalid is None:
-                self._send_checks(request, state)
+                self._send_checks(state)
         if state.stage == CHECK and all(p.done for p in state.checks):
             self._check_results(state)
 
@@ -149,9 +165,9 @@ class NixlScheduler:
         )
         return None
 
-    def _send_checks(self, request: Request, state: DecodeState) -> None:
+    def _send_checks(self, state: DecodeState) -> None:
         remote = state.remote
-        digest = token_hash(request.prompt_token_ids[: remote.num_tokens])
+        digest = token_hash(state.request.prompt_token_ids[: remote.num_tokens])
         block_ids = [list(ids) for ids in remote.block_ids]
         for rank in state.info.ranks:
             msg = Check(self.clients.next_seq(), remote.request_id, block_ids, remote.num_tokens, digest)
@@ -240,6 +256,9 @@ class NixlScheduler:
     # ---- both sides -------------------------------------------------------------------
 
     def build_connector_meta(self) -> NixlConnectorMetadata:
+        for state in self.decodes.values():
+            if state.stage in (HANDSHAKE, CHECK):
+                self._advance(state)  # requests still waiting for their turn
         self.clients.receive()
         self._heartbeat()
         meta = NixlConnectorMetadata(self.holds, self.loads, self.cancels)
