@@ -112,9 +112,7 @@ class MultiConnector(KVConnectorBase):
         """Each child's start-up decisions, written back into the connectors list."""
         children = []
         for cfg in child_engine_configs(engine_config):
-            child_cls = resolve_connector_class(cfg.kv_transfer)
-            prepare = getattr(child_cls, "prepare_config", None)
-            prepared = prepare(cfg) if prepare is not None else cfg
+            prepared = resolve_connector_class(cfg.kv_transfer).prepare_config(cfg)
             children.append(dataclasses.asdict(prepared.kv_transfer))
         parent = engine_config.kv_transfer
         extra = {**parent.kv_connector_extra_config, "connectors": children}
@@ -126,11 +124,13 @@ class MultiConnector(KVConnectorBase):
     def validate_kv_transfer_params(cls, transfer_config: KVTransferConfig, params: dict | None) -> None:
         engine_like = _TransferOnly(transfer_config)
         for cfg in child_engine_configs(engine_like):  # type: ignore[arg-type]
-            validate = getattr(resolve_connector_class(cfg.kv_transfer), "validate_kv_transfer_params", None)
-            if validate is not None:
-                validate(cfg.kv_transfer, params)
+            resolve_connector_class(cfg.kv_transfer).validate_kv_transfer_params(cfg.kv_transfer, params)
 
     # ---- scheduler half -------------------------------------------------------------
+
+    def request_added(self, request: Request) -> None:
+        for child in self.children:
+            child.request_added(request)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int

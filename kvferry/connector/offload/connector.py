@@ -30,8 +30,9 @@ logger = logging.getLogger(__name__)
 
 
 class OffloadConnector(KVConnectorBase):
-    # The tiers are local and indexed in memory by this instance: it both saves and loads.
-    supported_roles: ClassVar[frozenset[str]] = frozenset({"both"})
+    # The tiers are local to this instance and serve it whatever its P/D role (e.g. beside a
+    # NixlConnector in a MultiConnector): it always both saves and loads.
+    supported_roles: ClassVar[frozenset[str]] = frozenset({"producer", "consumer", "both"})
     # No per-layer work: loads happen before the forward, saves after it.
     graph_safe: ClassVar[bool] = True
     # The worker half's implementation (tests subclass it to inject failures).
@@ -52,6 +53,12 @@ class OffloadConnector(KVConnectorBase):
             self.scheduler = OffloadScheduler(self.offload_config, kv_cache_config, self.tp_size)
         else:
             self.worker = self.worker_class(self.offload_config, kv_cache_config, self.tp_size, tp_rank)
+
+    @classmethod
+    def prepare_config(cls, engine_config: EngineConfig) -> EngineConfig:
+        """Check the extra config once, before any worker loads the model (ConfigError)."""
+        OffloadConfig.from_extra(engine_config.kv_transfer.kv_connector_extra_config)
+        return engine_config
 
     # ---- scheduler half -------------------------------------------------------------
 

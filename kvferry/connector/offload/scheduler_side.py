@@ -75,9 +75,10 @@ class OffloadScheduler:
         local = self._local_hits.pop(request.req_id, 0)
         if num_external <= 0:
             return
-        assert local % self.block_size == 0 and num_external % self.block_size == 0
+        assert local % self.block_size == 0, "local prefix hits are whole blocks"
         start = local // self.block_size
-        for i in range(start, start + num_external // self.block_size):
+        # Whole blocks: a block cut short by the scheduler is loaded whole (the rest is recomputed).
+        for i in range(start, start + -(-num_external // self.block_size)):
             block_hash = request.block_hashes[i]
             entry = self.index.touch(block_hash)
             assert entry is not None, "a matched block left the index before allocation"
