@@ -35,7 +35,8 @@ class OffloadWorker:
         self.verify = config.verify_checksum
         self.slot_bytes = slot_bytes_per_rank(kv_cache_config)
         dram_slots, disk_slots = config.num_slots(self.slot_bytes, tp_size)
-        self.dram = DramTier(dram_slots, self.slot_bytes) if dram_slots else None
+        self._dram_slots = dram_slots
+        self.dram: DramTier | None = None  # allocated at registration (pinned for CUDA KV)
         self.disk = DiskTier(config.disk_dir, disk_slots, self.slot_bytes, rank) if disk_slots else None
         self.copier: BlockCopier | None = None
         self.jobs = JobQueue(f"kvferry-offload-rank{rank}")
@@ -51,6 +52,9 @@ class OffloadWorker:
     def register(self, kv_caches: dict[str, torch.Tensor], kv_cache_config: KVCacheConfig) -> None:
         self.copier = BlockCopier(kv_caches, kv_cache_config)
         assert self.copier.slot_bytes == self.slot_bytes, "slot size differs from the KV cache config"
+        if self._dram_slots:
+            pin = self.copier.device.type == "cuda"
+            self.dram = DramTier(self._dram_slots, self.slot_bytes, pin_memory=pin)
 
     # ---- before the forward -------------------------------------------------------------
 
