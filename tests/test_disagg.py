@@ -1,26 +1,38 @@
-"""`kvferry disagg`: the launcher starts prefill, decode and proxy processes, serves through
-the proxy, and on SIGTERM stops them all, leaving no process behind."""
+"""`kvferry disagg` on the tiny llama: prefill and decode instances over the NixlConnector
+and the proxy; greedy answers byte-identical to a colocated engine (streamed too); on
+SIGTERM everything stops and no process is left behind."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import re
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
+from kvferry.engine.llm import LLM
 from kvferry.entrypoints import disagg
 from kvferry.errors import ConfigError
+from kvferry.sampling_params import SamplingParams
 from tests.test_proxy_fakes import free_port, start_cli
 
 MODEL = "tiny"
+MAX_TOKENS = 12
+PROMPTS = [
+    "The cat sees a small bird",
+    "Count from 3 to ten.",
+    " ".join(["the old man reads a golden book by the sea"] * 5),  # several KV blocks
+]
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 READY = re.compile(r"proxy ready at (\S+) \(prefill: (\S+); decode: (\S+);")
 
 
@@ -42,11 +54,17 @@ def test_engine_options_pass_through_and_roles_get_their_connector() -> None:
         "--no-prefix-caching",
     ]
     assert disagg.engine_argv(_parse([])) == []
-    raw = disagg.kv_transfer_json("NixlConnector", "decode", {"x": 1}, 5600, "recompute")
-    config = json.loads(raw)
-    assert config["kv_role"] == "consumer" and config["kv_load_failure_policy"] == "recompute"
-    assert config["kv_connector_extra_config"]["side_channel_port"] == 5600
-    assert config["kv_connector_extra_config"]["x"] == 1
+    config = json.loads(
+        disagg.kv_transfer_json("NixlConnector", "prefill", {"lease_s": 10}, 5600, "recompute")
+    )
+    assert config["kv_role"] == "producer" and config["kv_load_failure_policy"] == "recompute"
+    assert config["kv_connector_extra_config"] == {
+        "side_channel_host": "127.0.0.1",
+        "side_channel_port": 5600,
+        "lease_s": 10,
+    }
+    config = json.loads(disagg.kv_transfer_json("NixlConnector", "decode", {}, None, None))
+    assert config == {"kv_connector": "NixlConnector", "kv_role": "consumer", "kv_connector_extra_config": {}}
     assert disagg.kv_transfer_json("none", "prefill", {}, 5600, None) is None
     with pytest.raises(ConfigError, match="--kv-connector none"):
         disagg.check_connector(_parse(["--kv-connector", "NoSuchConnector"]))
@@ -98,34 +116,114 @@ def _disagg_args(model: Path, port: int, log_dir: Path, *extra: str) -> list[str
     return args + ["--kv-cache-memory", "0.005", *extra]
 
 
-def test_disagg_serves_and_sigterm_leaves_nothing_behind(tiny_llama: Path, tmp_path: Path) -> None:
-    log = tmp_path / "disagg.log"
-    proc = start_cli(_disagg_args(tiny_llama, free_port(), tmp_path / "logs", "--kv-connector", "none"), log)
+@pytest.fixture(scope="module")
+def deployment(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    """`kvferry disagg` with the default connector (NixlConnector), started and ready."""
+    tmp = tmp_path_factory.mktemp("disagg")
+    log = tmp / "disagg.log"
+    proc = start_cli(_disagg_args(tiny_llama, free_port(), tmp / "logs"), log)
     try:
-        proxy, prefill, decode = _wait_ready(proc, log).groups()
-        family = _descendants(proc.pid)
-        assert len(family) >= 5, family  # prefill, decode, proxy, and each server's engine core
-        for url in (proxy, prefill, decode):
-            assert httpx.get(url + "/health").status_code == 200
-        answers = []
-        for url in (proxy, decode):
-            client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-            chunks = client.completions.create(
-                model=MODEL, prompt="The cat sees a small bird", max_tokens=8, temperature=0, stream=True
-            )
-            answers.append("".join(c.choices[0].text for c in chunks))
-        assert answers[0] == answers[1] and answers[0]
+        yield Deployment(proc, log)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(60)
-        except subprocess.TimeoutExpired:
+        if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-            raise
-    assert code == 0, log.read_text()[-4000:]
+            proc.wait()
+
+
+class Deployment:
+    def __init__(self, proc: subprocess.Popen, log: Path) -> None:
+        self.proc = proc
+        self.log = log
+        self._ready: re.Match | None = None
+
+    def ready(self) -> tuple[str, str, str]:
+        """(proxy, prefill, decode) URLs once everything is healthy."""
+        if self._ready is None:
+            self._ready = _wait_ready(self.proc, self.log)
+        return self._ready.groups()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama: Path, deployment: Deployment) -> dict:
+    """Greedy answers of the colocated offline engine (computed while the deployment starts)."""
+    llm = LLM(str(tiny_llama), kv_cache_bytes=5 << 20)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    outs = llm.generate(PROMPTS, params)
+    chat = llm.chat(MESSAGES, params)[0].outputs[0].text
+    return {"completions": {p: o.outputs[0].text for p, o in zip(PROMPTS, outs)}, "chat": chat}
+
+
+def _completion(url: str, prompt: str, stream: bool) -> str:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    kwargs = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+    if not stream:
+        return client.completions.create(**kwargs).choices[0].text
+    return "".join(c.choices[0].text for c in client.completions.create(**kwargs, stream=True))
+
+
+def test_pd_over_nixl_is_byte_identical_to_a_colocated_engine(
+    deployment: Deployment, reference: dict
+) -> None:
+    proxy, prefill, decode = deployment.ready()
+    for prompt in PROMPTS:
+        assert _completion(proxy, prompt, stream=False) == reference["completions"][prompt], prompt
+        assert _completion(proxy, prompt, stream=True) == reference["completions"][prompt], prompt
+    client = openai.OpenAI(base_url=proxy + "/v1", api_key="none", max_retries=0)
+    kwargs = {"model": MODEL, "messages": MESSAGES, "max_tokens": MAX_TOKENS, "temperature": 0}
+    assert client.chat.completions.create(**kwargs).choices[0].message.content == reference["chat"]
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reference["chat"]
+    assert _metric(decode, "kvferry:kv_connector_nixl_bytes_read_total") > 0  # the KV came over NIXL
+    _wait_blocks_free(prefill)  # every lease was released by the decoder's reads
+    _wait_blocks_free(decode)
+
+
+def test_pd_concurrent_streams(deployment: Deployment, reference: dict) -> None:
+    proxy, prefill, _ = deployment.ready()
+
+    async def go() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=proxy + "/v1", api_key="none", max_retries=0) as client:
+
+            async def one(prompt: str) -> str:
+                s = await client.completions.create(
+                    model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True
+                )
+                return "".join([c.choices[0].text async for c in s])
+
+            return await asyncio.gather(*(one(p) for p in PROMPTS * 2))
+
+    assert asyncio.run(go()) == [reference["completions"][p] for p in PROMPTS * 2]
+    _wait_blocks_free(prefill)
+
+
+def test_sigterm_leaves_nothing_behind(deployment: Deployment) -> None:
+    urls = deployment.ready()
+    proc = deployment.proc
+    family = _descendants(proc.pid)
+    assert len(family) >= 5, family  # prefill, decode, proxy, and each server's engine core
+    for url in urls:
+        assert httpx.get(url + "/health").status_code == 200
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(60)
+    assert code == 0, deployment.log.read_text()[-4000:]
     left = {pid for pid, start in family.items() if _proc_start_time(pid) == start}
     assert not left, f"processes left behind: {left}"
-    assert "all stopped" in log.read_text()
+    assert "all stopped" in deployment.log.read_text()
+
+
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        key, _, value = line.rpartition(" ")
+        if key.split("{")[0] == name:
+            return float(value)
+    return 0.0
+
+
+def _wait_blocks_free(url: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while _metric(url, "kvferry:num_free_blocks") != _metric(url, "kvferry:num_blocks"):
+        assert time.monotonic() < deadline, f"KV blocks of {url} not freed"
+        time.sleep(0.1)
 
 
 def test_disagg_startup_failure_shows_the_log_and_cleans_up(tmp_path: Path) -> None:

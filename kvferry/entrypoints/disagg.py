@@ -25,7 +25,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvferry.errors import ConfigError, KVFerryError
@@ -52,7 +52,7 @@ class Child:
     url: str
     log: Path
     proc: subprocess.Popen | None = None
-    extra: dict = field(default_factory=dict)
+    side_channel_port: int | None = None
 
     def log_tail(self) -> str:
         try:
@@ -117,19 +117,18 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
 
 
 def kv_transfer_json(
-    connector: str, role: str, extra: dict, side_port: int, policy: str | None
+    connector: str, role: str, extra: dict, side_port: int | None, policy: str | None
 ) -> str | None:
-    """The --kv-transfer-config of one instance (None without a connector)."""
+    """The --kv-transfer-config of one instance (None without a connector). A prefill
+    instance's side channel (where decoders handshake and ask for its blocks) listens on
+    ``side_port`` of 127.0.0.1 (TP rank 0; other ranks pick free ports themselves)."""
     if connector == NO_CONNECTOR:
         return None
+    channel = {"side_channel_host": "127.0.0.1", "side_channel_port": side_port} if side_port else {}
     config: dict = {
         "kv_connector": connector,
         "kv_role": KV_ROLES[role],
-        "kv_connector_extra_config": {
-            "side_channel_host": "127.0.0.1",
-            "side_channel_port": side_port,
-            **extra,
-        },
+        "kv_connector_extra_config": {**channel, **extra},
     }
     if policy is not None:
         config["kv_load_failure_policy"] = policy
@@ -165,15 +164,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def free_port_range(count: int, host: str = "127.0.0.1", tries: int = 50) -> int:
-    """A base port such that base .. base+count-1 are all free (side channels, one per TP rank)."""
-    for _ in range(tries):
-        base = free_port(host)
-        if all(_port_free(host, base + i) for i in range(1, count)):
-            return base
-    raise LaunchError(f"no {count} consecutive free ports found")
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -255,17 +245,23 @@ def stop_all(children: list[Child], grace: float) -> None:
     for child in started:
         if child.proc.poll() is None:
             _signal_group_leader(child, signal.SIGINT)
-    deadline = time.monotonic() + grace
+    begin = time.monotonic()
+    pending = list(started)
+    while pending and time.monotonic() < begin + grace:
+        for child in [c for c in pending if c.proc.poll() is not None]:
+            pending.remove(child)
+            logger.info(
+                "%s stopped (exit code %s) after %.1f s",
+                child.name,
+                child.proc.returncode,
+                time.monotonic() - begin,
+            )
+        time.sleep(0.05)
+    for child in pending:
+        logger.warning("%s did not stop in %.0f s: killing it", child.name, grace)
     for child in started:
-        try:
-            child.proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            logger.warning("%s did not stop in %.0f s: killing it", child.name, grace)
-    for child in started:
-        _kill_group(child)
-        if child.proc.poll() is None:
-            child.proc.wait()
-        logger.info("%s stopped (exit code %s)", child.name, child.proc.returncode)
+        _kill_group(child)  # the leader's leftovers too: its engine core, TP workers
+        child.proc.wait()
 
 
 def _signal_group_leader(child: Child, sig: int) -> None:
@@ -314,7 +310,8 @@ def plan_instances(args: argparse.Namespace, extra: dict, log_dir: Path) -> list
         ("decode", args.decode, args.decode_tp),
     ):
         for i in range(count):
-            port, side_port = free_port(), free_port_range(tp)
+            port = free_port()
+            side_port = free_port() if role == "prefill" and args.kv_connector != NO_CONNECTOR else None
             cmd = _cli(args, "serve") + [args.model, "--host", "127.0.0.1", "--port", str(port)]
             cmd += ["--tensor-parallel-size", str(tp)] if tp > 1 else []
             cmd += passthrough + (["--api-key", args.api_key] if args.api_key else [])
@@ -322,9 +319,7 @@ def plan_instances(args: argparse.Namespace, extra: dict, log_dir: Path) -> list
             cmd += ["--kv-transfer-config", kv] if kv else []
             name = f"{role}-{i}"
             url = f"http://127.0.0.1:{port}"
-            children.append(
-                Child(name, cmd, url, log_dir / f"{name}.log", extra={"side_channel_port": side_port})
-            )
+            children.append(Child(name, cmd, url, log_dir / f"{name}.log", side_channel_port=side_port))
     return children
 
 
