@@ -9,6 +9,7 @@ Every test ends with every block pool all free.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -83,8 +84,6 @@ def _pd(prefiller: Server, decoder: Server, prompt, stream: bool = False) -> dic
         ) as r:
             assert r.status_code == 200
             chunks = [line for line in r.iter_lines() if line.startswith("data: {")]
-        import json
-
         text = "".join(
             json.loads(c[6:])["choices"][0]["text"] for c in chunks if json.loads(c[6:])["choices"]
         )

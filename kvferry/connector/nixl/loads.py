@@ -46,6 +46,7 @@ class Load:
     acks: list[Pending] = field(default_factory=list)
     failure: str | None = None
     cancelled: bool = False
+    read_start: float = 0.0
     read_done: float = 0.0
 
 
@@ -171,6 +172,7 @@ class ConsumerLoads:
             return
         load.engine = engine
         load.stage = READ
+        load.read_start = time.monotonic()
         load.readers = [p for p, views in engine.views.items() if _overlap(self.local[0], views[0])]
         for p in load.readers:
             plan = concat(
@@ -210,7 +212,7 @@ class ConsumerLoads:
         self._finish(load)
 
     def _account(self, load: Load, states: list[str]) -> None:
-        seconds = load.read_done - load.started
+        seconds = load.read_done - load.read_start
         for transfer in load.transfers.values():
             self.agent.release(transfer)
             if transfer.state == "DONE":

@@ -143,8 +143,8 @@ class NixlScheduler:
         """The remote engine's handshake, once per address; None while it is under way."""
         address = (state.remote.host, state.remote.port)
         info = self.engines.get(address)
-        if info is not None:
-            return info
+        if info is not None and info.engine_id == state.remote.engine_id:
+            return info  # (another engine id: the engine there may have restarted; ask again)
         pending = self.handshakes.get(address)
         if pending is None:
             msg = Handshake(self.clients.next_seq())

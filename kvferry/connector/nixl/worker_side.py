@@ -121,12 +121,12 @@ class TransferThread(threading.Thread):
             )
             self.poller.poll(POLL_BUSY_MS if busy else POLL_IDLE_MS)
             try:
-                self._once(busy)
+                self._once()
             except Exception:
                 logger.exception("NIXL transfer thread: iteration failed")
         self._close()
 
-    def _once(self, busy: bool) -> None:
+    def _once(self) -> None:
         while True:
             try:
                 self._wake_in.recv(zmq.NOBLOCK)
@@ -144,8 +144,9 @@ class TransferThread(threading.Thread):
                 self._collect_producer()
             if self.consumer is not None:
                 self.consumer.tick()
-        if busy:
-            self.agent.progress()
+        # Always: a decoder may read blocks whose lease just ended (its Done will be refused),
+        # and a passive side that never progresses leaves that READ hanging.
+        self.agent.progress()
 
     def _apply(self, meta: NixlConnectorMetadata) -> None:
         if self.producer is not None and meta.holds:
