@@ -6,7 +6,8 @@ import pytest
 
 from kvferry.connector.nixl.leases import Hold, LeaseTable, readers_of
 from kvferry.connector.nixl.params import RemotePrefill, parse_remote_prefill, validate_params
-from kvferry.connector.nixl.protocol import EXPIRED, HELD, MISMATCH, UNKNOWN
+from kvferry.connector.nixl.protocol import EXPIRED, HELD, MISMATCH, UNKNOWN, EngineInfo, GroupInfo, RankInfo
+from kvferry.connector.nixl.validate import check_remote
 from kvferry.engine.types import FinishReason
 from kvferry.errors import InvalidRequestError
 from tests.test_scheduler import (
@@ -170,3 +171,44 @@ def test_connector_rejection_is_a_client_error():
     assert "forged" in bad.error
     assert run.final("good").finished and run.final("good").invalid_param is None
     assert_all_free(sched)
+
+
+# ---- params against the remote's handshake ----------------------------------------------
+
+
+def _info(**change) -> EngineInfo:
+    group = GroupInfo("full", 16, 2, 16, "float32", 0, ["l0"])
+    rank = RankInfo(0, "127.0.0.1", 5555, "agent", b"", [])
+    fields = dict(
+        engine_id="e1", compat_hash="c", tp_size=1, block_size=16, num_blocks=10, layout="NHD",
+        total_kv_heads=2, lease_s=30.0, groups=[group], ranks=[rank],
+    )  # fmt: skip
+    return EngineInfo(**{**fields, **change})
+
+
+class _Local:
+    compat, block_size, groups = "c", 16, [GroupInfo("full", 16, 2, 16, "float32", 0, ["l0"])]
+
+
+@pytest.mark.parametrize(
+    ("info_change", "params_change", "prompt_len", "expect"),
+    [
+        ({}, {}, 20, None),
+        ({"engine_id": "e2"}, {}, 20, "is not the engine"),
+        ({"compat_hash": "x"}, {}, 20, "incompatible"),
+        ({"block_size": 32}, {}, 20, "blocks of 32 tokens"),
+        ({"tp_size": 2}, {}, 20, "remote_tp_size"),
+        ({}, {"remote_num_tokens": 21}, 20, "exceeds the prompt"),
+        ({}, {"remote_block_ids": [[3, 4, 5]]}, 20, "take 2"),
+        ({}, {"remote_block_ids": [[3]]}, 20, "take 2"),
+        ({}, {"remote_block_ids": [[3, 10]]}, 20, "out of range"),
+        ({}, {"remote_block_ids": [[3, 4], [5, 6]]}, 20, "groups"),
+    ],
+)
+def test_params_checked_against_the_handshake(info_change, params_change, prompt_len, expect):
+    remote = parse_remote_prefill({**GOOD, **params_change})
+    problem = check_remote(remote, _info(**info_change), _Local(), prompt_len)
+    if expect is None:
+        assert problem is None
+    else:
+        assert problem is not None and expect in problem, problem

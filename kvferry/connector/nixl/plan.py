@@ -114,8 +114,12 @@ def plan_read(
     lb = np.asarray(local_ids, dtype=np.int64)
     rb = np.asarray(remote_ids, dtype=np.int64)
     locs, rems, lens = [], [], []
+    seen: set[tuple[int, int]] = set()
     for name in layer_names:
         lreg, rreg = local.layers[name], remote.layers[name]
+        if (lreg.base, rreg.base) in seen:
+            continue  # layers sharing a tensor (KV sharing) share its blocks: read them once
+        seen.add((lreg.base, rreg.base))
         for kv in (0, 1):
             lbase = lreg.base + kv * lreg.capacity * local.block_bytes + lb * local.block_bytes
             rbase = rreg.base + kv * rreg.capacity * remote.block_bytes + rb * remote.block_bytes

@@ -1,0 +1,89 @@
+"""Registration from KVCacheConfig and real NIXL READs between two agents in one process.
+
+The KV tensors come from the engine's own allocator; two layers share one tensor (KV
+sharing): it is one region, registered once. A prefill-side engine (TP=2, NHD) is read
+by a decode rank (TP=1, HND): both prefill ranks' head slices land in the right place,
+converted. The passive agent is progressed by hand (no progress threads).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvferry.connector.nixl.agent import Agent
+from kvferry.connector.nixl.plan import RankView, plan_read
+from kvferry.connector.nixl.regions import describe_regions
+from kvferry.kv.allocate import allocate_kv_caches
+from kvferry.kv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, KVCacheTensor, Layout
+
+BS, HEADS, DIM, BLOCKS = 4, 2, 8, 6
+LAYERS = ("l0", "l1", "l2")
+
+
+def _config(layout: Layout, heads: int, virtual: int = BLOCKS) -> KVCacheConfig:
+    spec = FullAttentionSpec(BS, heads, DIM, torch.float32)
+    size = spec.page_size_bytes * virtual
+    tensors = (KVCacheTensor(size, ("l0",)), KVCacheTensor(size, ("l1", "l2")))  # l1, l2 share
+    return KVCacheConfig((KVCacheGroup(spec, LAYERS),), tensors, layout, BLOCKS, virtual)
+
+
+def _views(config: KVCacheConfig, caches: dict, rank: int) -> tuple[RankView, list]:
+    regions, layers = describe_regions(caches, config)
+    spec = config.groups[0].spec
+    view = RankView(
+        config.layout, spec.num_kv_heads, rank * spec.num_kv_heads, BS, DIM, 4, {r.name: r for r in layers}
+    )
+    return view, regions
+
+
+def test_shared_tensors_are_one_region_and_capacity_comes_from_the_config():
+    config = _config(Layout.NHD, HEADS, virtual=BLOCKS)
+    caches = allocate_kv_caches(config, "cpu")
+    regions, layers = describe_regions(caches, config)
+    assert len(regions) == 2 and len(layers) == 3
+    assert {r.base for r in regions} == {caches["l0"].data_ptr(), caches["l1"].data_ptr()}
+    assert [layer.capacity for layer in layers] == [BLOCKS] * 3
+    assert sum(r.size for r in regions) == 2 * config.tensors[0].size_bytes
+
+
+def _wait(reader: Agent, target: Agent, transfer) -> str:
+    deadline = time.monotonic() + 20
+    while reader.poll(transfer) == "PROC":
+        target.progress()
+        assert time.monotonic() < deadline, "READ did not finish"
+    return transfer.state
+
+
+def test_nixl_read_tp2_nhd_into_tp1_hnd():
+    gen = torch.Generator().manual_seed(1)
+    full = {name: torch.randn(2, BLOCKS, BS, HEADS, DIM, generator=gen) for name in ("l0", "l1")}
+    prefill_cfg, decode_cfg = _config(Layout.NHD, HEADS // 2), _config(Layout.HND, HEADS)
+    prefill_caches = [allocate_kv_caches(prefill_cfg, "cpu") for _ in range(2)]
+    for rank, caches in enumerate(prefill_caches):
+        for name in ("l0", "l1"):
+            caches[name].copy_(full[name][..., rank : rank + 1, :])
+    decode_caches = allocate_kv_caches(decode_cfg, "cpu")
+    reader = Agent("test-decode")
+    local, regions = _views(decode_cfg, decode_caches, 0)
+    reader.register(regions)
+    remote_ids, local_ids = [4, 1, 2], [0, 3, 5]
+    for rank, caches in enumerate(prefill_caches):
+        target = Agent(f"test-prefill-{rank}")
+        remote, regions = _views(prefill_cfg, caches, rank)
+        target.register(regions)
+        name = reader.add_remote(target.metadata())
+        plan = plan_read(local, remote, LAYERS, local_ids, remote_ids)
+        assert plan.num_bytes == 2 * 2 * len(local_ids) * BS * DIM * 4  # 2 tensors, K and V, 1 head
+        transfer = reader.read(plan, name)
+        assert _wait(reader, target, transfer) == "DONE"
+        assert reader.release(transfer)
+        target.close()
+    for layer, source in (("l0", "l0"), ("l1", "l1"), ("l2", "l1")):  # l2 shares l1's tensor
+        got = decode_caches[layer].transpose(2, 3)  # HND -> NHD view
+        for lb, rb in zip(local_ids, remote_ids, strict=True):
+            assert torch.equal(got[:, lb], full[source][:, rb])
+        untouched = [b for b in range(BLOCKS) if b not in local_ids]
+        assert not decode_caches[layer][:, untouched].any()
+    reader.close()
