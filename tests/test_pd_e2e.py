@@ -177,3 +177,22 @@ def test_bad_kv_transfer_params_are_400(servers, prompts, reference):
     assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == reference[4]
     wait_idle(decoder)
     wait_idle(prefiller)
+
+
+def test_pd_chat(servers, tiny_llama):
+    messages = [{"role": "user", "content": "Tell me a story about a cat."}]
+    llm = LLM(str(tiny_llama), kv_cache_bytes=1 << 20)
+    expected = llm.chat(messages, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))[0].outputs[0].text
+    base = {"model": "tiny", "messages": messages, "temperature": 0}
+    first = httpx.post(
+        servers["prefill"].url + "/v1/chat/completions",
+        json={**base, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+        timeout=60,
+    ).json()
+    params = first["kv_transfer_params"]
+    body = {**base, "max_tokens": MAX_TOKENS, "kv_transfer_params": params}
+    resp = httpx.post(servers["hnd"].url + "/v1/chat/completions", json=body, timeout=60).json()
+    assert resp["choices"][0]["message"]["content"] == expected
+    assert resp["usage"]["prompt_tokens_details"]["cached_tokens"] == params["remote_num_tokens"] - 1
+    wait_idle(servers["hnd"])
+    wait_idle(servers["prefill"])
