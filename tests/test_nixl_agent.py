@@ -87,3 +87,24 @@ def test_nixl_read_tp2_nhd_into_tp1_hnd():
         untouched = [b for b in range(BLOCKS) if b not in local_ids]
         assert not decode_caches[layer][:, untouched].any()
     reader.close()
+
+
+def test_a_hanging_read_can_be_cancelled():
+    """The passive side never progresses: the READ hangs; releasing it cancels it."""
+    config = _config(Layout.NHD, HEADS)
+    target_caches, local_caches = allocate_kv_caches(config, "cpu"), allocate_kv_caches(config, "cpu")
+    reader, target = Agent("test-hang-reader"), Agent("test-hang-target")
+    local, regions = _views(config, local_caches, 0)
+    reader.register(regions)
+    remote, regions = _views(config, target_caches, 0)
+    target.register(regions)
+    name = reader.add_remote(target.metadata())
+    transfer = reader.read(plan_read(local, remote, LAYERS, [0, 1], [2, 3]), name)
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:
+        assert reader.poll(transfer) == "PROC"
+    assert reader.release(transfer)
+    reader.remove_remote(name)
+    assert reader.add_remote(target.metadata()) == name  # known again after a new handshake
+    reader.close()
+    target.close()

@@ -65,6 +65,16 @@ class Agent:
             self._remotes[metadata] = name
         return name
 
+    def remove_remote(self, name: str) -> None:
+        """Forget a remote agent (and disconnect from it): in-flight transfers to it stop."""
+        for metadata, known in list(self._remotes.items()):
+            if known == name:
+                del self._remotes[metadata]
+        try:
+            self._agent.remove_remote_agent(name)
+        except Exception as exc:
+            logger.warning("NIXL could not remove remote agent %s: %s", name, exc)
+
     def read(self, plan: ReadPlan, remote_agent: str) -> Transfer:
         """Start a READ of plan.remote into plan.local."""
         try:

@@ -223,12 +223,20 @@ class ConsumerLoads:
 
     def _abandon_reads(self, load: Load) -> None:
         """A READ past its timeout: report the load only once NIXL let go of every handle."""
-        still = {p: t for p, t in load.transfers.items() if t.state == "PROC" and not self.agent.release(t)}
-        if still:
-            return
-        load.transfers = {}
+        load.transfers = {p: t for p, t in load.transfers.items() if not self.agent.release(t)}
+        if load.transfers:
+            return  # NIXL refused to cancel: try again next time
+        # Cancelled. On DRAM, data lands only inside this thread's own progress calls, so
+        # none can follow; disconnecting from the peer makes sure of it (and the next load
+        # from that engine handshakes again).
+        address = (load.spec.host, load.spec.port)
+        if self.engines.get(address) is load.engine:
+            del self.engines[address]
+            for name in load.engine.agents.values():
+                self.agent.remove_remote(name)
         load.failure = f"NIXL READ of {load.spec.remote_request_id} timed out"
         load.read_done = time.monotonic()
+        self._count("nixl_transfer_seconds", load.read_done - load.read_start)
         self._send_done(load, ok=False)
         self._finish(load)
 
