@@ -63,6 +63,10 @@ class Agent:
                 raise NixlError(f"NIXL could not load a remote agent: {exc}") from exc
             name = name.decode() if isinstance(name, bytes) else name
             self._remotes[metadata] = name
+            try:
+                self._agent.make_connection(name)  # connect now, not in the first READ
+            except Exception as exc:
+                logger.warning("NIXL could not pre-connect to %s: %s", name, exc)
         return name
 
     def remove_remote(self, name: str) -> None:

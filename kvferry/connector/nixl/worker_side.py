@@ -98,7 +98,7 @@ class TransferThread(threading.Thread):
             return
         with self._lock:
             self._inbox.append(meta)
-        self._wake_out.send(b"", zmq.NOBLOCK)
+        self._wake()
 
     def take(self) -> tuple[set[str], set[str], set[str], dict[str, float]]:
         """(finished sending, finished receiving, failed receiving, stats) since the last call."""
@@ -110,9 +110,19 @@ class TransferThread(threading.Thread):
             stats[key] = stats.get(key, 0.0) + value
         return sending, recving, failed, stats
 
-    def stop(self) -> None:
+    def _wake(self) -> None:
+        try:
+            self._wake_out.send(b"", zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # wake-ups are queued already
+
+    def stop(self, timeout_s: float = 5.0) -> bool:
+        """Stop the thread; False if it did not end in time (its sockets stay open)."""
         self._halt.set()
-        self._wake_out.send(b"", zmq.NOBLOCK)
+        self._wake()
+        self.join(timeout_s)
+        self._wake_out.close(linger=0)
+        return not self.is_alive()
 
     def run(self) -> None:
         while not self._halt.is_set():
@@ -244,11 +254,13 @@ class NixlWorker:
         return self.thread.take()
 
     def shutdown(self) -> None:
+        stopped = True
         if self.thread is not None:
-            self.thread.stop()
-            self.thread.join(timeout=5)
-            self.thread._wake_out.close(linger=0)
+            stopped = self.thread.stop()
             self.thread = None
         if self.ctx is not None:
-            self.ctx.term()
+            if stopped:
+                self.ctx.term()
+            else:
+                logger.warning("NIXL transfer thread did not stop; leaving its sockets to the process exit")
             self.ctx = None
