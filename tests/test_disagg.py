@@ -11,6 +11,8 @@ import os
 import re
 import signal
 import subprocess
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -226,15 +228,60 @@ def _wait_blocks_free(url: str, timeout: float = 30.0) -> None:
         time.sleep(0.1)
 
 
-def test_disagg_startup_failure_shows_the_log_and_cleans_up(tmp_path: Path) -> None:
-    log = tmp_path / "disagg.log"
-    proc = start_cli(
-        _disagg_args(tmp_path / "no-such-model", free_port(), tmp_path / "logs", "--kv-connector", "none"),
-        log,
+# ---- process management, with stand-in processes --------------------------------------
+
+
+def _child(tmp_path: Path, name: str, code: str) -> disagg.Child:
+    return disagg.Child(name, [sys.executable, "-c", code], "http://127.0.0.1:9", tmp_path / f"{name}.log")
+
+
+def test_an_instance_that_dies_while_starting_is_reported_with_its_log(tmp_path: Path) -> None:
+    child = _child(tmp_path, "decode-0", "print('no model at /nowhere', flush=True); raise SystemExit(3)")
+    disagg.spawn(child)
+    with pytest.raises(disagg.LaunchError, match=r"decode-0 exited with code 3 while starting") as err:
+        disagg.wait_healthy([child], time.monotonic() + 30, threading.Event())
+    assert "no model at /nowhere" in str(err.value)
+
+
+def test_stop_kills_what_ignores_sigint_and_its_whole_group(tmp_path: Path) -> None:
+    stubborn = (
+        "import signal, subprocess, sys, time; signal.signal(signal.SIGINT, signal.SIG_IGN);"
+        "p = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+        "signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(60)']);"
+        "print(p.pid, flush=True); time.sleep(60)"
     )
-    code = proc.wait(120)
-    text = log.read_text()
-    assert code == 2, text
-    assert re.search(r"kvferry: error: (prefill|decode)-0 exited with code \d+ while starting", text), text
-    assert "no-such-model" in text.split("kvferry: error:", 1)[1]  # the instance's own log tail
-    assert "stopped (exit code" in text
+    polite = _child(tmp_path, "proxy", "import time; time.sleep(60)")
+    hard = _child(tmp_path, "prefill-0", stubborn)
+    for child in (polite, hard):
+        disagg.spawn(child)
+    deadline = time.monotonic() + 30
+    while not hard.log.read_text().strip():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    grandchild = int(hard.log.read_text().split()[0])
+    begin = time.monotonic()
+    disagg.stop_all([polite, hard], grace=1.0)
+    assert time.monotonic() - begin < 10
+    assert polite.proc.returncode != 0 and hard.proc.returncode == -signal.SIGKILL
+    assert _proc_start_time(grandchild) is None  # killed with its group, not orphaned
+
+
+def test_children_stop_when_the_launcher_is_killed(tmp_path: Path) -> None:
+    log = tmp_path / "child.log"
+    launcher = (
+        "import sys, time; from pathlib import Path; from kvferry.entrypoints import disagg;"
+        f"c = disagg.Child('x', [sys.executable, '-c', 'import time; time.sleep(60)'], '', Path({str(log)!r}));"
+        "disagg.spawn(c); print(c.proc.pid, flush=True); time.sleep(60)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, cwd=disagg_root())
+    child = int(proc.stdout.readline())
+    proc.kill()  # SIGKILL: no chance to clean up; the child gets SIGINT from the kernel
+    proc.wait()
+    deadline = time.monotonic() + 20
+    while _proc_start_time(child) is not None:
+        assert time.monotonic() < deadline, "the child outlived its launcher"
+        time.sleep(0.05)
+
+
+def disagg_root() -> Path:
+    return Path(__file__).resolve().parent.parent

@@ -1,5 +1,6 @@
-"""The proxy in front of two real `kvferry serve` processes on the tiny llama, no connector
-(colocated: the decoder recomputes the prompt): answers equal the decode server's own."""
+"""The proxy in front of a real `kvferry serve` process on the tiny llama, no connector, as
+both the prefill and the decode instance (colocated: the decoder recomputes the prompt and
+ignores the prefill's kv_transfer_params): answers equal the server's own."""
 
 from __future__ import annotations
 
@@ -22,25 +23,24 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def urls(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """{"prefill", "decode", "proxy"}: base URLs, all healthy."""
+    """{"prefill", "decode", "proxy"}: one colocated server plays both roles; all healthy."""
     logs = tmp_path_factory.mktemp("proxy_e2e")
-    ports = {role: free_port() for role in ("prefill", "decode", "proxy")}
-    urls = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
-    procs = {}
-    for role in ("prefill", "decode"):
-        args = ["--log-level", "WARNING", "serve", str(tiny_llama), "--served-model-name", MODEL]
-        args += ["--port", str(ports[role]), "--api-key", KEY, "--kv-cache-memory", "0.005"]
-        procs[role] = start_cli(args, logs / f"{role}.log")
-    proxy_args = ["--log-level", "WARNING", "proxy", "--prefill", urls["prefill"], "--decode", urls["decode"]]
-    proxy_args += ["--port", str(ports["proxy"]), "--api-key", KEY, "--health-interval", "0.5"]
+    server_port, proxy_port = free_port(), free_port()
+    server = f"http://127.0.0.1:{server_port}"
+    args = ["--log-level", "WARNING", "serve", str(tiny_llama), "--served-model-name", MODEL]
+    args += ["--port", str(server_port), "--api-key", KEY, "--kv-cache-memory", "0.005"]
+    procs = {"server": start_cli(args, logs / "server.log")}
+    proxy_args = ["--log-level", "WARNING", "proxy", "--prefill", server, "--decode", server]
+    proxy_args += ["--port", str(proxy_port), "--api-key", KEY, "--health-interval", "0.5"]
     procs["proxy"] = start_cli(proxy_args, logs / "proxy.log")
+    urls = {"prefill": server, "decode": server, "proxy": f"http://127.0.0.1:{proxy_port}"}
     try:
-        for role, proc in procs.items():
-            wait_healthy(proc, urls[role], logs / f"{role}.log")
+        wait_healthy(procs["server"], server, logs / "server.log")
+        wait_healthy(procs["proxy"], urls["proxy"], logs / "proxy.log")
         yield urls
     finally:
-        codes = stop([procs["proxy"], procs["prefill"], procs["decode"]])
-    assert codes == [0, 0, 0], codes
+        codes = stop([procs["proxy"], procs["server"]])
+    assert codes == [0, 0], codes
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -101,7 +101,7 @@ def test_batch_and_concurrent_streams_equal_the_direct_server(urls: dict[str, st
                 )
                 return "".join([c.choices[0].text async for c in s])
 
-            return await asyncio.gather(*(one(p) for p in PROMPTS * 2))
+            return await asyncio.gather(*(one(p) for p in PROMPTS))
 
     assert asyncio.run(streams(urls["proxy"])) == asyncio.run(streams(urls["decode"]))
 
