@@ -1,4 +1,4 @@
-# kvferry: `make serve` sets everything up and serves the embedded SmolLM2; `make test` runs the tests.
+# kvferry: `make serve` sets everything up and serves the embedded SmolLM2 (P/D); `make test` runs the tests.
 PY ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -20,7 +20,8 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 serve: $(STAMP)
-	$(BIN)/kvferry serve smollm2 --host $(HOST) --port $(PORT)
+	# P/D: one prefill and one decode instance (KV pulled over NIXL) behind the proxy on $(PORT).
+	$(BIN)/kvferry disagg smollm2 --prefill 1 --decode 1 --host $(HOST) --port $(PORT)
 
 test: $(STAMP)
 	$(BIN)/ruff check kvferry tests
