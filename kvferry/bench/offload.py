@@ -143,14 +143,16 @@ def bench_ttft(args, prompt: list[int], disk_dir: str) -> dict:
     llm = LLM.from_config(_engine_config(args, _offload({"dram_gib": args.dram_gib})))
     Driver(llm).run([prompt], 1)  # computes and saves it (waits for the saves)
     results["dram"] = _ttft_case(llm, prompt, args.repeats)
-    results["dram"]["offload_stats"] = _offload_totals(llm)
+    results["dram"]["offload_stats"] = stats = _offload_totals(llm)
+    results["dram"]["load_s_per_run"] = stats.get("offload_load_seconds", 0.0) / args.repeats
     del llm
     extra = {"dram_gib": 0, "disk_dir": disk_dir, "disk_gib": args.disk_gib}
     llm = LLM.from_config(_engine_config(args, _offload(extra)))
     Driver(llm).run([prompt], 1)
     disk_file = llm.engine.executor.worker.runner.connector.worker.disk.path
     results["disk"] = _ttft_case(llm, prompt, args.repeats, before=lambda: _drop_page_cache(disk_file))
-    results["disk"]["offload_stats"] = _offload_totals(llm)
+    results["disk"]["offload_stats"] = stats = _offload_totals(llm)
+    results["disk"]["load_s_per_run"] = stats.get("offload_load_seconds", 0.0) / args.repeats
     llm.engine.shutdown()
     return results
 

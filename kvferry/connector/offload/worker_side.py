@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 
 import torch
@@ -66,6 +67,7 @@ class OffloadWorker:
         self._failed_reqs = set()
         if not meta.loads:
             return
+        start = time.perf_counter()
         self._wait_slots((load.tier, load.slot) for load in meta.loads)
         rows = torch.empty((len(meta.loads), self.slot_bytes), dtype=torch.uint8)
         ok = [self._read(load, rows[i]) for i, load in enumerate(meta.loads)]
@@ -77,6 +79,7 @@ class OffloadWorker:
                 self._failed_reqs.add(load.req_id)
                 self._load_errors.update(load.block_ids)
         self._count_loads([meta.loads[i] for i in good], len(meta.loads) - len(good))
+        self._add_stats(Counter({"offload_load_seconds": time.perf_counter() - start}))
 
     def _read(self, load: LoadOp, out: torch.Tensor) -> bool:
         tag = Tag(load.block_hash, load.epoch)
@@ -143,6 +146,7 @@ class OffloadWorker:
             self._save(batch, instance_id)
 
     def _save(self, batch: list[SaveOp], instance_id: str) -> None:
+        start = time.perf_counter()
         try:
             rows = self._copier().gather([op.block_ids for op in batch])
             tags = [
@@ -159,7 +163,12 @@ class OffloadWorker:
             for op in batch:
                 self._fail(op.tier, op.slot, op.block_hash, op.epoch, instance_id)
             return
-        counts: Counter[str] = Counter({"offload_bytes_saved": len(batch) * self.slot_bytes})
+        counts: Counter[str] = Counter(
+            {
+                "offload_bytes_saved": len(batch) * self.slot_bytes,
+                "offload_save_seconds": time.perf_counter() - start,
+            }
+        )
         if self.rank == 0:
             counts["offload_saved_blocks"] = len(batch)
         self._add_stats(counts)
