@@ -170,3 +170,18 @@ def test_reports_before_the_delay_is_known_still_count(tiny_llama):
     assert _step(sched, worker).finished_sending == set()  # early: the request has not finished
     assert sched.request_finished(_Req(), ([],))[0]
     assert _step(sched, worker, finished={"r1"}).finished_sending == {"r1"}
+
+
+def test_children_inherit_the_parents_role_and_policy(tiny_llama, expected):
+    transfer = KVTransferConfig(
+        "MultiConnector",
+        kv_role="producer",  # e.g. a prefill instance with a local offload tier beside P/D
+        kv_connector_extra_config={"connectors": [_offload(dram_blocks=64)]},
+        kv_load_failure_policy="recompute",
+    )
+    llm = make_llm(tiny_llama, kv_transfer=transfer)
+    (child,) = llm.engine.connector.children
+    assert child.transfer_config.kv_role == "producer"
+    assert child.transfer_config.kv_load_failure_policy == "recompute"
+    _, second = _two_passes(llm)
+    assert tokens(second) == expected and second[-1].num_cached_tokens == 112
