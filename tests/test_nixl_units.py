@@ -7,7 +7,7 @@ import pytest
 from kvferry.connector.nixl.leases import Hold, LeaseTable, readers_of
 from kvferry.connector.nixl.params import RemotePrefill, parse_remote_prefill, validate_params
 from kvferry.connector.nixl.protocol import EXPIRED, HELD, MISMATCH, UNKNOWN, EngineInfo, GroupInfo, RankInfo
-from kvferry.connector.nixl.validate import check_remote
+from kvferry.connector.nixl.validate import blocks_to_read, check_remote
 from kvferry.engine.types import FinishReason
 from kvferry.errors import InvalidRequestError
 from tests.test_scheduler import (
@@ -212,3 +212,14 @@ def test_params_checked_against_the_handshake(info_change, params_change, prompt
         assert problem is None
     else:
         assert problem is not None and expect in problem, problem
+
+
+def test_blocks_to_read_skip_the_local_hit_and_what_the_window_cannot_see():
+    full = GroupInfo("full", 4, 2, 16, "float32", 0, ["a"])
+    sliding = GroupInfo("sliding", 4, 2, 16, "float32", 6, ["b"])
+    local = ([10, 11, 12, 13, 14], [20, 21, 22, 23, 24])
+    remote = ([1, 2, 3, 4, 5], [0, 0, 7, 8, 9])  # the prefiller dropped blocks out of its window
+    # tokens 4..18 to read (block 0 is a local prefix hit); the next token sees 13..18
+    got = blocks_to_read([full, sliding], local, remote, start=4, end=19, remote_null=0)
+    assert got == (((11, 12, 13, 14), (2, 3, 4, 5)), ((23, 24), (8, 9)))
+    assert blocks_to_read([full], ([10, 11],), ([0, 1],), 0, 8, remote_null=-1) == (((10, 11), (0, 1)),)

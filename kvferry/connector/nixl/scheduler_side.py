@@ -41,7 +41,7 @@ from kvferry.connector.nixl.protocol import (
     Release,
 )
 from kvferry.connector.nixl.regions import compat_hash, group_infos, token_hash
-from kvferry.connector.nixl.validate import check_remote, null_block
+from kvferry.connector.nixl.validate import blocks_to_read, check_remote, null_block
 from kvferry.errors import InvalidRequestError
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.scheduler.request import Request, RequestStatus
@@ -202,17 +202,14 @@ class NixlScheduler:
         if num_external <= 0:
             self._release(state)
             return
-        first = state.num_computed // self.block_size
-        last = -(-(state.num_computed + num_external) // self.block_size)
-        local_null, remote_null = null_block(self.groups), null_block(state.info.groups)
-        groups = []
-        for local_ids, remote_ids in zip(block_ids, state.remote.block_ids, strict=True):
-            pairs = [
-                (lb, rb)
-                for lb, rb in zip(local_ids[first:last], remote_ids[first:last], strict=True)
-                if lb != local_null and rb != remote_null
-            ]
-            groups.append((tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)))
+        groups = blocks_to_read(
+            self.groups,
+            block_ids,
+            state.remote.block_ids,
+            state.num_computed,
+            state.num_computed + num_external,
+            null_block(state.info.groups),
+        )
         remote = state.remote
         self.loads.append(
             LoadSpec(

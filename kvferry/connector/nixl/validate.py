@@ -69,3 +69,31 @@ def check_remote(
         if bad:
             return f"kv_transfer_params: remote block ids {bad[:4]} are out of range [0, {info.num_blocks})"
     return None
+
+
+def blocks_to_read(
+    groups: Sequence[GroupInfo],
+    local_ids: Sequence[Sequence[int]],
+    remote_ids: Sequence[Sequence[int]],
+    start: int,
+    end: int,
+    remote_null: int,
+) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+    """Per group, the (local, remote) block ids holding tokens [start, end) to read.
+
+    A sliding-window group reads only the blocks the next token's window can see; pairs
+    with a placeholder block on either side are skipped (nothing there to read or keep).
+    """
+    local_null = null_block(groups)
+    out = []
+    for group, lids, rids in zip(groups, local_ids, remote_ids, strict=True):
+        first, last = start // group.block_size, -(-end // group.block_size)
+        if group.kind == "sliding" and group.sliding_window:
+            first = max(first, (end - group.sliding_window) // group.block_size)
+        pairs = [
+            (lb, rb)
+            for lb, rb in zip(lids[first:last], rids[first:last], strict=True)
+            if lb != local_null and rb != remote_null
+        ]
+        out.append((tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)))
+    return tuple(out)
