@@ -64,3 +64,18 @@ class BlockCopier:
             index = torch.tensor([ids[seg.group] for ids in block_ids], dtype=torch.int64, device=self.device)
             src = rows[:, seg.offset : seg.offset + 2 * seg.half].view(n, 2, seg.half).transpose(0, 1)
             seg.view.index_copy_(1, index, src.to(self.device))
+
+
+class Staging:
+    """Grow-only CPU rows for one thread's copies: fresh memory on every step would cost page
+    faults several times the copy itself on CPU."""
+
+    def __init__(self, slot_bytes: int, pin_memory: bool = False):
+        self.slot_bytes = slot_bytes
+        self.pin_memory = pin_memory
+        self._buf = torch.empty((0, slot_bytes), dtype=torch.uint8)
+
+    def take(self, n: int) -> torch.Tensor:
+        if self._buf.shape[0] < n:
+            self._buf = torch.empty((n, self.slot_bytes), dtype=torch.uint8, pin_memory=self.pin_memory)
+        return self._buf[:n]

@@ -17,7 +17,7 @@ from collections import Counter
 
 import torch
 
-from kvferry.connector.offload.blocks import BlockCopier
+from kvferry.connector.offload.blocks import BlockCopier, Staging
 from kvferry.connector.offload.config import OffloadConfig, check_kv_cache_config, slot_bytes_per_rank
 from kvferry.connector.offload.jobs import JobQueue
 from kvferry.connector.offload.metadata import DemoteOp, LoadOp, OffloadMetadata, SaveFailed, SaveOp, Tier
@@ -40,6 +40,8 @@ class OffloadWorker:
         self.dram: DramTier | None = None  # allocated at registration (pinned for CUDA KV)
         self.disk = DiskTier(config.disk_dir, disk_slots, self.slot_bytes, rank) if disk_slots else None
         self.copier: BlockCopier | None = None
+        self._load_rows: Staging | None = None
+        self._save_rows: Staging | None = None
         self.jobs = JobQueue(f"kvferry-offload-rank{rank}")
         self._slot_seq: dict[tuple[Tier, int], int] = {}  # last job touching a slot
         self._req_seq: dict[str, int] = {}  # last job saving a request's blocks
@@ -53,9 +55,11 @@ class OffloadWorker:
     def register(self, kv_caches: dict[str, torch.Tensor], kv_cache_config: KVCacheConfig) -> None:
         self.copier = BlockCopier(kv_caches, kv_cache_config)
         assert self.copier.slot_bytes == self.slot_bytes, "slot size differs from the KV cache config"
+        pin = self.copier.device.type == "cuda"
         if self._dram_slots:
-            pin = self.copier.device.type == "cuda"
             self.dram = DramTier(self._dram_slots, self.slot_bytes, pin_memory=pin)
+        self._load_rows = Staging(self.slot_bytes, pin)  # main thread
+        self._save_rows = Staging(self.slot_bytes, pin)  # background thread
 
     # ---- before the forward -------------------------------------------------------------
 
@@ -69,11 +73,12 @@ class OffloadWorker:
             return
         start = time.perf_counter()
         self._wait_slots((load.tier, load.slot) for load in meta.loads)
-        rows = torch.empty((len(meta.loads), self.slot_bytes), dtype=torch.uint8)
+        rows = self._load_rows.take(len(meta.loads))
         ok = [self._read(load, rows[i]) for i, load in enumerate(meta.loads)]
         good = [i for i, fine in enumerate(ok) if fine]
         if good:
-            self._copier().scatter(rows[good], [meta.loads[i].block_ids for i in good])
+            rows = rows if len(good) == len(ok) else rows[good]
+            self._copier().scatter(rows, [meta.loads[i].block_ids for i in good])
         for load, fine in zip(meta.loads, ok):
             if not fine:
                 self._failed_reqs.add(load.req_id)
@@ -148,7 +153,7 @@ class OffloadWorker:
     def _save(self, batch: list[SaveOp], instance_id: str) -> None:
         start = time.perf_counter()
         try:
-            rows = self._copier().gather([op.block_ids for op in batch])
+            rows = self._copier().gather([op.block_ids for op in batch], self._save_rows.take(len(batch)))
             tags = [
                 Tag(op.block_hash, op.epoch, payload_crc(rows[k]) if self.verify else 0)
                 for k, op in enumerate(batch)
