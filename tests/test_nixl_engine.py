@@ -1,0 +1,113 @@
+"""Two engine cores in one process, both kv_role "both", real NIXL agents: P/D without HTTP.
+
+Each engine prefills for the other and decodes what the other prefilled; outputs equal a
+colocated engine's, stats count the transfers, and both pools end all free.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvferry.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
+from kvferry.engine.core import EngineCore
+from kvferry.engine.types import EngineCoreOutput, EngineCoreRequest
+from kvferry.model.resolve import resolve_model_config
+from kvferry.sampling_params import SamplingParams
+from tests.engine_helpers import PROMPT_TEXTS, tokenize_all
+
+
+def _config(model_dir: Path, kv: KVTransferConfig | None, layout: str) -> EngineConfig:
+    model = resolve_model_config(str(model_dir), dtype="float32", max_model_len=512)
+    cache = CacheConfig(block_size=16, kv_cache_bytes=8 << 20, layout=layout)
+    return EngineConfig(
+        model=model,
+        cache=cache,
+        scheduler=SchedulerConfig(64, 16, True),
+        kv_transfer=kv or KVTransferConfig(),
+    )
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_qwen2: Path) -> Iterator[tuple[EngineCore, EngineCore, EngineCore]]:
+    both = KVTransferConfig("NixlConnector", kv_role="both", kv_connector_extra_config={"lease_s": 20})
+    cores = (
+        EngineCore(_config(tiny_qwen2, both, "NHD")),
+        EngineCore(_config(tiny_qwen2, both, "HND")),
+        EngineCore(_config(tiny_qwen2, None, "NHD")),
+    )
+    yield cores
+    for core in cores:
+        core.shutdown()
+
+
+def _run(
+    engine: EngineCore, requests: list[EngineCoreRequest], other: EngineCore | None = None
+) -> tuple[dict[str, list[int]], dict[str, EngineCoreOutput]]:
+    """Step `engine` until its requests finish, stepping `other` too (it serves the leases)."""
+    for request in requests:
+        engine.add_request(request)
+    tokens: dict[str, list[int]] = {r.req_id: [] for r in requests}
+    finals: dict[str, EngineCoreOutput] = {}
+    deadline = time.monotonic() + 60
+    while len(finals) < len(requests):
+        assert time.monotonic() < deadline, "requests did not finish"
+        for out in engine.step():
+            tokens[out.req_id] += out.new_token_ids
+            if out.finished:
+                assert out.error is None, out.error
+                finals[out.req_id] = out
+        if other is not None and other.has_unfinished_requests():
+            other.step()
+    return tokens, finals
+
+
+def _drain(*cores: EngineCore) -> None:
+    deadline = time.monotonic() + 20
+    while any(c.has_unfinished_requests() for c in cores):
+        assert time.monotonic() < deadline, "KV transfers still pending"
+        for core in cores:
+            if core.has_unfinished_requests():
+                core.step()
+    for core in cores:
+        stats = core.stats()
+        assert stats.num_free_blocks == stats.num_blocks, f"{stats.num_blocks - stats.num_free_blocks} leaked"
+
+
+@pytest.mark.parametrize("direction", ["nhd_to_hnd", "hnd_to_nhd"])
+def test_both_roles_prefill_and_decode_for_each_other(engines, tiny_qwen2, direction):
+    first, second, colocated = engines
+    prefiller, decoder = (first, second) if direction == "nhd_to_hnd" else (second, first)
+    prompts = tokenize_all(tiny_qwen2, PROMPT_TEXTS)
+    one = SamplingParams(max_tokens=1, temperature=0)
+    params = SamplingParams(max_tokens=8, temperature=0)
+    now = time.time()
+    tag = direction[:3]
+    _, prefilled = _run(
+        prefiller,
+        [
+            EngineCoreRequest(f"{tag}-p{i}", p, one, now, {"do_remote_decode": True})
+            for i, p in enumerate(prompts)
+        ],
+        decoder,
+    )
+    decoded, finals = _run(
+        decoder,
+        [
+            EngineCoreRequest(f"{tag}-d{i}", p, params, now, prefilled[f"{tag}-p{i}"].kv_transfer_params)
+            for i, p in enumerate(prompts)
+        ],
+        prefiller,
+    )
+    expected, _ = _run(
+        colocated,
+        [EngineCoreRequest(f"{tag}-c{i}", p, params, now) for i, p in enumerate(prompts)],
+    )
+    for i, prompt in enumerate(prompts):
+        assert decoded[f"{tag}-d{i}"] == expected[f"{tag}-c{i}"]
+        assert finals[f"{tag}-d{i}"].num_cached_tokens == len(prompt) - 1
+    _drain(prefiller, decoder)
+    assert decoder.stats().kv_connector["nixl_transfers"] >= 1
