@@ -81,6 +81,7 @@ class NixlScheduler:
         self.clients = Clients(self.ctx, zmq.Poller())
         self.engines: dict[Address, EngineInfo] = {}
         self.handshakes: dict[Address, Pending] = {}
+        self.unreachable: dict[Address, tuple[float, str]] = {}  # failed handshakes, until when
         self.decodes: dict[str, DecodeState] = {}
         self.holds: list[Hold] = []
         self.loads: list[LoadSpec] = []
@@ -147,6 +148,10 @@ class NixlScheduler:
             return info  # (another engine id: the engine there may have restarted; ask again)
         pending = self.handshakes.get(address)
         if pending is None:
+            failed = self.unreachable.get(address)
+            if failed is not None and failed[0] > time.monotonic():
+                state.invalid = failed[1]  # it just failed: do not wait for another timeout
+                return None
             msg = Handshake(self.clients.next_seq())
             self.handshakes[address] = self.clients.send(address, msg, self.settings.handshake_timeout_s)
             return None
@@ -163,6 +168,9 @@ class NixlScheduler:
         state.invalid = (
             f"kv_transfer_params: cannot reach the remote engine at {address[0]}:{address[1]}: {why}"
         )
+        now = time.monotonic()
+        self.unreachable = {a: f for a, f in self.unreachable.items() if f[0] > now}
+        self.unreachable[address] = (now + self.settings.handshake_timeout_s, state.invalid)
         return None
 
     def _send_checks(self, state: DecodeState) -> None:
