@@ -12,7 +12,7 @@ import itertools
 import pytest
 import torch
 
-from kvferry.connector.nixl.plan import RankView, concat, plan_read
+from kvferry.connector.nixl.plan import RankView, concat, kv_head_range, plan_read
 from kvferry.connector.nixl.protocol import LayerRegion
 from kvferry.kv.spec import Layout
 
@@ -23,10 +23,19 @@ def _tensor(layout: Layout, heads: int) -> torch.Tensor:
     return torch.zeros(layout.shape(BLOCKS, BS, heads, DIM), dtype=torch.float32)
 
 
+def _heads(tp: int, rank: int) -> slice:
+    start, count = kv_head_range(rank, tp, HEADS)
+    return slice(start, start + count)
+
+
+def _count(tp: int, rank: int) -> int:
+    return kv_head_range(rank, tp, HEADS)[1]
+
+
 def _view(layout: Layout, tp: int, rank: int, tensors: list[torch.Tensor]) -> RankView:
-    heads = HEADS // tp
+    h = _heads(tp, rank)
     layers = {f"l{i}": LayerRegion(f"l{i}", t.data_ptr(), BLOCKS) for i, t in enumerate(tensors)}
-    return RankView(layout, heads, rank * heads, BS, DIM, 4, layers)
+    return RankView(layout, h.stop - h.start, h.start, BS, DIM, 4, layers)
 
 
 def _put(tensor: torch.Tensor, layout: Layout, block: int, kv_block: torch.Tensor) -> None:
@@ -45,7 +54,8 @@ def _run(plan) -> None:
         ctypes.memmove(dst, src, n)
 
 
-CASES = list(itertools.product([Layout.NHD, Layout.HND], [Layout.NHD, Layout.HND], [(1, 1), (1, 2), (2, 1)]))
+TPS = [(1, 1), (1, 2), (2, 1), (2, 4), (3, 1), (1, 3), (8, 2), (2, 8)]  # uneven (3), replicated (8)
+CASES = list(itertools.product([Layout.NHD, Layout.HND], [Layout.NHD, Layout.HND], TPS))
 
 
 @pytest.mark.parametrize(("remote_layout", "local_layout", "tps"), CASES)
@@ -55,23 +65,23 @@ def test_plan_moves_the_right_heads_in_the_right_layout(remote_layout, local_lay
     full = torch.randn(LAYERS, 3, 2, BS, HEADS, DIM, generator=gen)  # 3 logical blocks
     remote_ids, local_ids = [7, 2, 5], [1, 8, 3]
     remote = {
-        p: [_tensor(remote_layout, HEADS // remote_tp) for _ in range(LAYERS)] for p in range(remote_tp)
+        p: [_tensor(remote_layout, _count(remote_tp, p)) for _ in range(LAYERS)] for p in range(remote_tp)
     }
     for p, tensors in remote.items():
-        h = slice(p * HEADS // remote_tp, (p + 1) * HEADS // remote_tp)
+        h = _heads(remote_tp, p)
         for layer, tensor in enumerate(tensors):
             for i, rb in enumerate(remote_ids):
                 _put(tensor, remote_layout, rb, full[layer, i, :, :, h])
     names = [f"l{i}" for i in range(LAYERS)]
     for d in range(local_tp):
-        local = [_tensor(local_layout, HEADS // local_tp) for _ in range(LAYERS)]
+        local = [_tensor(local_layout, _count(local_tp, d)) for _ in range(LAYERS)]
         lview = _view(local_layout, local_tp, d, local)
         plans = [
             plan_read(lview, _view(remote_layout, remote_tp, p, remote[p]), names, local_ids, remote_ids)
             for p in range(remote_tp)
         ]
         _run(concat(plans))
-        h = slice(d * HEADS // local_tp, (d + 1) * HEADS // local_tp)
+        h = _heads(local_tp, d)
         for layer in range(LAYERS):
             for i, lb in enumerate(local_ids):
                 assert torch.equal(_get(local[layer], local_layout, lb), full[layer, i, :, :, h])

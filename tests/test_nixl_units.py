@@ -6,6 +6,7 @@ import pytest
 
 from kvferry.connector.nixl.leases import Hold, LeaseTable, readers_of
 from kvferry.connector.nixl.params import RemotePrefill, parse_remote_prefill, validate_params
+from kvferry.connector.nixl.plan import kv_head_range
 from kvferry.connector.nixl.protocol import EXPIRED, HELD, MISMATCH, UNKNOWN, EngineInfo, GroupInfo, RankInfo
 from kvferry.connector.nixl.validate import blocks_to_read, check_remote
 from kvferry.engine.types import FinishReason
@@ -87,6 +88,25 @@ def _hold(request_id="p", lease_s=10.0, now=100.0) -> Hold:
 )
 def test_readers_of(rank, tp, consumer_tp, readers):
     assert readers_of(rank, tp, consumer_tp, total_heads=4) == readers
+
+
+@pytest.mark.parametrize(
+    ("total", "tp", "ranges"),
+    [
+        (4, 2, [(0, 2), (2, 2)]),
+        (3, 2, [(0, 2), (2, 1)]),  # uneven: the first ranks take one more
+        (2, 4, [(0, 1), (0, 1), (1, 1), (1, 1)]),  # fewer heads than ranks: replicated
+    ],
+)
+def test_kv_head_ranges_follow_tensor_parallel_attention(total, tp, ranges):
+    assert [kv_head_range(r, tp, total) for r in range(tp)] == ranges
+
+
+def test_readers_with_replicated_and_uneven_heads():
+    assert readers_of(0, 1, 4, total_heads=2) == [0, 1, 2, 3]  # decode replicas all read
+    assert readers_of(1, 4, 1, total_heads=2) == [0]  # a prefill replica is read too
+    assert readers_of(3, 4, 2, total_heads=2) == [1]
+    assert [readers_of(p, 2, 3, total_heads=3) for p in range(2)] == [[0, 1], [2]]
 
 
 def test_lease_acks_while_held_and_ends_when_every_reader_reported():
@@ -178,7 +198,7 @@ def test_connector_rejection_is_a_client_error():
 
 def _info(**change) -> EngineInfo:
     group = GroupInfo("full", 16, 2, 16, "float32", 0, ["l0"])
-    rank = RankInfo(0, "127.0.0.1", 5555, "agent", b"", [])
+    rank = RankInfo(0, "127.0.0.1", 5555, "agent", b"", [], 0, 2)
     fields = dict(
         engine_id="e1", compat_hash="c", tp_size=1, block_size=16, num_blocks=10, layout="NHD",
         total_kv_heads=2, lease_s=30.0, groups=[group], ranks=[rank],

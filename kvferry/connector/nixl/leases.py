@@ -14,6 +14,7 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from kvferry.connector.nixl.plan import kv_head_range, overlaps
 from kvferry.connector.nixl.protocol import EXPIRED, HELD, MISMATCH, UNKNOWN
 
 logger = logging.getLogger(__name__)
@@ -43,9 +44,8 @@ class Lease:
 
 def readers_of(rank: int, tp: int, consumer_tp: int, total_heads: int) -> list[int]:
     """Decode ranks whose KV heads overlap those of prefill rank `rank`."""
-    lo, hi = rank * total_heads // tp, (rank + 1) * total_heads // tp
-    per = total_heads // consumer_tp
-    return [d for d in range(consumer_tp) if d * per < hi and (d + 1) * per > lo]
+    mine = kv_head_range(rank, tp, total_heads)
+    return [d for d in range(consumer_tp) if overlaps(mine, kv_head_range(d, consumer_tp, total_heads))]
 
 
 @dataclass

@@ -57,8 +57,8 @@ def remote_views(info: EngineInfo) -> dict[int, list[RankView]]:
         views[rank.rank] = [
             RankView(
                 layout=Layout(info.layout),
-                heads=g.kv_heads,
-                head_start=rank.rank * g.kv_heads,
+                heads=rank.kv_heads,
+                head_start=rank.kv_head_start,
                 block_size=g.block_size,
                 head_size=g.head_size,
                 itemsize=getattr(torch, g.dtype).itemsize,

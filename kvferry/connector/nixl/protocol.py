@@ -51,6 +51,8 @@ class RankInfo(msgspec.Struct, frozen=True):
     agent_name: str
     agent_metadata: bytes
     layers: list[LayerRegion]
+    kv_head_start: int  # global index of the first KV head this rank holds
+    kv_heads: int
 
 
 class EngineInfo(msgspec.Struct, frozen=True):

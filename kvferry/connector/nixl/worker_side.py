@@ -23,10 +23,11 @@ from kvferry.connector.nixl.channel import Clients, Server
 from kvferry.connector.nixl.leases import LeaseTable
 from kvferry.connector.nixl.loads import ConsumerLoads
 from kvferry.connector.nixl.metadata import NixlConnectorMetadata, NixlSettings
-from kvferry.connector.nixl.plan import RankView
+from kvferry.connector.nixl.plan import RankView, kv_head_range
 from kvferry.connector.nixl.protocol import EngineInfo, LayerRegion, RankInfo
 from kvferry.connector.nixl.regions import compat_hash, describe_regions, group_infos
 from kvferry.connector.nixl.serve import ProducerService
+from kvferry.errors import ConfigError
 from kvferry.kv.spec import KVCacheConfig
 
 logger = logging.getLogger(__name__)
@@ -46,15 +47,27 @@ def gather_ranks(info: RankInfo, tp_size: int) -> list[RankInfo]:
     return sorted(out, key=lambda r: r.rank)
 
 
+def head_range(config: KVCacheConfig, rank: int, tp: int, total_heads: int) -> tuple[int, int]:
+    """This rank's global KV heads; KVCacheConfig's per-rank count must agree with the TP rule."""
+    start, count = kv_head_range(rank, tp, total_heads)
+    for g in config.groups:
+        if g.spec.num_kv_heads != count:
+            raise ConfigError(
+                f"NixlConnector: rank {rank}/{tp} holds {g.spec.num_kv_heads} KV heads in its KV cache "
+                f"config, tensor parallelism places {count} of {total_heads} there"
+            )
+    return start, count
+
+
 def local_views(
-    config: KVCacheConfig, layers: list[LayerRegion], rank: int, device_id: int
+    config: KVCacheConfig, layers: list[LayerRegion], head_start: int, device_id: int
 ) -> list[RankView]:
     by_name = {layer.name: layer for layer in layers}
     return [
         RankView(
             layout=config.layout,
             heads=g.spec.num_kv_heads,
-            head_start=rank * g.spec.num_kv_heads,
+            head_start=head_start,
             block_size=g.spec.block_size,
             head_size=g.spec.head_size,
             itemsize=g.spec.dtype.itemsize,
@@ -196,6 +209,7 @@ class NixlWorker:
         self.ctx: zmq.Context | None = None
 
     def register(self, kv_caches: dict[str, torch.Tensor], config: KVCacheConfig) -> None:
+        heads = head_range(config, self.rank, self.tp_size, self.config.model.num_kv_heads)
         regions, layers = describe_regions(kv_caches, config)
         device_id = regions[0].device_id if regions else 0
         agent = Agent(f"{self.settings.engine_id}-tp{self.rank}-{uuid.uuid4().hex[:8]}", self.config.device)
@@ -213,6 +227,7 @@ class NixlWorker:
             agent.name,
             agent.metadata(),
             layers,
+            *heads,
         )
         info = EngineInfo(
             engine_id=self.settings.engine_id,
@@ -232,7 +247,7 @@ class NixlWorker:
             table = LeaseTable(self.rank, self.tp_size, self.config.model.num_kv_heads)
             producer = ProducerService(server, info, table, self.settings.unknown_grace_s)
         if self.role in ("consumer", "both"):
-            views = local_views(config, layers, self.rank, device_id)
+            views = local_views(config, layers, heads[0], device_id)
             consumer = ConsumerLoads(agent, clients, views, self.settings, self.rank, self.tp_size)
         self.thread = TransferThread(agent, self.ctx, poller, clients, producer, consumer)
         self.thread.start()
