@@ -263,7 +263,7 @@ def test_stop_kills_what_ignores_sigint_and_its_whole_group(tmp_path: Path) -> N
     disagg.stop_all([polite, hard], grace=1.0)
     assert time.monotonic() - begin < 10
     assert polite.proc.returncode != 0 and hard.proc.returncode == -signal.SIGKILL
-    assert _proc_start_time(grandchild) is None  # killed with its group, not orphaned
+    assert _proc_start_time(grandchild) is None  # killed with its group (stop_all waits), not orphaned
 
 
 def test_children_stop_when_the_launcher_is_killed(tmp_path: Path) -> None:

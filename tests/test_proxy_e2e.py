@@ -138,13 +138,21 @@ def test_client_disconnect_aborts_the_decoder(urls: dict[str, str]) -> None:
             assert next(lines).startswith("data: ")  # the prefill's token
             assert next(lines).startswith("data: ")  # the decoder's first chunk
             assert _metric(urls["decode"], "kvferry:num_requests_running") == 1
-    deadline = time.monotonic() + 10
-    while _metric(urls["decode"], "kvferry:num_requests_running") != 0:
-        assert time.monotonic() < deadline, "the decoder's request was not aborted"
-        time.sleep(0.05)
+    _wait_not_running(urls["decode"])
     assert _metric(urls["decode"], "kvferry:request_success_total", finished_reason="abort") == aborted + 1
+    with httpx.Client(headers={"Authorization": f"Bearer {KEY}"}) as http, pytest.raises(httpx.ReadTimeout):
+        http.post(urls["proxy"] + "/v1/completions", json={**body, "stream": False}, timeout=1.0)
+    _wait_not_running(urls["decode"])
+    assert _metric(urls["decode"], "kvferry:request_success_total", finished_reason="abort") == aborted + 2
     health = httpx.get(urls["proxy"] + "/health").json()
     assert [i["in_flight"] for role in ("prefill", "decode") for i in health["instances"][role]] == [0, 0]
+
+
+def _wait_not_running(url: str) -> None:
+    deadline = time.monotonic() + 10
+    while _metric(url, "kvferry:num_requests_running") != 0:
+        assert time.monotonic() < deadline, "the decoder's request was not aborted"
+        time.sleep(0.05)
 
 
 def test_models_and_metrics(urls: dict[str, str]) -> None:

@@ -260,7 +260,8 @@ def stop_all(children: list[Child], grace: float) -> None:
     for child in pending:
         logger.warning("%s did not stop in %.0f s: killing it", child.name, grace)
     for child in started:
-        _kill_group(child)  # the leader's leftovers too: its engine core, TP workers
+        if _kill_group(child):  # the leader's leftovers too: its engine core, TP workers
+            _wait_group_gone(child)
         child.proc.wait()
 
 
@@ -271,11 +272,28 @@ def _signal_group_leader(child: Child, sig: int) -> None:
         pass
 
 
-def _kill_group(child: Child) -> None:
+def _kill_group(child: Child) -> bool:
+    """SIGKILL the child's process group; whether anything was left in it."""
     try:
         os.killpg(child.proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
-        pass  # the group is gone: nothing left behind
+        return False  # the group is gone: nothing left behind
+    return True
+
+
+def _wait_group_gone(child: Child, timeout: float = 5.0) -> None:
+    """Reap the leader, then wait (bounded) until the kernel has removed the whole group."""
+    child.proc.wait()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(child.proc.pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.02)
+    logger.warning(
+        "%s: processes of its group still exist (zombies?) %.0f s after SIGKILL", child.name, timeout
+    )
 
 
 def first_dead(children: list[Child]) -> Child | None:
