@@ -111,3 +111,30 @@ def test_both_roles_prefill_and_decode_for_each_other(engines, tiny_qwen2, direc
         assert finals[f"{tag}-d{i}"].num_cached_tokens == len(prompt) - 1
     _drain(prefiller, decoder)
     assert decoder.stats().kv_connector["nixl_transfers"] >= 1
+
+
+def test_incompatible_model_is_a_client_error(engines, tiny_qwen2, tiny_llama):
+    """A decoder serving another model refuses the params: clear message, HTTP 400 kind."""
+    prefiller = engines[0]
+    kv = KVTransferConfig("NixlConnector", kv_role="consumer")
+    other = EngineCore(_config(tiny_llama, kv, "NHD"))
+    try:
+        prompt = tokenize_all(tiny_qwen2, PROMPT_TEXTS[:1])[0]
+        one = SamplingParams(max_tokens=1, temperature=0)
+        _, prefilled = _run(
+            prefiller, [EngineCoreRequest("cmp-p", prompt, one, time.time(), {"do_remote_decode": True})]
+        )
+        params = prefilled["cmp-p"].kv_transfer_params
+        other.add_request(EngineCoreRequest("cmp-d", prompt, one, time.time(), params))
+        deadline, outputs = time.monotonic() + 20, []
+        while not outputs:
+            assert time.monotonic() < deadline
+            outputs = other.step()
+        (out,) = outputs
+        assert out.invalid_param == "kv_transfer_params" and "incompatible" in out.error, out.error
+        _drain(other)
+    finally:
+        other.shutdown()
+    # The prefill is still held (nobody read it): a genuine decoder can still have it.
+    _run(engines[1], [EngineCoreRequest("cmp-d2", prompt, one, time.time(), params)], prefiller)
+    _drain(prefiller, engines[1])
