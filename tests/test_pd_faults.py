@@ -179,7 +179,7 @@ def test_client_abort_while_loading_releases_both_sides(servers):
     prompt = PROMPTS[1]
     params = prefill(prefiller, prompt)
     with pytest.raises(httpx.ReadTimeout):
-        decoder.post({"prompt": prompt, "max_tokens": MAX_TOKENS, "kv_transfer_params": params}, timeout=1.0)
+        decoder.post({"prompt": prompt, "max_tokens": MAX_TOKENS, "kv_transfer_params": params}, timeout=0.5)
     wait_idle(decoder)
     wait_idle(prefiller)
     assert _metric(prefiller, "nixl_expired_leases") == expired  # released by the decoder
