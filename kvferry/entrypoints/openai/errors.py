@@ -3,25 +3,21 @@
 from __future__ import annotations
 
 import logging
-import secrets
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvferry.engine.async_engine import RequestFailedError
 from kvferry.engine.core_protocol import EngineDeadError
+from kvferry.entrypoints.http_common import ApiKeyMiddleware, error_body
 from kvferry.errors import InvalidRequestError, KVFerryError, ModelNotFoundError
 
+__all__ = ["ApiKeyMiddleware", "error_body", "error_response", "exception_body", "install_error_handlers"]
+
 logger = logging.getLogger(__name__)
-
-
-def error_body(message: str, err_type: str, param: str | None = None, code: str | int | None = None) -> dict:
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
 def error_response(
@@ -90,27 +86,3 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _on_any(_: Request, exc: Exception) -> JSONResponse:
         status, body = exception_body(exc)
         return JSONResponse(body, status_code=status)
-
-
-class ApiKeyMiddleware:
-    """Pure ASGI middleware: /v1/* needs ``Authorization: Bearer <api_key>``, else HTTP 401.
-
-    It runs before routing and body parsing, so a bad key never reaches a handler.
-    """
-
-    def __init__(self, app: ASGIApp, api_key: str):
-        self.app = app
-        self._key = api_key.encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1"):
-            await self.app(scope, receive, send)
-            return
-        header = Headers(scope=scope).get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), self._key):
-            await self.app(scope, receive, send)
-            return
-        message = "Incorrect API key provided." if header else "Missing API key (Authorization: Bearer ...)."
-        response = error_response(401, message, "invalid_request_error", code="invalid_api_key")
-        await response(scope, receive, send)

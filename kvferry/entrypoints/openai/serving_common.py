@@ -9,9 +9,8 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from fastapi import Request
-
 from kvferry.engine.async_engine import AsyncEngine
+from kvferry.entrypoints.http_common import ClientDisconnected
 from kvferry.entrypoints.openai.errors import exception_body
 from kvferry.errors import ModelNotFoundError
 from kvferry.outputs import RequestOutput
@@ -35,10 +34,6 @@ class ServerState:
         return self.served_model_name
 
 
-class ClientDisconnected(Exception):
-    """The HTTP client went away before its (non-streaming) answer was ready."""
-
-
 def sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
@@ -58,30 +53,6 @@ def usage(outputs: list[RequestOutput]) -> dict[str, Any]:
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work``; cancel it (aborting its engine requests) if the client disconnects."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if task.cancelled():
-        logger.info("client disconnected; request cancelled")
-        raise ClientDisconnected()
-    return task.result()
 
 
 async def final_output(gen: AsyncIterator[RequestOutput]) -> RequestOutput:

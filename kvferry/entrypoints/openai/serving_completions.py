@@ -12,11 +12,11 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvferry.entrypoints.http_common import ClientDisconnected, until_disconnect
 from kvferry.entrypoints.openai.protocol import CompletionRequest
 from kvferry.entrypoints.openai.serving_common import (
     CLIENT_CLOSED_STATUS,
     SSE_DONE,
-    ClientDisconnected,
     ServerState,
     final_outputs,
     first_outputs,
@@ -24,7 +24,6 @@ from kvferry.entrypoints.openai.serving_common import (
     sse,
     sse_error,
     token_text,
-    until_disconnect,
     usage,
 )
 from kvferry.outputs import RequestOutput

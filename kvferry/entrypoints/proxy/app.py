@@ -12,18 +12,16 @@ import asyncio
 import contextlib
 import json
 import logging
-import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from typing import TypeVar
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.datastructures import Headers
-from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvferry.entrypoints.http_common import ApiKeyMiddleware, ClientDisconnected, until_disconnect
 from kvferry.entrypoints.proxy.config import ProxyConfig, normalize_url
 from kvferry.entrypoints.proxy.errors import BadRequestError, ProxyError, error_body, install_error_handlers
 from kvferry.entrypoints.proxy.health import health_loop
@@ -38,10 +36,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 CLIENT_CLOSED_STATUS = 499
 FORWARDED_HEADERS = ("authorization", "x-request-id")
-
-
-class ClientDisconnected(Exception):
-    """The client went away before its answer was ready."""
 
 
 def make_context(config: ProxyConfig, client: httpx.AsyncClient) -> ProxyContext:
@@ -124,9 +118,9 @@ async def _generate(ctx: ProxyContext, path: str, request: Request) -> Response:
         body = check_body(await _json(request))
         headers = _forwarded(request)
         if body.get("stream"):
-            events = await _until_disconnect(request, open_stream(ctx, path, body, headers, start))
+            events = await until_disconnect(request, open_stream(ctx, path, body, headers, start))
             return StreamingResponse(events, media_type="text/event-stream")
-        return JSONResponse(await _until_disconnect(request, complete(ctx, path, body, headers)))
+        return JSONResponse(await until_disconnect(request, complete(ctx, path, body, headers)))
     except ClientDisconnected:
         status = CLIENT_CLOSED_STATUS
         return Response(status_code=status)
@@ -150,48 +144,3 @@ async def _json(request: Request) -> object:
 
 def _forwarded(request: Request) -> dict[str, str]:
     return {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work``; cancel it (dropping its upstream connections) if the client disconnects."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if task.cancelled():
-        logger.info("client disconnected; upstream requests cancelled")
-        raise ClientDisconnected()
-    return task.result()
-
-
-class ApiKeyMiddleware:
-    """Pure ASGI middleware: /v1/* needs ``Authorization: Bearer <api_key>``, else HTTP 401."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self._key = api_key.encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1"):
-            await self.app(scope, receive, send)
-            return
-        header = Headers(scope=scope).get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), self._key):
-            await self.app(scope, receive, send)
-            return
-        message = "Incorrect API key provided." if header else "Missing API key (Authorization: Bearer ...)."
-        response = JSONResponse(error_body(message, "invalid_request_error", code="invalid_api_key"), 401)
-        await response(scope, receive, send)

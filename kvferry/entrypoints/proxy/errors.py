@@ -9,13 +9,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from kvferry.entrypoints.http_common import error_body
 from kvferry.errors import KVFerryError
 
 logger = logging.getLogger(__name__)
-
-
-def error_body(message: str, err_type: str, param: str | None = None, code: str | int | None = None) -> dict:
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
 class ProxyError(KVFerryError):
