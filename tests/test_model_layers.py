@@ -89,6 +89,62 @@ def test_qkv_shards_by_head(size: int, kv_heads: int) -> None:
     torch.testing.assert_close(torch.cat(qs, -1), F.linear(x, wq, bq))
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "size"), [(9, 3, 2), (6, 3, 2), (10, 5, 3), (12, 3, 2)])
+def test_uneven_head_split_follows_kv_groups(heads: int, kv_heads: int, size: int) -> None:
+    """KV heads in contiguous, nearly equal ranges; query heads with their KV head; o_proj
+    reads exactly this rank's query heads, and the ranks' partial sums compose."""
+    head_dim, hidden = 4, 12
+    wq, wk, wv = torch.randn(heads * head_dim, hidden), *torch.randn(2, kv_heads * head_dim, hidden)
+    wo, x = torch.randn(hidden, heads * head_dim), torch.randn(3, hidden)
+    shards = [TPGroup(rank, size).heads(heads, kv_heads) for rank in range(size)]
+    assert [s.kv_start for s in shards] == [sum(s.num_kv_heads for s in shards[:r]) for r in range(size)]
+    assert sum(s.num_kv_heads for s in shards) == kv_heads
+    assert max(s.num_kv_heads for s in shards) - min(s.num_kv_heads for s in shards) <= 1
+    if (heads, kv_heads, size) == (9, 3, 2):
+        assert [(s.num_heads, s.num_kv_heads) for s in shards] == [(6, 2), (3, 1)]
+    qs, out = [], torch.zeros(3, hidden)
+    for rank, shard in enumerate(shards):
+        tp = LocalTP(rank, size)
+        qkv = QKVParallelLinear(hidden, head_dim, heads, kv_heads, False, tp)
+        for shard_id, w in (("q", wq), ("k", wk), ("v", wv)):
+            _load(qkv, "weight", w, shard_id)
+        q, k, _ = qkv.split_qkv(qkv(x))
+        kv_rows = slice(shard.kv_start * head_dim, (shard.kv_start + shard.num_kv_heads) * head_dim)
+        torch.testing.assert_close(k, F.linear(x, wk[kv_rows]))
+        group = heads // kv_heads
+        assert shard.q_start == shard.kv_start * group and shard.num_heads == shard.num_kv_heads * group
+        o_proj = RowParallelLinear(
+            heads * head_dim, hidden, False, tp, in_range=(shard.q_start * head_dim, q.shape[-1])
+        )
+        _load(o_proj, "weight", wo)
+        qs.append(q)
+        out += o_proj(q)
+    full_q = F.linear(x, wq)
+    torch.testing.assert_close(torch.cat(qs, -1), full_q)
+    torch.testing.assert_close(out, F.linear(full_q, wo))
+
+
+def test_kv_cache_config_per_rank_heads_and_agreed_blocks() -> None:
+    from types import SimpleNamespace
+
+    from kvferry.config import CacheConfig
+    from kvferry.kv.allocate import allocate_kv_caches, build_kv_cache_config, with_num_blocks
+
+    model = SimpleNamespace(num_kv_heads=3, head_dim=8, dtype=torch.float32, max_model_len=64)
+    cache = CacheConfig(block_size=4, kv_cache_bytes=1 << 16)
+    names = ["a", "b"]
+    rank0, rank1 = (build_kv_cache_config(model, cache, names, heads) for heads in (2, 1))
+    assert rank1.num_blocks == 2 * rank0.num_blocks  # fewer heads: the same bytes hold more
+    agreed = with_num_blocks(rank1, rank0.num_blocks)
+    assert agreed.groups == rank1.groups and agreed.num_blocks == rank0.num_blocks
+    caches = allocate_kv_caches(agreed, "cpu")
+    assert caches["a"].shape == (2, rank0.num_blocks, 4, 1, 8)
+    with pytest.raises(ConfigError):
+        with_num_blocks(rank0, rank1.num_blocks)
+    with pytest.raises(ConfigError):
+        build_kv_cache_config(model, cache, names, 4)
+
+
 @pytest.mark.parametrize("size", [1, 2, 3])
 def test_vocab_parallel_embedding_and_head(size: int) -> None:
     vocab, hidden = 11, 4  # 11 is not divisible by 2 or 3: the last shard is padded

@@ -19,6 +19,7 @@ from typing import Any
 from kvferry.config import EngineConfig
 from kvferry.errors import KVFerryError
 from kvferry.executor.base import Executor
+from kvferry.kv.allocate import with_num_blocks
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.scheduler.output import SchedulerOutput
 from kvferry.worker.output import ModelRunnerOutput
@@ -143,11 +144,16 @@ class MultiprocExecutor(Executor):
         return self._gather()
 
     def determine_kv_cache_config(self) -> KVCacheConfig:
+        """Rank 0's specs (the scheduler's view) with the smallest block count of any rank.
+
+        Ranks may cache different numbers of KV heads (uneven head split), so their specs
+        differ; each worker allocates with its own specs and this block count.
+        """
         configs = self.collective_rpc("determine_kv_cache_config")
-        return min(configs, key=lambda c: c.num_blocks)  # ranks agree on the smallest budget
+        return with_num_blocks(configs[0], min(c.num_blocks for c in configs))
 
     def initialize_kv_cache(self, kv_config: KVCacheConfig) -> None:
-        self.collective_rpc("initialize_kv_cache", kv_config)
+        self.collective_rpc("initialize_kv_cache", kv_config)  # each rank keeps its own specs
 
     def execute_on_workers(self, scheduler_output: SchedulerOutput) -> list[ModelRunnerOutput]:
         return self.collective_rpc("execute_model", scheduler_output)

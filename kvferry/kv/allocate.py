@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 
@@ -19,15 +20,20 @@ def build_kv_cache_config(
     model_config: ModelConfig,
     cache_config: CacheConfig,
     layer_names: list[str],
-    tp_size: int = 1,
+    num_kv_heads: int | None = None,
     available_bytes: int | None = None,
 ) -> KVCacheConfig:
-    """One full-attention group over all layers, one tensor per layer, sized to the budget."""
-    if model_config.num_kv_heads % tp_size:
-        raise ConfigError(f"{model_config.num_kv_heads} KV heads cannot be split over {tp_size} ranks")
+    """One full-attention group over all layers, one tensor per layer, sized to the budget.
+
+    `num_kv_heads` is this rank's share (tensor parallelism may give ranks different
+    counts); the model's total when None.
+    """
+    num_kv_heads = model_config.num_kv_heads if num_kv_heads is None else num_kv_heads
+    if not 0 < num_kv_heads <= model_config.num_kv_heads:
+        raise ConfigError(f"{num_kv_heads} KV heads per rank for a model with {model_config.num_kv_heads}")
     spec = FullAttentionSpec(
         block_size=cache_config.block_size,
-        num_kv_heads=model_config.num_kv_heads // tp_size,
+        num_kv_heads=num_kv_heads,
         head_size=model_config.head_dim,
         dtype=model_config.dtype,
     )
@@ -46,6 +52,20 @@ def build_kv_cache_config(
         num_blocks=int(num_blocks),
         virtual_num_blocks=int(num_blocks),
     )
+
+
+def with_num_blocks(config: KVCacheConfig, num_blocks: int) -> KVCacheConfig:
+    """The same groups, specs and layout holding `num_blocks` blocks (eager: tensors resized).
+
+    Tensor-parallel ranks agree on one block count (the smallest budget) while each keeps
+    its own specs: their KV head counts may differ.
+    """
+    if num_blocks > config.num_blocks:
+        raise ConfigError(f"{num_blocks} KV blocks exceed this rank's budget of {config.num_blocks}")
+    tensors = tuple(
+        replace(t, size_bytes=t.size_bytes // config.num_blocks * num_blocks) for t in config.tensors
+    )
+    return replace(config, tensors=tensors, num_blocks=num_blocks, virtual_num_blocks=num_blocks)
 
 
 def allocate_kv_caches(config: KVCacheConfig, device: torch.device | str) -> dict[str, torch.Tensor]:

@@ -71,7 +71,15 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, head_dim, heads, kv_heads, flags["qkv_bias"], tp, dtype
         )
-        self.o_proj = RowParallelLinear(heads * head_dim, config.hidden_size, flags["o_bias"], tp, dtype)
+        shard = self.qkv_proj.shard  # o_proj reads this rank's query heads, however many
+        self.o_proj = RowParallelLinear(
+            heads * head_dim,
+            config.hidden_size,
+            flags["o_bias"],
+            tp,
+            dtype,
+            in_range=(shard.q_start * head_dim, shard.num_heads * head_dim),
+        )
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if flags["qk_norm"] else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if flags["qk_norm"] else None
         self.rotary_emb = shared.rotary_emb
@@ -191,6 +199,11 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layer_names(self) -> list[str]:
         return [layer.self_attn.attn.layer_name for layer in self.model.layers]
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads this tensor-parallel rank caches (ranks may differ)."""
+        return self.model.layers[0].self_attn.attn.num_kv_heads
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors (HF names, unsharded) in; returns the parameter names set."""

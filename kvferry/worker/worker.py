@@ -9,7 +9,7 @@ import torch
 from kvferry.config import EngineConfig
 from kvferry.connector.base import KVConnectorRole
 from kvferry.connector.factory import create_connector
-from kvferry.kv.allocate import allocate_kv_caches, build_kv_cache_config
+from kvferry.kv.allocate import allocate_kv_caches, build_kv_cache_config, with_num_blocks
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.model.layers.parallel import TPGroup
 from kvferry.model.loader import load_model
@@ -29,10 +29,15 @@ class Worker:
         self.runner = ModelRunner(config, model, self.device)
 
     def determine_kv_cache_config(self) -> KVCacheConfig:
-        names = self.runner.model.attention_layer_names()
-        return build_kv_cache_config(self.config.model, self.config.cache, names, tp_size=self.tp.size)
+        """This rank's KV cache: its own specs (its KV heads) and the blocks its budget holds."""
+        model = self.runner.model
+        names = model.attention_layer_names()
+        return build_kv_cache_config(self.config.model, self.config.cache, names, model.num_local_kv_heads)
 
     def initialize_kv_cache(self, kv_config: KVCacheConfig) -> None:
+        """Allocate with this rank's own specs and the block count the ranks agreed on
+        (`kv_config` is the scheduler's: rank 0's specs)."""
+        kv_config = with_num_blocks(self.determine_kv_cache_config(), kv_config.num_blocks)
         kv_caches = allocate_kv_caches(kv_config, self.device)
         connector = create_connector(self.config, KVConnectorRole.WORKER, kv_config, self.tp.rank)
         if connector is not None:

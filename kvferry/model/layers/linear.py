@@ -31,7 +31,10 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x W^T + b with W split by output rows; each rank returns its slice of y."""
+    """y = x W^T + b with W split by output rows; each rank returns its slice of y.
+
+    `out_local` overrides the even split (a subclass that places its rows itself).
+    """
 
     def __init__(
         self,
@@ -40,11 +43,12 @@ class ColumnParallelLinear(nn.Module):
         bias: bool,
         tp: TPGroup,
         dtype: torch.dtype | None = None,
+        out_local: int | None = None,
     ):
         super().__init__()
         self.tp = tp
         self.in_features = in_features
-        self.out_local = tp.split(out_features, "output features")
+        self.out_local = out_local if out_local is not None else tp.split(out_features, "output features")
         self.weight = _param((self.out_local, in_features), dtype)
         self.weight.weight_loader = self.weight_loader
         self.bias = _param((self.out_local,), dtype) if bias else None
@@ -87,7 +91,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """Fused q, k, v projection split by heads; KV heads are replicated when fewer than ranks."""
+    """Fused q, k, v projection split by heads (see TPGroup.heads: uneven KV head counts per
+    rank, query heads following their KV head; KV heads replicated when fewer than ranks)."""
 
     def __init__(
         self,
@@ -100,16 +105,17 @@ class QKVParallelLinear(ColumnParallelLinear):
         dtype: torch.dtype | None = None,
     ):
         self.head_dim = head_dim
-        self.num_heads = tp.split(num_heads, "number of attention heads")
-        self.kv_head_start, self.num_kv_heads = tp.kv_heads(num_kv_heads)
+        self.shard = tp.heads(num_heads, num_kv_heads)
+        self.num_heads = self.shard.num_heads
+        self.kv_head_start, self.num_kv_heads = self.shard.kv_start, self.shard.num_kv_heads
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
-        out_total = (self.q_size + 2 * self.kv_size) * tp.size
-        super().__init__(hidden_size, out_total, bias, tp, dtype)
+        out_total = (num_heads + 2 * num_kv_heads) * head_dim
+        super().__init__(hidden_size, out_total, bias, tp, dtype, out_local=self.q_size + 2 * self.kv_size)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         if shard_id == "q":
-            offset, size, start = 0, self.q_size, self.tp.rank * self.q_size
+            offset, size, start = 0, self.q_size, self.shard.q_start * self.head_dim
         elif shard_id in ("k", "v"):
             offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
             size, start = self.kv_size, self.kv_head_start * self.head_dim
@@ -125,8 +131,9 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W split by input columns; partial sums are all-reduced.
 
-    The input is this rank's slice of the features (a column-parallel output). The bias
-    is added once, after the reduction.
+    The input is this rank's slice of the features (a column-parallel output): an even
+    split, or `in_range` (first feature, count) when the slices differ per rank (attention
+    heads split unevenly). The bias is added once, after the reduction.
     """
 
     def __init__(
@@ -136,10 +143,14 @@ class RowParallelLinear(nn.Module):
         bias: bool,
         tp: TPGroup,
         dtype: torch.dtype | None = None,
+        in_range: tuple[int, int] | None = None,
     ):
         super().__init__()
         self.tp = tp
-        self.in_local = tp.split(in_features, "input features")
+        if in_range is None:
+            self.in_local = tp.split(in_features, "input features")
+            in_range = (tp.rank * self.in_local, self.in_local)
+        self.in_start, self.in_local = in_range
         self.weight = _param((out_features, self.in_local), dtype)
         self.weight.weight_loader = self.weight_loader
         self.bias = _param((out_features,), dtype) if bias else None
@@ -147,8 +158,9 @@ class RowParallelLinear(nn.Module):
             self.bias.weight_loader = self.bias_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-        cols = param.shape[1]
-        copy_checked(param.data, loaded.narrow(1, self.tp.rank * cols, cols), "row-parallel weight")
+        fits = loaded.dim() == 2 and loaded.shape[1] >= self.in_start + self.in_local
+        src = loaded.narrow(1, self.in_start, self.in_local) if fits else loaded  # else: shape error
+        copy_checked(param.data, src, "row-parallel weight")
 
     def bias_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         copy_checked(param.data, loaded, "row-parallel bias")

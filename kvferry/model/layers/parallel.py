@@ -51,13 +51,34 @@ class TPGroup:
             raise ConfigError(f"{what} ({total}) is not divisible by tensor-parallel size {self.size}")
         return total // self.size
 
-    def kv_heads(self, num_kv_heads: int) -> tuple[int, int]:
-        """(first KV head, KV heads on this rank). Heads are replicated when fewer than ranks."""
+    def heads(self, num_heads: int, num_kv_heads: int) -> HeadShard:
+        """This rank's query and KV heads; query heads follow the KV head they read.
+
+        KV heads split into contiguous ranges, the first `num_kv_heads % size` ranks taking
+        one more (3 KV heads over 2 ranks: 2 and 1). With fewer KV heads than ranks, each KV
+        head is replicated on `size // num_kv_heads` ranks that split its query heads.
+        """
+        if num_heads % num_kv_heads:
+            raise ConfigError(f"{num_heads} attention heads are not a multiple of {num_kv_heads} KV heads")
+        group = num_heads // num_kv_heads
         if num_kv_heads >= self.size:
-            per_rank = self.split(num_kv_heads, "number of KV heads")
-            return self.rank * per_rank, per_rank
+            base, extra = divmod(num_kv_heads, self.size)
+            kv_start = self.rank * base + min(self.rank, extra)
+            kv_count = base + (self.rank < extra)
+            return HeadShard(kv_start * group, kv_count * group, kv_start, kv_count)
         if self.size % num_kv_heads:
             raise ConfigError(
                 f"tensor-parallel size {self.size} is not a multiple of the {num_kv_heads} KV heads"
             )
-        return self.rank * num_kv_heads // self.size, 1
+        q_count = self.split(num_heads, "number of attention heads")
+        return HeadShard(self.rank * q_count, q_count, self.rank * num_kv_heads // self.size, 1)
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    """A rank's attention heads: contiguous query heads and the KV heads they attend."""
+
+    q_start: int
+    num_heads: int
+    kv_start: int
+    num_kv_heads: int
