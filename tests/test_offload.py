@@ -3,9 +3,11 @@ after the device prefix cache lost them, and proof that the loaded bytes are rea
 
 import pytest
 
+from kvferry.connector.offload.config import GIB
 from kvferry.connector.offload.metadata import Tier
 from kvferry.sampling_params import SamplingParams
 from tests.engine_helpers import PROMPT_TEXTS, assert_pool_full, make_llm, tokenize_all
+from tests.fixtures.tiny_models import build_tiny_model
 from tests.test_offload_support import (
     GREEDY,
     LONG,
@@ -54,7 +56,7 @@ def test_outputs_identical_with_offload_on_and_off(tiny_model, reference):
     assert num_loaded > 0 and totals["offload_loaded_blocks_dram"] == num_loaded
     # Every full prompt block saved once (not again on the second pass).
     assert totals["offload_saved_blocks"] == sum(len(o.prompt_token_ids) // 16 for o in second)
-    assert totals["offload_bytes_loaded"] == num_loaded * sched_half(llm).slot_bytes
+    assert totals["offload_bytes_loaded"] == num_loaded * sched_half(llm).block_bytes
     assert_pool_full(llm)
 
 
@@ -156,10 +158,25 @@ def test_preempted_requests_resume_from_the_tier(tiny_llama, reference):
     assert_pool_full(llm)
 
 
-def test_tp2_outputs_identical_and_each_rank_stores_its_slice(tiny_llama, reference, tmp_path):
-    expected = reference(tiny_llama)
-    llm = make_llm(tiny_llama, tp=2, kv_transfer=offload_config(**disk_extra(tmp_path, 4, 256)))
+@pytest.fixture(scope="module")
+def tiny_llama_kv3(tmp_path_factory):
+    """SmolLM2's head shape: 3 KV heads, split 2 + 1 over two ranks."""
+    return build_tiny_model("llama_kv3", tmp_path_factory.mktemp("tiny_llama_kv3"))
+
+
+def test_tp2_uneven_heads_outputs_identical_and_each_rank_stores_its_heads(
+    tiny_llama_kv3, reference, tmp_path
+):
+    expected = reference(tiny_llama_kv3)
+    block_bytes = 2 * 16 * 3 * 8 * 4 * 3  # K+V, 16 tokens, 3 KV heads, head_dim 8, fp32, 3 layers
+    extra = {
+        "dram_gib": 4 * block_bytes / GIB,
+        "disk_dir": str(tmp_path / "tier"),
+        "disk_gib": 256 * block_bytes / GIB,
+    }
+    llm = make_llm(tiny_llama_kv3, tp=2, kv_transfer=offload_config(**extra))
     try:
+        assert sched_half(llm).block_bytes == block_bytes and sched_half(llm).index.capacity[Tier.DRAM] == 4
         assert tokens(llm.generate(PROMPTS, GREEDY)) == expected
         assert_pool_full(llm)
         evict_device_cache(llm)
@@ -167,11 +184,11 @@ def test_tp2_outputs_identical_and_each_rank_stores_its_slice(tiny_llama, refere
         assert tokens(second) == expected
         num_loaded = sum(o.num_cached_tokens for o in second) // 16
         totals = sched_half(llm).totals
-        # Block counts come from rank 0; bytes from both ranks, each holding half the heads.
+        # Block counts come from rank 0; bytes from both ranks (2 heads + 1 head per block).
         assert num_loaded > 0
         assert totals["offload_loaded_blocks_dram"] + totals["offload_loaded_blocks_disk"] == num_loaded
         assert totals["offload_loaded_blocks_disk"] > 0
-        assert totals["offload_bytes_loaded"] == num_loaded * sched_half(llm).slot_bytes * 2
+        assert totals["offload_bytes_loaded"] == num_loaded * block_bytes
         assert_pool_full(llm)
     finally:
         llm.engine.shutdown()

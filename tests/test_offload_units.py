@@ -7,7 +7,7 @@ import torch
 
 from kvferry.config import KVTransferConfig
 from kvferry.connector.offload.blocks import BlockCopier
-from kvferry.connector.offload.config import OffloadConfig, slot_bytes_per_rank
+from kvferry.connector.offload.config import OffloadConfig, instance_block_bytes, slot_bytes_per_rank
 from kvferry.connector.offload.index import TierIndex
 from kvferry.connector.offload.jobs import JobQueue
 from kvferry.connector.offload.metadata import DemoteOp, Tier
@@ -96,10 +96,22 @@ def test_disk_config_checks(tmp_path):
         OffloadConfig.from_extra({"disk_dir": str(blocker / "sub"), "disk_gib": 1})
     config = OffloadConfig.from_extra({"dram_gib": 0, "disk_dir": str(tmp_path / "d"), "disk_gib": 0.5})
     assert (tmp_path / "d").is_dir()
-    # Capacities are per instance: each of 2 ranks stores half a block per slot.
-    assert config.num_slots(slot_bytes=1 << 20, tp_size=2) == (0, 256)
+    assert config.num_slots(block_bytes=2 << 20) == (0, 256)
     with pytest.raises(ConfigError, match="hold no block"):
-        OffloadConfig.from_extra({"dram_gib": 1e-9}).num_slots(4096, 1)
+        OffloadConfig.from_extra({"dram_gib": 1e-9}).num_slots(4096)
+
+
+@pytest.mark.parametrize(
+    "local_heads, total_heads, tp, expected_heads", [(1, 2, 2, 2), (2, 3, 2, 3), (1, 3, 2, 3), (1, 2, 4, 4)]
+)
+def test_block_bytes_are_the_same_on_every_rank(local_heads, total_heads, tp, expected_heads):
+    """Capacities are per instance: uneven head splits and replicated heads included."""
+    spec = FullAttentionSpec(16, local_heads, 64, torch.float32)
+    kv = KVCacheConfig(
+        (KVCacheGroup(spec, ("a", "b")),), tuple(KVCacheTensor(1, (n,)) for n in "ab"), Layout.NHD, 4, 4
+    )
+    per_head = 2 * 16 * 64 * 4 * 2  # K and V, 2 layers
+    assert instance_block_bytes(kv, total_heads, tp) == per_head * expected_heads
 
 
 def test_engine_start_up_rejects_bad_offload_config(tiny_llama):

@@ -1,10 +1,11 @@
 """OffloadConfig: `kv_connector_extra_config` of the OffloadConnector, checked at start-up.
 
 Capacities are for the whole instance. With tensor parallelism every rank stores only its
-own KV-head slice of a block, at the same slot index as the other ranks, so a tier of
-`dram_gib` GiB holds `dram_gib GiB / (slot bytes per rank * TP size)` blocks and each rank
-allocates `dram_gib / TP size` GiB. `dram_blocks` / `disk_blocks` give the block count
-directly instead (tests, benchmarks).
+own KV heads of a block, at the same slot index as the other ranks, so a tier of
+`dram_gib` GiB holds `dram_gib GiB / (bytes of one block over all ranks)` blocks, and each
+rank allocates that many slots of its own size (ranks may hold different numbers of KV
+heads: 3 heads over 2 ranks are 2 + 1; with fewer KV heads than ranks each rank holds one).
+`dram_blocks` / `disk_blocks` give the block count directly instead (tests, benchmarks).
 """
 
 from __future__ import annotations
@@ -85,9 +86,8 @@ class OffloadConfig:
             raise ConfigError(f"offload: verify_checksum must be true or false, not {verify!r}")
         return cls(dram_gib, dram_blocks, disk_dir, disk_gib, disk_blocks, verify)
 
-    def num_slots(self, slot_bytes: int, tp_size: int) -> tuple[int, int]:
-        """(DRAM slots, disk slots) for blocks of `slot_bytes` per rank over `tp_size` ranks."""
-        block_bytes = slot_bytes * tp_size  # one block of the whole instance
+    def num_slots(self, block_bytes: int) -> tuple[int, int]:
+        """(DRAM slots, disk slots) for blocks of `block_bytes` over all ranks together."""
 
         def slots(gib: float | None, blocks: int | None) -> int:
             if blocks is not None:
@@ -98,8 +98,8 @@ class OffloadConfig:
         disk = slots(self.disk_gib, self.disk_blocks) if self.disk_dir is not None else 0
         if dram == 0 and disk == 0:
             raise ConfigError(
-                f"offload: the tiers hold no block (one block takes {block_bytes} bytes over "
-                f"{tp_size} rank(s)); raise dram_gib or disk_gib"
+                f"offload: the tiers hold no block (one block takes {block_bytes} bytes over all "
+                "ranks); raise dram_gib or disk_gib"
             )
         return dram, disk
 
@@ -111,6 +111,19 @@ def slot_bytes_per_rank(kv_cache_config: KVCacheConfig) -> int:
         spec = kv_cache_config.groups[kv_cache_config.group_of(tensor.shared_by[0])].spec
         total += spec.page_size_bytes
     return total
+
+
+def instance_block_bytes(kv_cache_config: KVCacheConfig, total_kv_heads: int, tp_size: int) -> int:
+    """Bytes one block takes over every rank: the same number in every half and rank.
+
+    Ranks differ only in their KV head count, so bytes per head are common; the ranks
+    together hold every KV head once, or one each when there are fewer heads than ranks.
+    """
+    heads = {group.spec.num_kv_heads for group in kv_cache_config.groups}
+    if len(heads) != 1:
+        raise ConfigError(f"offload: KV cache groups with different KV head counts {sorted(heads)}")
+    per_head = slot_bytes_per_rank(kv_cache_config) // heads.pop()
+    return per_head * max(total_kv_heads, tp_size)
 
 
 def check_kv_cache_config(kv_cache_config: KVCacheConfig) -> None:

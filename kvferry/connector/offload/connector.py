@@ -49,10 +49,13 @@ class OffloadConnector(KVConnectorBase):
         self.offload_config = OffloadConfig.from_extra(self.extra_config)
         self.scheduler: OffloadScheduler | None = None
         self.worker: OffloadWorker | None = None
+        heads = engine_config.model.num_kv_heads
         if role is KVConnectorRole.SCHEDULER:
-            self.scheduler = OffloadScheduler(self.offload_config, kv_cache_config, self.tp_size)
+            self.scheduler = OffloadScheduler(self.offload_config, kv_cache_config, heads, self.tp_size)
         else:
-            self.worker = self.worker_class(self.offload_config, kv_cache_config, self.tp_size, tp_rank)
+            self.worker = self.worker_class(
+                self.offload_config, kv_cache_config, heads, self.tp_size, tp_rank
+            )
 
     @classmethod
     def prepare_config(cls, engine_config: EngineConfig) -> EngineConfig:

@@ -14,7 +14,12 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass
 
-from kvferry.connector.offload.config import OffloadConfig, check_kv_cache_config, slot_bytes_per_rank
+from kvferry.connector.offload.config import (
+    OffloadConfig,
+    check_kv_cache_config,
+    instance_block_bytes,
+    slot_bytes_per_rank,
+)
 from kvferry.connector.offload.index import TierIndex
 from kvferry.connector.offload.metadata import LoadOp, OffloadMetadata, SaveFailed, SaveOp, Tier
 from kvferry.connector.output import KVConnectorOutput
@@ -35,12 +40,15 @@ class _Tracked:
 
 
 class OffloadScheduler:
-    def __init__(self, config: OffloadConfig, kv_cache_config: KVCacheConfig, tp_size: int):
+    def __init__(
+        self, config: OffloadConfig, kv_cache_config: KVCacheConfig, total_kv_heads: int, tp_size: int
+    ):
         check_kv_cache_config(kv_cache_config)
         self.config = config
         self.block_size = kv_cache_config.block_size
-        self.slot_bytes = slot_bytes_per_rank(kv_cache_config)
-        dram, disk = config.num_slots(self.slot_bytes, tp_size)
+        self.slot_bytes = slot_bytes_per_rank(kv_cache_config)  # rank 0's (the scheduler's view)
+        self.block_bytes = instance_block_bytes(kv_cache_config, total_kv_heads, tp_size)
+        dram, disk = config.num_slots(self.block_bytes)
         self.index = TierIndex(dram, disk)
         self.instance_id = uuid.uuid4().hex
         self._reqs: dict[str, _Tracked] = {}
@@ -53,10 +61,10 @@ class OffloadScheduler:
         self.counters: Counter[str] = Counter()  # decisions taken here (per connector instance)
         self.totals: Counter[str] = Counter()  # worker stats summed over the engine's life
         logger.info(
-            "offload tiers: %d DRAM + %d disk slots of %d bytes per rank (x%d ranks)",
+            "offload tiers: %d DRAM + %d disk slots; a block takes %d bytes over %d rank(s)",
             dram,
             disk,
-            self.slot_bytes,
+            self.block_bytes,
             tp_size,
         )
 

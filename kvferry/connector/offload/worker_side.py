@@ -18,7 +18,12 @@ from collections import Counter
 import torch
 
 from kvferry.connector.offload.blocks import BlockCopier, Staging
-from kvferry.connector.offload.config import OffloadConfig, check_kv_cache_config, slot_bytes_per_rank
+from kvferry.connector.offload.config import (
+    OffloadConfig,
+    check_kv_cache_config,
+    instance_block_bytes,
+    slot_bytes_per_rank,
+)
 from kvferry.connector.offload.jobs import JobQueue
 from kvferry.connector.offload.metadata import DemoteOp, LoadOp, OffloadMetadata, SaveFailed, SaveOp, Tier
 from kvferry.connector.offload.tiers import DiskTier, DramTier, Tag, payload_crc
@@ -30,12 +35,21 @@ IDLE_WAIT_S = 0.02  # an empty step waits this long for pending saves (no hot sp
 
 
 class OffloadWorker:
-    def __init__(self, config: OffloadConfig, kv_cache_config: KVCacheConfig, tp_size: int, rank: int):
+    def __init__(
+        self,
+        config: OffloadConfig,
+        kv_cache_config: KVCacheConfig,
+        total_kv_heads: int,
+        tp_size: int,
+        rank: int,
+    ):
         check_kv_cache_config(kv_cache_config)
         self.rank = rank
         self.verify = config.verify_checksum
-        self.slot_bytes = slot_bytes_per_rank(kv_cache_config)
-        dram_slots, disk_slots = config.num_slots(self.slot_bytes, tp_size)
+        self.slot_bytes = slot_bytes_per_rank(kv_cache_config)  # this rank's KV heads only
+        dram_slots, disk_slots = config.num_slots(
+            instance_block_bytes(kv_cache_config, total_kv_heads, tp_size)
+        )
         self._dram_slots = dram_slots
         self.dram: DramTier | None = None  # allocated at registration (pinned for CUDA KV)
         self.disk = DiskTier(config.disk_dir, disk_slots, self.slot_bytes, rank) if disk_slots else None
