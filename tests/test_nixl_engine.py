@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvferry.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
+from kvferry.config import CacheConfig, EngineConfig, KVTransferConfig, ParallelConfig, SchedulerConfig
 from kvferry.engine.core import EngineCore
 from kvferry.engine.types import EngineCoreOutput, EngineCoreRequest
 from kvferry.model.resolve import resolve_model_config
@@ -20,13 +20,14 @@ from kvferry.sampling_params import SamplingParams
 from tests.engine_helpers import PROMPT_TEXTS, tokenize_all
 
 
-def _config(model_dir: Path, kv: KVTransferConfig | None, layout: str) -> EngineConfig:
+def _config(model_dir: Path, kv: KVTransferConfig | None, layout: str, tp: int = 1) -> EngineConfig:
     model = resolve_model_config(str(model_dir), dtype="float32", max_model_len=512)
     cache = CacheConfig(block_size=16, kv_cache_bytes=8 << 20, layout=layout)
     return EngineConfig(
         model=model,
         cache=cache,
         scheduler=SchedulerConfig(64, 16, True),
+        parallel=ParallelConfig(tensor_parallel_size=tp),
         kv_transfer=kv or KVTransferConfig(),
     )
 
@@ -77,15 +78,11 @@ def _drain(*cores: EngineCore) -> None:
         assert stats.num_free_blocks == stats.num_blocks, f"{stats.num_blocks - stats.num_free_blocks} leaked"
 
 
-@pytest.mark.parametrize("direction", ["nhd_to_hnd", "hnd_to_nhd"])
-def test_both_roles_prefill_and_decode_for_each_other(engines, tiny_qwen2, direction):
-    first, second, colocated = engines
-    prefiller, decoder = (first, second) if direction == "nhd_to_hnd" else (second, first)
-    prompts = tokenize_all(tiny_qwen2, PROMPT_TEXTS)
+def _pd_round(prefiller: EngineCore, decoder: EngineCore, colocated: EngineCore, prompts, tag: str) -> None:
+    """Prefill every prompt on one engine, decode on the other: equal to the colocated engine."""
     one = SamplingParams(max_tokens=1, temperature=0)
     params = SamplingParams(max_tokens=8, temperature=0)
     now = time.time()
-    tag = direction[:3]
     _, prefilled = _run(
         prefiller,
         [
@@ -109,8 +106,15 @@ def test_both_roles_prefill_and_decode_for_each_other(engines, tiny_qwen2, direc
     for i, prompt in enumerate(prompts):
         assert decoded[f"{tag}-d{i}"] == expected[f"{tag}-c{i}"]
         assert finals[f"{tag}-d{i}"].num_cached_tokens == len(prompt) - 1
-    _drain(prefiller, decoder)
     assert decoder.stats().kv_connector["nixl_transfers"] >= 1
+
+
+@pytest.mark.parametrize("direction", ["nhd_to_hnd", "hnd_to_nhd"])
+def test_both_roles_prefill_and_decode_for_each_other(engines, tiny_qwen2, direction):
+    first, second, colocated = engines
+    prefiller, decoder = (first, second) if direction == "nhd_to_hnd" else (second, first)
+    _pd_round(prefiller, decoder, colocated, tokenize_all(tiny_qwen2, PROMPT_TEXTS), tag=direction[:3])
+    _drain(prefiller, decoder)
 
 
 def test_incompatible_model_is_a_client_error(engines, tiny_qwen2, tiny_llama):
