@@ -210,3 +210,32 @@ def test_rope_scaling_frequencies() -> None:
 
 
 _LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN is not available")
+@pytest.mark.parametrize("size", [1, 2])
+def test_packed_weights_match_plain(size: int) -> None:
+    """oneDNN-packed layers compute what the plain ones do (any row count, bias, TP shards)."""
+    w1, b1, w2, b2 = torch.randn(48, 24), torch.randn(48), torch.randn(24, 48), torch.randn(24)
+    vocab = torch.randn(37, 24)
+    for rows in (0, 1, 5, 130):
+        x = torch.randn(rows, 24)
+        total, logits = torch.zeros(rows, 24), []
+        for rank in range(size):
+            tp = LocalTP(rank, size)
+            col, row = ColumnParallelLinear(24, 48, True, tp), RowParallelLinear(48, 24, True, tp)
+            head, emb = ParallelLMHead(37, 24, tp), VocabParallelEmbedding(37, 24, tp)
+            for layer, name, full in ((col, "weight", w1), (col, "bias", b1), (row, "weight", w2)):
+                _load(layer, name, full)
+            _load(row, "bias", b2)
+            _load(emb, "weight", vocab)
+            head.tie(emb)
+            plain = (row(col(x)), head(x))
+            assert col.pack_weight() and row.pack_weight() and head.pack_weight()
+            assert col.weight is None and row.weight is None and head.weight is emb.weight  # tied: kept
+            torch.testing.assert_close(row(col(x)), plain[0], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(head(x), plain[1], atol=1e-4, rtol=1e-4)
+            total += row(col(x)) - (b2 if rank else 0)  # LocalTP: each rank adds the bias
+            logits.append(head(x))
+        torch.testing.assert_close(total, F.linear(F.linear(x, w1, b1), w2, b2), atol=1e-3, rtol=1e-4)
+        torch.testing.assert_close(torch.cat(logits, -1)[:, :37], x @ vocab.T, atol=1e-4, rtol=1e-4)

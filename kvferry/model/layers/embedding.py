@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvferry.model.layers.linear import copy_checked
+from kvferry.model.layers.linear import PackableLinear, copy_checked
 from kvferry.model.layers.parallel import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -45,13 +45,19 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(out)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
     """Output projection to the vocabulary; logits are gathered to the full vocab on every rank."""
+
+    tied = False
 
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         """Share the embedding's weight (tie_word_embeddings)."""
         self.weight = embedding.weight
+        self.tied = True
+
+    def pack_weight(self, keep_plain: bool = False) -> bool:
+        return super().pack_weight(keep_plain=keep_plain or self.tied)  # the embedding reads it
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather(F.linear(hidden, self.weight))
+        logits = self.tp.all_gather(self.matmul(hidden))
         return logits[..., : self.vocab_size] if logits.shape[-1] != self.vocab_size else logits

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvferry.errors import ModelLoadError
+from kvferry.model.layers.packed import can_pack, pack, packed_linear
 from kvferry.model.layers.parallel import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -30,7 +31,28 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     dst.copy_(src)
 
 
-class ColumnParallelLinear(nn.Module):
+class PackableLinear(nn.Module):
+    """A linear whose weight may be packed for the CPU GEMM once loaded (see layers.packed)."""
+
+    packed: torch.Tensor | None = None
+
+    def pack_weight(self, keep_plain: bool = False) -> bool:
+        """Pack the loaded weight; the plain one is released unless `keep_plain` (it is
+        shared, e.g. a tied embedding). Loading weights afterwards is not supported."""
+        if self.packed is not None or self.weight is None or not can_pack(self.weight):
+            return False
+        self.packed = pack(self.weight)
+        if not keep_plain:
+            self.register_parameter("weight", None)
+        return True
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, bias)
+        return F.linear(x, self.weight, bias)
+
+
+class ColumnParallelLinear(PackableLinear):
     """y = x W^T + b with W split by output rows; each rank returns its slice of y.
 
     `out_local` overrides the even split (a subclass that places its rows itself).
@@ -60,7 +82,7 @@ class ColumnParallelLinear(nn.Module):
         copy_checked(param.data, loaded.narrow(0, self.tp.rank * rows, rows), "column-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -128,7 +150,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         return qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(PackableLinear):
     """y = x W^T + b with W split by input columns; partial sums are all-reduced.
 
     The input is this rank's slice of the features (a column-parallel output): an even
@@ -167,6 +189,6 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+            return self.matmul(x, self.bias)
+        out = self.tp.all_reduce(self.matmul(x))
         return out + self.bias if self.bias is not None else out
