@@ -47,7 +47,8 @@ logger = logging.getLogger(__name__)
 
 PARENT_DEATH_GRACE_S = 10.0  # after this, a watchdog exits the child hard
 SPIN_STEP_S = 0.001  # an empty step faster than this means nothing could run ...
-SPIN_WAIT_MS = 1  # ... so wait this long on the socket before the next step (no hot spin)
+SPIN_WAIT_MS = 1  # ... so wait this long on the socket before the next step (no hot spin),
+MAX_SPIN_WAIT_MS = 8  # doubling while steps stay empty (leases, remote KV), up to this
 MAX_CONSECUTIVE_STEP_FAILURES = 10  # then the core is broken: exit (the parent reports it dead)
 
 
@@ -167,10 +168,12 @@ class CoreLoop:
         self.orphaned = False  # the parent died
 
     def run(self) -> None:
-        spinning = False  # the last step was empty and quick (e.g. waiting for remote KV)
+        idle_steps = 0  # consecutive empty, quick steps (e.g. only waiting for remote KV)
         while not self.stopping:
             busy = self.core.has_unfinished_requests()
-            timeout = (SPIN_WAIT_MS if spinning else 0) if busy else None
+            # Back off while steps find nothing to do: 1, 2, 4 ... MAX_SPIN_WAIT_MS.
+            wait = min(SPIN_WAIT_MS << min(idle_steps, 8), MAX_SPIN_WAIT_MS) if idle_steps else 0
+            timeout = wait if busy else None
             events = dict(self.poller.poll(timeout))
             if self.parent_sentinel is not None and self.parent_sentinel in events:
                 logger.warning("parent process died; shutting the engine core down")
@@ -178,11 +181,12 @@ class CoreLoop:
                 return
             if self.in_sock in events:
                 self._drain()
-            spinning = False
+                idle_steps = 0
             if not self.stopping and self.core.has_unfinished_requests():
                 start = time.perf_counter()
                 outputs = self._step()
-                spinning = not outputs and time.perf_counter() - start < SPIN_STEP_S
+                quiet = not outputs and time.perf_counter() - start < SPIN_STEP_S
+                idle_steps = idle_steps + 1 if quiet else 0
                 self.pending.extend(outputs)
             self._push()
 
