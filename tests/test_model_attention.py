@@ -82,6 +82,16 @@ MIXES = {
     "prefills": [(0, 7, False), (0, 1, False), (0, 20, False)],
     "chunked": [(9, 6, False), (16, 16, False), (3, 1, False)],
     "mixed": [(12, 1, True), (0, 11, False), (30, 1, True), (7, 9, False), (0, 3, False), (4, 1, True)],
+    # runs of equal-length fresh prompts go through one batched call; others break the runs
+    "same_length": [(0, 6, False), (0, 6, False), (0, 6, False), (2, 6, False), (0, 6, False), (0, 6, False)],
+    "same_length_mixed": [
+        (3, 1, True),
+        (0, 5, False),
+        (0, 5, False),
+        (0, 4, False),
+        (0, 4, False),
+        (9, 1, True),
+    ],
 }
 
 
@@ -94,6 +104,21 @@ def test_paged_matches_reference(layout: Layout, mix: str, block_size: int) -> N
     out = layer(q.flatten(1), k.flatten(1), v.flatten(1), ctx)
     assert out.shape == (q.shape[0], HEADS * HEAD_DIM)
     torch.testing.assert_close(out.view_as(q).double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_fresh_runs_group_adjacent_equal_spans() -> None:
+    from kvferry.model.layers.attention import fresh_runs
+
+    table = torch.zeros(1, dtype=torch.int64)
+    spans = [
+        PrefillSpan(0, 4, 0, table),
+        PrefillSpan(4, 4, 0, table),
+        PrefillSpan(8, 4, 2, table),  # cached context: alone
+        PrefillSpan(12, 4, 0, table),
+        PrefillSpan(16, 3, 0, table),  # another length
+        PrefillSpan(19, 3, 0, table),
+    ]
+    assert [[s.query_start for s in run] for run in fresh_runs(spans)] == [[0, 4], [8], [12], [16, 19]]
 
 
 def test_workspace_reuses_one_buffer() -> None:

@@ -86,6 +86,25 @@ def _select(rows: torch.Tensor, index: torch.Tensor, workspace: Workspace | None
     return torch.index_select(rows, 1, index, out=out)
 
 
+def fresh_runs(spans: list[PrefillSpan]) -> list[list[PrefillSpan]]:
+    """Spans in order, grouped into runs of adjacent spans with no cached context and equal
+    lengths (a batch of same-length prompts: one attention call instead of one per span);
+    any other span is a run of its own."""
+    runs: list[list[PrefillSpan]] = []
+    for span in spans:
+        last = runs[-1][-1] if runs else None
+        if (
+            last is not None
+            and span.context_len == last.context_len == 0
+            and span.query_len == last.query_len
+            and span.query_start == last.query_start + last.query_len
+        ):
+            runs[-1].append(span)
+        else:
+            runs.append([span])
+    return runs
+
+
 class PagedAttention(nn.Module):
     """Attention of one layer over its paged KV cache; heads are this rank's heads."""
 
@@ -123,9 +142,12 @@ class PagedAttention(nn.Module):
         out = torch.empty_like(q)
         if attn.num_decodes:
             out[: attn.num_decodes] = self._decode(q[: attn.num_decodes], kv_cache, ctx.layout, attn)
-        for span in attn.prefills:
-            rows = slice(span.query_start, span.query_start + span.query_len)
-            out[rows] = self._prefill(q[rows], k[rows], v[rows], kv_cache, ctx.layout, span)
+        for run in fresh_runs(attn.prefills):
+            rows = slice(run[0].query_start, run[-1].query_start + run[-1].query_len)
+            if len(run) > 1:
+                out[rows] = self._fresh_batch(q[rows], k[rows], v[rows], len(run))
+            else:
+                out[rows] = self._prefill(q[rows], k[rows], v[rows], kv_cache, ctx.layout, run[0])
         if hooks is not None:
             hooks.save_kv_layer(self.layer_name, kv_cache, attn)
         return out.view(num_tokens, self.num_heads * self.head_dim)
@@ -144,6 +166,17 @@ class PagedAttention(nn.Module):
         grouped = q.view(batch, self.num_kv_heads, self.group, self.head_dim)
         out = F.scaled_dot_product_attention(grouped, kv[0], kv[1], attn_mask=mask, scale=self.scale)
         return out.reshape(batch, self.num_heads, self.head_dim)
+
+    def _fresh_batch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int) -> torch.Tensor:
+        """`count` adjacent equal-length spans without cached context, in one causal call."""
+
+        def batched(x: torch.Tensor) -> torch.Tensor:  # [count * L, H, D] -> [count, H, L, D]
+            return x.view(count, -1, *x.shape[1:]).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(
+            batched(q), batched(k), batched(v), is_causal=True, scale=self.scale, enable_gqa=self.group > 1
+        )
+        return out.transpose(1, 2).flatten(0, 1)
 
     def _prefill(
         self,
