@@ -31,6 +31,8 @@ from kvferry.model.layers.rotary import RotaryEmbedding, rope_parameters
 
 logger = logging.getLogger(__name__)
 
+CosSin = tuple[torch.Tensor, torch.Tensor]  # rope at this forward's positions
+
 # checkpoint projection -> (fused parameter, shard id)
 STACKED = (
     ("q_proj", "qkv_proj", "q"),
@@ -93,13 +95,13 @@ class LlamaAttention(nn.Module):
             workspace=shared.workspace,
         )
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, rope: CosSin, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden))
         q = q.view(q.shape[0], self.qkv_proj.num_heads, self.head_dim)
         k = k.view(k.shape[0], self.qkv_proj.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary_emb.apply(rope, q, k)
         return self.o_proj(self.attn(q, k, v, ctx))
 
 
@@ -134,7 +136,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: CosSin,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         ctx: ForwardContext,
@@ -143,7 +145,7 @@ class LlamaDecoderLayer(nn.Module):
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, ctx)
+        hidden = self.self_attn(rope, hidden, ctx)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -153,6 +155,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
         rope = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, rope_parameters(config))
+        self.rotary_emb = rope
         shared = Shared(rotary_emb=rope, workspace=Workspace())
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, f"model.layers.{i}", tp, dtype, flags, shared)
@@ -162,9 +165,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary_emb.cos_sin(positions, hidden.dtype)  # the same for every layer
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, ctx)
+            hidden, residual = layer(rope, hidden, residual, ctx)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

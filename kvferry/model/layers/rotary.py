@@ -67,14 +67,30 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         # [max_positions, head_dim]: cos in the first half, sin in the second
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
-        self.register_buffer("cos_sin", cache, persistent=False)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each [T, 1, head_dim / 2], at `positions`: once per forward, for every layer."""
+        cos, sin = self.cos_sin_cache[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
+        return cos, sin
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate-half rope of x [T, heads, head_dim] into a new tensor (no temporaries)."""
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        out1, out2 = out.chunk(2, dim=-1)
+        torch.mul(x1, cos, out=out1).addcmul_(x2, sin, value=-1)  # x1 cos - x2 sin
+        torch.mul(x2, cos, out=out2).addcmul_(x1, sin)  # x2 cos + x1 sin
+        return out
+
+    def apply(
+        self, cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = cos_sin
+        return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        return self.apply(self.cos_sin(positions, q.dtype), q, k)
