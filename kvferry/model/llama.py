@@ -28,6 +28,7 @@ from kvferry.model.layers.linear import (
 from kvferry.model.layers.norm import RMSNorm
 from kvferry.model.layers.parallel import TPGroup
 from kvferry.model.layers.rotary import RotaryEmbedding, rope_parameters
+from kvferry.model.microbatch import MicroBatcher
 
 logger = logging.getLogger(__name__)
 
@@ -185,21 +186,39 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype)
         if self.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
+        self.microbatcher: MicroBatcher | None = None  # see enable_microbatching
 
     @staticmethod
     def flags(config: Any) -> dict[str, bool]:
         bias = bool(getattr(config, "attention_bias", False))
         return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False}
 
+    def enable_microbatching(self, num_threads: int) -> None:
+        """Split batches over `num_threads` CPU threads (kvferry.model.microbatch); a single
+        process only: with tensor parallelism every rank must issue collectives in order."""
+        assert self.model.embed_tokens.tp.size == 1, "micro-batching needs a single rank"
+        self.microbatcher = MicroBatcher(num_threads) if num_threads > 1 else None
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Final hidden states [T, hidden] of a flat batch (decodes first, then prefill spans)."""
-        return self.model(input_ids, positions, ctx)
+        mb = self.microbatcher
+        parts = mb.split_batch(ctx, input_ids.shape[0]) if mb is not None else []
+        if len(parts) < 2:
+            return self.model(input_ids, positions, ctx)
+        outs = mb.map(
+            lambda p: self.model(input_ids[p.start : p.stop], positions[p.start : p.stop], p.ctx), parts
+        )
+        return torch.cat(outs)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary float32 logits [N, vocab] for the selected hidden states [N, hidden]."""
-        return self.lm_head(hidden).float()
+        mb = self.microbatcher
+        parts = mb.split_rows(hidden.shape[0]) if mb is not None else []
+        if len(parts) < 2:
+            return self.lm_head(hidden).float()
+        return torch.cat(mb.map(lambda p: self.lm_head(hidden[p.start : p.stop]).float(), parts))
 
     def attention_layer_names(self) -> list[str]:
         return [layer.self_attn.attn.layer_name for layer in self.model.layers]

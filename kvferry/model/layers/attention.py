@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -43,18 +44,18 @@ class Workspace:
     """Grow-only scratch memory shared by the attention layers of one model.
 
     Gathering KV into freshly allocated memory costs page faults several times the copy
-    itself on CPU; the layers run one after another, so one buffer serves them all. Only
-    one forward may run at a time per workspace.
+    itself on CPU; the layers run one after another, so one buffer serves them all. Each
+    thread has its own buffer (micro-batch threads run forwards side by side).
     """
 
     def __init__(self) -> None:
-        self._buf: torch.Tensor | None = None
+        self._local = threading.local()
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         nbytes = math.prod(shape) * dtype.itemsize
-        buf = self._buf
+        buf = getattr(self._local, "buf", None)
         if buf is None or buf.numel() < nbytes or buf.device != device:
-            buf = self._buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            buf = self._local.buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return buf[:nbytes].view(dtype).view(shape)
 
 

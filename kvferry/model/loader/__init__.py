@@ -55,6 +55,14 @@ def load_model(
     model.eval()
     if pack_weights:
         pack_linear_weights(model)
+    threads = torch.get_num_threads()
+    if (
+        torch.device(device).type == "cpu"
+        and tp.size == 1
+        and threads > 1
+        and hasattr(model, "enable_microbatching")
+    ):
+        model.enable_microbatching(threads)  # see kvferry.model.microbatch
     logger.info(
         "loaded %s (tp rank %d/%d) in %.1fs",
         model_config.model,
