@@ -114,3 +114,73 @@ def test_logprobs_of_sampled_token_and_top_alternatives():
     top_ids = [tok for tok, _ in logprobs[0].top]
     assert top_ids == ref[0].topk(3).indices.tolist()
     assert top_ids[0] == tokens[0]
+
+
+# ---- forced first token (a P/D decoder outputs the prefiller's token) ----------------------
+
+
+def _forced_state(params, forced, prompt=(1, 2, 3), outputs=()):
+    data = NewRequestData("f", list(prompt) + list(outputs), len(prompt), params, ([0],), 0, forced)
+    return RequestState.from_new(data, VOCAB)
+
+
+def _decode(sampler, logits, state, steps):
+    """Sample `steps` tokens for one request, appending each (as the model runner does)."""
+    tokens = []
+    for _ in range(steps):
+        (token,), _ = sampler(logits, build_sampling_batch([state]))
+        state.token_ids.append(token)
+        tokens.append(token)
+    return tokens
+
+
+def test_forced_token_replaces_the_first_sample_only():
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(7))
+    states = _states([SamplingParams(temperature=0), SamplingParams(temperature=0.8)])
+    states.insert(1, _forced_state(SamplingParams(temperature=0), forced=11))
+    tokens, _ = _sample(logits, states)
+    assert tokens[1] == 11 and tokens[0] == logits[0].argmax().item()
+    states[1].token_ids.append(11)
+    tokens, _ = _sample(logits, states)
+    assert tokens[1] == logits[1].argmax().item()  # only the first token is forced
+
+
+def test_forced_seeded_token_consumes_exactly_one_draw():
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(8))
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=42)
+    free = _states([params])[0]
+    sampled = _decode(Sampler(torch.Generator().manual_seed(0)), logits, free, 6)
+    other = next(t for t in range(VOCAB) if t != sampled[0])
+    forced = _forced_state(params, forced=other)
+    first = _decode(Sampler(torch.Generator().manual_seed(1)), logits, forced, 1)
+    after_one = _states([params])[0]
+    _decode(Sampler(torch.Generator().manual_seed(2)), logits, after_one, 1)
+    assert torch.equal(forced.generator.get_state(), after_one.generator.get_state())
+    rest = _decode(Sampler(torch.Generator().manual_seed(3)), logits, forced, 5)
+    assert [*first, *rest] == [other, *sampled[1:]]  # the seeded stream stays aligned
+    assert len(set(sampled)) > 1  # it really samples
+
+
+def test_forced_token_logprobs_are_this_engines():
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(9))
+    ref = torch.log_softmax(logits, -1)[0]
+    forced = int(ref.argmin())
+    state = _forced_state(SamplingParams(temperature=0.8, logprobs=2), forced=forced)
+    tokens, logprobs = _sample(logits, [state])
+    assert tokens == [forced]
+    assert abs(logprobs[0].sampled - ref[forced].item()) < 1e-5
+    assert [tok for tok, _ in logprobs[0].top] == ref.topk(2).indices.tolist()
+
+
+def test_forced_token_counts_as_output_for_penalties():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 5], logits[0, 6] = 2.0, 1.9
+    state = _forced_state(SamplingParams(temperature=0, frequency_penalty=0.2), forced=5, prompt=(1,))
+    assert _decode(Sampler(torch.Generator().manual_seed(0)), logits, state, 2) == [5, 6]
+
+
+def test_resumed_request_is_not_forced_again():
+    params = SamplingParams(temperature=0.8, seed=3)
+    resumed = _forced_state(params, forced=11, outputs=(11, 4))  # preempted after two tokens
+    assert resumed.forced_token_id is None
+    assert build_sampling_batch([resumed]).forced_token_ids is None

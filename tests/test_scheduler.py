@@ -59,6 +59,7 @@ class FakeState:
     block_ids: list[int]
     num_computed: int
     digests: list[int] = field(default_factory=list)  # digest of tokens[: p + 1] per position p
+    forced: int | None = None  # the first sample's token (NewRequestData.forced_token_id)
 
     def digest(self, pos: int) -> int:
         while len(self.digests) <= pos:
@@ -96,7 +97,9 @@ class FakeRunner:
             self.states.pop(req_id, None)
         for new in so.scheduled_new_reqs:
             (ids,) = new.block_ids
-            self.states[new.req_id] = FakeState(list(new.token_ids), list(ids), new.num_computed_tokens)
+            self.states[new.req_id] = FakeState(
+                list(new.token_ids), list(ids), new.num_computed_tokens, forced=new.forced_token_id
+            )
             self.check_kv(new.req_id, new.num_computed_tokens)  # prefix hits hold the right KV
         cached = so.scheduled_cached_reqs
         for req_id, new_ids, num_computed in zip(
@@ -125,7 +128,8 @@ class FakeRunner:
         state.num_computed = end
         if end < len(state.tokens):
             return []  # a prompt chunk: no sample yet
-        token = self.token_fn(state.tokens)
+        token = self.token_fn(state.tokens) if state.forced is None else state.forced
+        state.forced = None
         state.tokens.append(token)
         return [token]
 
@@ -595,4 +599,65 @@ def test_invalid_blocks_follow_the_policy(policy):
         assert outputs == []
         assert "r" in run.steps[0].preempted_req_ids
         assert run.tokens("r") == expected_tokens(list(range(10)), 2)
+    assert_all_free(sched)
+
+
+# ---- forced first token ------------------------------------------------------------------
+
+
+class ForcingConnector(FakeConnector):
+    """Forces each request's first token, like the NixlConnector with the prefiller's token."""
+
+    def __init__(self, first: int, **kw):
+        super().__init__(**kw)
+        self.first = first
+
+    def request_added(self, request):
+        super().request_added(request)
+        request.force_first_token(self.first)
+
+
+def test_forced_first_token_is_the_first_output_and_counts():
+    prompt = list(range(10))
+    sched = make_scheduler(connector=ForcingConnector(7, external=8, load_async=True))
+    add(sched, "r", prompt, max_tokens=4)
+    runner, run = FakeRunner(), Run()
+    step(sched, runner, run)
+    runner.kv_output = KVConnectorOutput(finished_recving={"r"})
+    step(sched, runner, run)
+    runner.preload(prompt, [0, 1, 2], 9)
+    run_all(sched, runner, run)
+    (new,) = [n for so in run.steps for n in so.scheduled_new_reqs]
+    assert new.forced_token_id == 7
+    assert run.tokens("r") == [7, *expected_tokens([*prompt, 7], 3)]  # max_tokens counts it
+    assert run.final("r").finish_reason == FinishReason.LENGTH
+    assert_all_free(sched)
+
+
+def test_forced_first_token_goes_through_the_stop_checks():
+    sched = make_scheduler(connector=ForcingConnector(EOS))
+    add(sched, "eos", list(range(5)))
+    run = run_all(sched)
+    assert run.tokens("eos") == [EOS] and run.final("eos").finish_reason == FinishReason.STOP
+    sched = make_scheduler(connector=ForcingConnector(9))
+    add(sched, "stop", list(range(5)), stop_token_ids=[9])
+    run = run_all(sched)
+    assert run.tokens("stop") == [9] and run.final("stop").stop_reason == 9
+    assert_all_free(sched)
+
+
+def test_forced_first_token_survives_preemption_only_until_it_is_output():
+    sched = make_scheduler(num_blocks=6, budget=10, caching=False, connector=ForcingConnector(5))
+    prompts = {"a": list(range(8)), "b": list(range(30, 38))}
+    for i, (req_id, prompt) in enumerate(prompts.items()):
+        add(sched, req_id, prompt, arrival=i, max_tokens=8, ignore_eos=True)
+    run = run_all(sched)
+    assert sched.num_preemptions > 0
+    news = [n for so in run.steps for n in so.scheduled_new_reqs]
+    assert any(len(n.token_ids) > n.num_prompt_tokens for n in news)  # resumed with outputs
+    for n in news:
+        resumed = len(n.token_ids) > n.num_prompt_tokens
+        assert n.forced_token_id == (None if resumed else 5)
+    for req_id, prompt in prompts.items():
+        assert run.tokens(req_id) == [5, *expected_tokens([*prompt, 5], 7)]
     assert_all_free(sched)

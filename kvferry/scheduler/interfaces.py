@@ -18,7 +18,12 @@ class SchedulerConnector(Protocol):
     """Scheduler half of a KV connector."""
 
     def request_added(self, request: Request) -> None:
-        """A request was queued (lookups may start before its turn comes)."""
+        """A request was queued (lookups may start before its turn comes).
+
+        A connector whose remote side already produced the request's first output token
+        (P/D: the prefiller) calls `request.force_first_token(token)` here, with a token
+        in the model's vocabulary.
+        """
         ...
 
     def get_num_new_matched_tokens(

@@ -20,6 +20,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: BlockIds
     num_computed_tokens: int  # tokens whose KV is already in the blocks (prefix hits)
+    forced_token_id: int | None = None  # its first sample yields this (Request.force_first_token)
 
 
 @dataclass

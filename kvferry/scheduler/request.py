@@ -93,6 +93,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # set when first scheduled: prompt tokens served from a cache
         self.num_preemptions = 0
+        self.forced_first_token_id: int | None = None  # see force_first_token
         self.block_hashes: list[BlockHash] = []
         self._block_hasher = block_hasher
         if block_hasher is not None:
@@ -136,6 +137,22 @@ class Request:
     @property
     def finish_reason(self) -> FinishReason | None:
         return self.status.finish_reason
+
+    @property
+    def pending_forced_token_id(self) -> int | None:
+        """The token the request's next sample must yield, while it has no output yet."""
+        return None if self.output_token_ids else self.forced_first_token_id
+
+    def force_first_token(self, token_id: int) -> None:
+        """The first output token was already produced elsewhere (P/D: by the prefiller, and
+        maybe already streamed to the client): the engine outputs it instead of its own sample.
+
+        The token is still sampled, then replaced, so a seeded request consumes its one draw
+        and later tokens match a run that sampled the token itself; logprobs come from this
+        engine's logits. The caller checks the token is in the model's vocabulary.
+        """
+        assert not self.output_token_ids, f"{self} already has output"
+        self.forced_first_token_id = token_id
 
     def attach_block_hasher(self, block_hasher: BlockHasher) -> None:
         """Hash with the scheduler's hasher (a request built without one has no hashes yet)."""

@@ -56,6 +56,7 @@ class StepPlan:
                 sampling_params=r.sampling_params,
                 block_ids=kv.get_block_ids(r.req_id),
                 num_computed_tokens=r.num_computed_tokens,
+                forced_token_id=r.pending_forced_token_id,
             )
             for r in self.new_reqs
         ]

@@ -20,6 +20,7 @@ class RequestState:
     block_ids: list[list[int]]  # per KV cache group
     num_computed_tokens: int
     generator: torch.Generator | None
+    forced_first_token_id: int | None = None  # the first sample yields this token
 
     @classmethod
     def from_new(cls, data: NewRequestData, vocab_size: int) -> RequestState:
@@ -39,11 +40,17 @@ class RequestState:
             block_ids=[list(ids) for ids in data.block_ids],
             num_computed_tokens=data.num_computed_tokens,
             generator=generator,
+            forced_first_token_id=data.forced_token_id,
         )
 
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def forced_token_id(self) -> int | None:
+        """The token this step's sample must yield: the forced first one, before any output."""
+        return None if len(self.token_ids) > self.num_prompt_tokens else self.forced_first_token_id
 
 
 def build_sampling_batch(states: list[RequestState]) -> SamplingBatch:
@@ -56,6 +63,9 @@ def build_sampling_batch(states: list[RequestState]) -> SamplingBatch:
         generators=[s.generator for s in states],
         num_logprobs=[p.logprobs for p in params],
     )
+    forced = [s.forced_token_id for s in states]
+    if any(token is not None for token in forced):
+        batch.forced_token_ids = forced
     if any(p.uses_penalties for p in params):
         batch.repetition_penalty = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)
         batch.presence_penalty = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)

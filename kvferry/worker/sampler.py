@@ -2,6 +2,10 @@
 
 Seeded requests draw their noise from their own generator, one draw per sampled token,
 so a seed reproduces the same tokens whatever else shares the batch.
+
+A row may come with a forced token (a P/D decoder's first token is the prefiller's): the
+row is sampled as usual, then its token replaced. Sampling it first keeps the one draw per
+token of a seeded row, and its logprobs are this engine's, for the forced token.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ class SamplingBatch:
     frequency_penalty: torch.Tensor | None = None  # [N]
     prompt_token_ids: list[list[int]] | None = None
     output_token_ids: list[list[int]] | None = None
+    # Per row, the token to output instead of the sampled one (None when no row has one).
+    forced_token_ids: list[int | None] | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -55,7 +61,7 @@ class Sampler:
             tokens = logits.argmax(dim=-1)
         else:
             tokens = self._sample(logits, batch)
-        token_list = tokens.tolist()
+        token_list = apply_forced(tokens.tolist(), batch.forced_token_ids, logits.shape[-1])
         return token_list, gather_logprobs(raw_logprobs, token_list, batch.num_logprobs)
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -78,6 +84,16 @@ class Sampler:
             if gen is not None:
                 noise[row].exponential_(generator=gen)
         return noise
+
+
+def apply_forced(tokens: list[int], forced: list[int | None] | None, vocab_size: int) -> list[int]:
+    """The sampled tokens, with each forced row's token in place of its sample."""
+    if forced is None:
+        return tokens
+    assert all(f is None or 0 <= f < vocab_size for f in forced), (
+        f"forced token outside the vocabulary: {forced}"
+    )
+    return [sampled if f is None else f for sampled, f in zip(tokens, forced, strict=True)]
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -15,11 +15,12 @@ original prompt):
       "remote_num_tokens": int,         # prompt tokens whose KV the blocks hold
       "remote_tp_size": int,
       "lease_expiry": float,            # unix time; the decoder's heartbeats extend it
-      "first_token_id": int             # the prefiller's first generated token
+      "first_token_id": int             # the prefiller's first token; the decoder's first too
     }
 
 Types are checked here, synchronously, in the front end (HTTP 400); ranges are checked
-by the scheduler half against the prefiller's handshake.
+by the scheduler half against the prefiller's handshake (and first_token_id against the
+model's vocabulary).
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ Decode side, per request pointing to a remote prefill:
     -> Check with every prefill rank (still held? same blocks, same prompt?) -> ready
     -> async load of the blocks beyond the local prefix hit -> spent
 
-Until the answers are in, `get_num_new_matched_tokens` defers the request (None). Sockets
+Until the answers are in, `get_num_new_matched_tokens` defers the request (None). The
+prefiller's first token (`first_token_id`) becomes the request's forced first token: the
+decoder outputs it whatever it samples, so its answer continues what the proxy streamed. Sockets
 are polled without blocking, whenever the scheduler calls in; while any request waits the
 engine keeps stepping, so replies are picked up within a step. Waiting requests' leases
 get heartbeats.
@@ -105,8 +107,23 @@ class NixlScheduler:
             if remote is None or self.role == "producer":
                 return None
             state = self.decodes[request.req_id] = DecodeState(request, remote)
+            self._force_first_token(state)
             self._advance(state)
         return state
+
+    def _force_first_token(self, state: DecodeState) -> None:
+        """The decoder's first token is the prefiller's (the proxy may have streamed it already)."""
+        token = state.remote.first_token_id
+        if token is None:
+            return
+        vocab_size = self.config.model.vocab_size
+        if token >= vocab_size:
+            state.invalid = (
+                f"kv_transfer_params: first_token_id {token} is outside the model's vocabulary "
+                f"[0, {vocab_size})"
+            )
+            return
+        state.request.force_first_token(token)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed: int) -> tuple[int | None, bool]:
         state = self._state(request)
