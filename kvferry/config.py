@@ -64,6 +64,19 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     executor: str = "uniproc"  # uniproc | multiproc | ray
+    # CPU placement (kvferry.worker.cpu_placement): the cores this instance pins its ranks
+    # to (None: not pinned) and torch threads per rank (None: one per core of the rank).
+    cpu_cores: tuple[int, ...] | None = None
+    cpu_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ConfigError(f"cpu_threads must be at least 1, not {self.cpu_threads}")
+        if self.cpu_cores is not None and len(self.cpu_cores) < self.tensor_parallel_size:
+            raise ConfigError(
+                f"{len(self.cpu_cores)} CPU cores cannot give each of "
+                f"{self.tensor_parallel_size} TP ranks one"
+            )
 
 
 KV_ROLES = ("producer", "consumer", "both")

@@ -198,6 +198,24 @@ def test_pd_concurrent_streams(deployment: Deployment, reference: dict) -> None:
     _wait_blocks_free(prefill)
 
 
+def _affinity(pid: int) -> frozenset[int] | None:
+    try:
+        return frozenset(os.sched_getaffinity(pid))
+    except OSError:
+        return None
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to split")
+def test_prefill_and_decode_engines_run_on_disjoint_cores(deployment: Deployment) -> None:
+    deployment.ready()
+    everything = frozenset(os.sched_getaffinity(0))
+    family = _descendants(deployment.proc.pid)
+    pinned = {_affinity(pid) for pid in family} - {everything, None}
+    assert len(pinned) == 2, pinned  # the prefill and the decode engine, each on its own cores
+    first, second = pinned
+    assert first and second and not first & second
+
+
 def test_sigterm_leaves_nothing_behind(deployment: Deployment) -> None:
     urls = deployment.ready()
     proc = deployment.proc

@@ -34,6 +34,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--executor", default="uniproc", choices=["uniproc", "multiproc", "ray"])
     parser.add_argument("--kv-layout", default="NHD", choices=["NHD", "HND"])
+    parser.add_argument(
+        "--cpu-cores",
+        default=None,
+        help="CPU: pin this instance to these cores, e.g. '0-3' (split evenly over TP ranks)",
+    )
+    parser.add_argument(
+        "--cpu-threads", type=int, default=None, help="CPU: torch threads per rank (default: its cores)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--kv-transfer-config",
@@ -63,6 +71,7 @@ def parse_kv_transfer_config(raw: str | None) -> KVTransferConfig:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     from kvferry.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
     from kvferry.model.resolve import resolve_model_config
+    from kvferry.worker.cpu_placement import parse_core_list
 
     kv_transfer = parse_kv_transfer_config(args.kv_transfer_config)  # config errors before loading
     model = resolve_model_config(
@@ -83,7 +92,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduler=SchedulerConfig(
             args.max_num_batched_tokens, args.max_num_seqs, not args.no_chunked_prefill
         ),
-        parallel=ParallelConfig(args.tensor_parallel_size, args.executor),
+        parallel=ParallelConfig(
+            args.tensor_parallel_size,
+            args.executor,
+            cpu_cores=parse_core_list(args.cpu_cores) if args.cpu_cores else None,
+            cpu_threads=args.cpu_threads,
+        ),
         kv_transfer=kv_transfer,
         seed=args.seed,
     )

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvferry.errors import ConfigError, KVFerryError
+from kvferry.worker.cpu_placement import available_cores, format_core_list
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ DEFAULT_CONNECTOR = "NixlConnector"
 NO_CONNECTOR = "none"
 KV_ROLES = {"prefill": "producer", "decode": "consumer"}
 # Engine options that disagg sets per role itself, so they are not passed through.
-OWN_ENGINE_OPTIONS = {"help", "tensor_parallel_size", "kv_transfer_config"}
+OWN_ENGINE_OPTIONS = {"help", "tensor_parallel_size", "kv_transfer_config", "cpu_cores"}
 LOG_TAIL_BYTES = 4000
 PR_SET_PDEATHSIG = 1
 
@@ -93,6 +94,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--kv-connector-extra-config", default="{}", help="JSON merged into each instance's")
     parser.add_argument("--kv-load-failure-policy", default=None, choices=["fail", "recompute"])
+    parser.add_argument(
+        "--cpu-split",
+        default="even",
+        choices=["even", "none"],
+        help="CPU: give each instance its own cores, an equal share per TP rank (even), or share all (none)",
+    )
     parser.add_argument("--log-dir", default=None, help="instance logs (default: a new temporary dir)")
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to become healthy")
     parser.add_argument("--stop-timeout", type=float, default=20.0, help="grace seconds before SIGKILL")
@@ -320,24 +327,41 @@ def _cli(args: argparse.Namespace, command: str) -> list[str]:
     return [sys.executable, "-m", "kvferry.entrypoints.cli", "--log-level", level, command]
 
 
+def split_cores(rank_counts: list[int], cores: tuple[int, ...]) -> list[tuple[int, ...] | None]:
+    """Disjoint cores per instance, the same number per TP rank (the remainder unused);
+    all None (unpinned) when there are fewer cores than ranks."""
+    per_rank = len(cores) // sum(rank_counts)
+    if per_rank == 0:
+        logger.warning("%d cores for %d ranks: instances share all cores", len(cores), sum(rank_counts))
+        return [None] * len(rank_counts)
+    shares, start = [], 0
+    for ranks in rank_counts:
+        shares.append(cores[start : start + ranks * per_rank])
+        start += ranks * per_rank
+    return shares
+
+
 def plan_instances(args: argparse.Namespace, extra: dict, log_dir: Path) -> list[Child]:
     passthrough = engine_argv(args)
+    roles = [("prefill", i, args.prefill_tp) for i in range(args.prefill)]
+    roles += [("decode", i, args.decode_tp) for i in range(args.decode)]
+    if args.cpu_split == "even":
+        shares = split_cores([tp for _, _, tp in roles], available_cores())
+    else:
+        shares = [None] * len(roles)
     children = []
-    for role, count, tp in (
-        ("prefill", args.prefill, args.prefill_tp),
-        ("decode", args.decode, args.decode_tp),
-    ):
-        for i in range(count):
-            port = free_port()
-            side_port = free_port() if role == "prefill" and args.kv_connector != NO_CONNECTOR else None
-            cmd = _cli(args, "serve") + [args.model, "--host", "127.0.0.1", "--port", str(port)]
-            cmd += ["--tensor-parallel-size", str(tp)] if tp > 1 else []
-            cmd += passthrough + (["--api-key", args.api_key] if args.api_key else [])
-            kv = kv_transfer_json(args.kv_connector, role, extra, side_port, args.kv_load_failure_policy)
-            cmd += ["--kv-transfer-config", kv] if kv else []
-            name = f"{role}-{i}"
-            url = f"http://127.0.0.1:{port}"
-            children.append(Child(name, cmd, url, log_dir / f"{name}.log", side_channel_port=side_port))
+    for (role, i, tp), cores in zip(roles, shares, strict=True):
+        port = free_port()
+        side_port = free_port() if role == "prefill" and args.kv_connector != NO_CONNECTOR else None
+        cmd = _cli(args, "serve") + [args.model, "--host", "127.0.0.1", "--port", str(port)]
+        cmd += ["--tensor-parallel-size", str(tp)] if tp > 1 else []
+        cmd += ["--cpu-cores", format_core_list(cores)] if cores else []
+        cmd += passthrough + (["--api-key", args.api_key] if args.api_key else [])
+        kv = kv_transfer_json(args.kv_connector, role, extra, side_port, args.kv_load_failure_policy)
+        cmd += ["--kv-transfer-config", kv] if kv else []
+        name = f"{role}-{i}"
+        url = f"http://127.0.0.1:{port}"
+        children.append(Child(name, cmd, url, log_dir / f"{name}.log", side_channel_port=side_port))
     return children
 
 

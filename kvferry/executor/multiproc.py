@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import os
 import socket
 import traceback
 from dataclasses import dataclass
@@ -59,7 +58,6 @@ def init_distributed(rank: int, world_size: int, port: int, device: str):
 
     from kvferry.model.layers.parallel import TPGroup
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(rank)

@@ -14,6 +14,7 @@ from kvferry.kv.spec import KVCacheConfig
 from kvferry.model.layers.parallel import TPGroup
 from kvferry.model.loader import load_model
 from kvferry.scheduler.output import SchedulerOutput
+from kvferry.worker.cpu_placement import place_rank
 from kvferry.worker.model_runner import ModelRunner
 from kvferry.worker.output import ModelRunnerOutput
 
@@ -25,6 +26,8 @@ class Worker:
         self.config = config
         self.tp = tp or TPGroup()
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            place_rank(config.parallel, self.tp.rank, self.tp.size)
         model = load_model(config.model, self.tp, self.device)
         self.runner = ModelRunner(config, model, self.device)
 
