@@ -44,6 +44,9 @@ def test_bench_serve_writes_labelled_runs_and_a_plot(tmp_path: Path) -> None:
         body["stream"] and body["ignore_eos"] and body["max_tokens"] == 3 and len(body["prompt"].split()) == 8
     )
     assert out.with_suffix(".png").stat().st_size > 10_000
+    measured = [r["prompt"] for r in fake.requests if r["max_tokens"] == 3]  # not the warm-ups
+    first_run_prompts, second_rate_prompts = set(measured[:4]), set(measured[4:8])
+    assert not first_run_prompts & second_rate_prompts  # a prefix cache cannot serve one rate from another
 
 
 def test_bench_serve_counts_failures(tmp_path: Path) -> None:

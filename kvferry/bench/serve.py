@@ -167,7 +167,8 @@ async def run_rate(args: argparse.Namespace, prompts: list, rate: float) -> tupl
             async with limit:
                 return await send_one(client, url, _body(args, prompt), headers)
 
-        await send_one(client, url, _body(args, prompts[0], max_tokens=2), headers)  # warm-up
+        # warm-up: a prompt of its own, so no measured prompt is in a prefix cache
+        await send_one(client, url, _body(args, "warm up", max_tokens=2), headers)
         start = time.perf_counter()
         tasks = []
         for i, prompt in enumerate(prompts):
@@ -275,9 +276,10 @@ def plot(doc: dict, path: Path) -> bool:
 def run(args: argparse.Namespace) -> dict:
     rates = args.request_rate
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
-    prompts = make_prompts(args.num_prompts, args.input_len, tokenizer, args.seed)
     results = []
-    for rate in rates:
+    for index, rate in enumerate(rates):
+        # new prompts per rate: a server's prefix cache must not serve one rate's from another's
+        prompts = make_prompts(args.num_prompts, args.input_len, tokenizer, args.seed + index)
         reqs, duration = asyncio.run(run_rate(args, prompts, rate))
         summary = summarize(reqs, duration, rate)
         results.append(summary)
