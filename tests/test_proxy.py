@@ -17,7 +17,14 @@ from kvferry.entrypoints.proxy.app import build_app
 from kvferry.entrypoints.proxy.config import ProxyConfig
 from kvferry.entrypoints.proxy.errors import NoHealthyInstanceError, UpstreamUnavailableError
 from kvferry.entrypoints.proxy.metrics import ProxyMetrics
-from kvferry.entrypoints.proxy.pd import decode_body, merge_answers, prefill_body, split_legs
+from kvferry.entrypoints.proxy.pd import (
+    decode_body,
+    decoder_repeats_first_token,
+    merge_answers,
+    prefill_body,
+    split_legs,
+    stop_may_cut,
+)
 from kvferry.entrypoints.proxy.pool import InstancePool, LeastLoaded, RoundRobin
 from kvferry.entrypoints.proxy.streaming import strip_sent
 from kvferry.entrypoints.proxy.upstream import Upstream
@@ -104,6 +111,23 @@ def test_batches_split_into_legs_and_merge_back() -> None:
     }
 
 
+def test_early_first_token_needs_a_decoder_that_repeats_it() -> None:
+    handed = {"choices": [], "kv_transfer_params": {"first_token_id": 5}}
+    assert decoder_repeats_first_token({"temperature": 0.8, "seed": 1}, handed)
+    assert decoder_repeats_first_token({}, handed)  # sampled, unseeded: the decoder outputs it too
+    assert decoder_repeats_first_token({"temperature": 0}, {"choices": []})  # no connector: greedy
+    assert not decoder_repeats_first_token({"temperature": 0.8}, {"choices": []})
+    bad = {"choices": [], "kv_transfer_params": {"first_token_id": True}}
+    assert not decoder_repeats_first_token({}, bad)
+
+
+def test_stop_may_cut_the_first_token() -> None:
+    assert not stop_may_cut("Hello", None) and not stop_may_cut("Hello", [])
+    assert stop_may_cut("Hello", "ll") and stop_may_cut("Hello", ["x", "lo w"])  # within; begins
+    assert not stop_may_cut("Hello", ["world", "xy"]) and stop_may_cut("Hello", ["oh"])
+    assert stop_may_cut("Hello", "Hello") and stop_may_cut("Hello", ["Hel"])
+
+
 def _text_chunk(text: str, reason: str | None = None) -> dict:
     return {"id": "d", "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]}
 
@@ -176,11 +200,14 @@ def test_each_request_is_prefilled_then_decoded_round_robin(deploy) -> None:
     }
 
 
-def test_greedy_stream_sends_the_prefill_token_first_and_once(deploy) -> None:
+@pytest.mark.parametrize("temperature", [0, 0.8])
+def test_stream_sends_the_prefill_token_first_and_once(deploy, temperature: float) -> None:
     d = deploy()
     client = openai.OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0)
     chunks = list(
-        client.completions.create(model="fake", prompt="hi", max_tokens=5, temperature=0, stream=True)
+        client.completions.create(
+            model="fake", prompt="hi", max_tokens=5, temperature=temperature, stream=True
+        )
     )
     texts = [c.choices[0].text for c in chunks if c.choices]
     assert texts[0] == FIRST and "".join(texts) == ANSWER
@@ -188,7 +215,7 @@ def test_greedy_stream_sends_the_prefill_token_first_and_once(deploy) -> None:
     stream = client.chat.completions.create(
         model="fake",
         messages=[{"role": "user", "content": "hi"}],
-        temperature=0,
+        temperature=temperature,
         stream=True,
         stream_options={"include_usage": True},
     )
@@ -281,7 +308,7 @@ def test_upstream_error_keeps_status_and_body(deploy) -> None:
             "code": None,
         }
     }
-    # Once the first token is out (greedy stream), a decoder error arrives in-stream.
+    # Once the first token is out (early, in a stream), a decoder error arrives in-stream.
     body = {"prompt": "hi", "stream": True, "temperature": 0}
     with httpx.stream("POST", d.url + "/v1/completions", json=body, timeout=10) as resp:
         lines = [line for line in resp.iter_lines() if line]
@@ -291,6 +318,30 @@ def test_upstream_error_keeps_status_and_body(deploy) -> None:
     d.prefill[0].fail_status = 404
     resp = httpx.post(d.url + "/v1/chat/completions", json={"messages": [], "stream": True}, timeout=10)
     assert resp.status_code == 404 and resp.json()["error"]["message"] == "prefill0 refuses"
+
+
+@pytest.mark.parametrize(
+    ("extra", "early"),
+    [
+        ({"temperature": 0.8, "seed": 3}, True),
+        ({}, True),
+        ({"logprobs": 1}, False),  # the decoder's logprobs, first token included
+        ({"stop": ["lo w"]}, False),  # the answer may stop inside "Hello"
+        ({"stop": "zzz"}, True),
+    ],
+)
+def test_which_streams_send_the_prefill_token_early(deploy, extra: dict, early: bool) -> None:
+    """Seen through a failing decoder: after an early token its error comes in-stream."""
+    d = deploy()
+    d.decode[0].fail_status = 400
+    body = {"prompt": "hi", "stream": True, **extra}
+    with httpx.stream("POST", d.url + "/v1/completions", json=body, timeout=10) as resp:
+        lines = [line for line in resp.iter_lines() if line]
+    if not early:
+        assert resp.status_code == 400
+        return
+    assert resp.status_code == 200 and json.loads(lines[0][6:])["choices"][0]["text"] == FIRST
+    assert json.loads(lines[1][6:])["error"]["message"] == "decode0 refuses"
 
 
 def test_api_key_models_and_metrics(deploy) -> None:

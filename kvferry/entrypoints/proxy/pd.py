@@ -3,9 +3,12 @@
 One client request becomes one *leg* per prompt (a completions batch is split, since
 ``kv_transfer_params`` belongs to one request). Each leg: POST the prefill body to a
 prefill instance, then the original body plus the prefill's ``kv_transfer_params`` to a
-decode instance. The decoder regenerates the whole answer (its first token is the
-prefiller's, computed again from the transferred KV), so its answer and usage are the
-client's answer.
+decode instance. The decoder returns the whole answer, so its answer and usage are the
+client's answer. Its first token is the prefiller's: the params carry ``first_token_id``
+and the decoder outputs that token instead of sampling its own (it still spends the
+token's draw, so a seeded answer equals a colocated engine's). That is what lets the
+streamed flow send the prefiller's token to the client before the decoder answers, for
+sampled requests as much as greedy ones.
 """
 
 from __future__ import annotations
@@ -92,8 +95,27 @@ def first_text(path: str, prefill_response: dict) -> str:
 
 
 def is_greedy(body: dict) -> bool:
-    """Whether the decoder must regenerate exactly the prefiller's first token."""
     return body.get("temperature") == 0 or body.get("top_k") == 1
+
+
+def forwards_first_token(prefill_response: dict) -> bool:
+    """Whether the decoder gets the prefiller's first token to output as its own."""
+    params = prefill_response.get("kv_transfer_params")
+    token = params.get("first_token_id") if isinstance(params, dict) else None
+    return isinstance(token, int) and not isinstance(token, bool)
+
+
+def decoder_repeats_first_token(body: dict, prefill_response: dict) -> bool:
+    """Whether the decoder's answer starts with the prefiller's token: it is handed the token,
+    or (no connector: it recomputes the prompt) greedy decoding finds that token again."""
+    return forwards_first_token(prefill_response) or is_greedy(body)
+
+
+def stop_may_cut(text: str, stop: object) -> bool:
+    """Whether a stop string could end the answer inside ``text`` (the answer's start): one
+    occurs in it, or one may begin in it and finish in later tokens."""
+    stops = [stop] if isinstance(stop, str) else [s for s in stop or () if isinstance(s, str)]
+    return any(s and (s in text or any(text.endswith(s[:k]) for k in range(1, len(s)))) for s in stops)
 
 
 def wants_logprobs(path: str, body: dict) -> bool:

@@ -1,13 +1,22 @@
 """Streamed answers (SSE).
 
-Per leg (one prompt): the prefill runs first. When the decoder must regenerate exactly
-the prefiller's first token (greedy, no logprobs) and that token's text is complete, the
-text goes to the client at once, so the time to first token is the prefill's; the
-decoder's stream follows with that same text dropped from its start. Otherwise the
-decoder's stream is opened before the response starts (so its errors keep their HTTP
-status) and passed through. All chunks get the proxy's id and their leg's choice index;
-usage chunks are summed into one at the end. An error after the response started is
-sent in-stream as an OpenAI error body, like the server does, then ``[DONE]``.
+Per leg (one prompt): the prefill runs first. Its token's text goes to the client at once,
+so the time to first token is the prefill's, whenever the decoder's answer is sure to
+start with it: the decoder is handed the token (``first_token_id``; any sampling, seeded
+or not) or, with no connector, decodes greedily. The decoder's stream follows with that
+text dropped from its start.
+
+The text is not sent early when it is incomplete (part of a character), when a stop
+string could end the answer inside it, when no decode instance is healthy (the client
+gets the 503 rather than a token and an in-stream error), or when logprobs are asked:
+every chunk's logprobs then come from the decoder, which computes the first token's too,
+instead of being spliced from two instances. In those cases the decoder's stream is
+opened before the response starts (so its errors keep their HTTP status) and passed
+through.
+
+All chunks get the proxy's id and their leg's choice index; usage chunks are summed into
+one at the end. An error after the response started is sent in-stream as an OpenAI error
+body, like the server does, then ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -26,11 +35,12 @@ from kvferry.entrypoints.proxy.pd import (
     CHAT,
     ProxyContext,
     decode_body,
+    decoder_repeats_first_token,
     first_text,
     gather_all,
-    is_greedy,
     run_prefill,
     split_legs,
+    stop_may_cut,
     sum_usage,
     wants_logprobs,
 )
@@ -63,10 +73,18 @@ class StreamLeg:
     async def prepare(self, allow_early: bool) -> None:
         self.prefill = await run_prefill(self.ctx, self.path, self.body, self.headers)
         text = first_text(self.path, self.prefill)
-        if allow_early and text and REPLACEMENT_CHAR not in text:
+        if allow_early and self._can_send_early(text):
             self.early = text
         else:
             await self._open_decoder()
+
+    def _can_send_early(self, text: str) -> bool:
+        return (
+            bool(text)
+            and REPLACEMENT_CHAR not in text
+            and decoder_repeats_first_token(self.body, self.prefill)
+            and not stop_may_cut(text, self.body.get("stop"))
+        )
 
     async def _open_decoder(self) -> None:
         body = decode_body(self.body, self.prefill)
@@ -197,7 +215,7 @@ async def open_stream(
 ) -> AsyncIterator[str]:
     """Run the prefills (errors raise here, before any response); the SSE lines to send."""
     legs = [StreamLeg(ctx, path, i, leg, headers) for i, leg in enumerate(split_legs(path, body))]
-    allow_early = ctx.early_first_token and is_greedy(body) and not wants_logprobs(path, body)
+    allow_early = ctx.early_first_token and not wants_logprobs(path, body) and ctx.decode.num_healthy > 0
     try:
         await gather_all([leg.prepare(allow_early) for leg in legs])
     except BaseException:
