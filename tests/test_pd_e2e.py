@@ -4,6 +4,9 @@ Every prompt is prefilled (max_tokens=1, do_remote_decode), then decoded with th
 returned kv_transfer_params; greedy output must equal a colocated engine's, byte for
 byte, with the prompt's KV read over NIXL (not recomputed). One decoder keeps the
 prefiller's layout (NHD), the other converts on receive (HND). Bad params get HTTP 400.
+Through a `kvferry proxy` (with relays that show what each instance answered), seeded
+sampled answers equal a colocated engine's too, and an unseeded sampled stream starts
+with the prefiller's token, sent early, which the decoder's answer continues.
 Every test ends with every block pool all free.
 """
 
@@ -21,6 +24,7 @@ from transformers import AutoTokenizer
 from kvferry.engine.llm import LLM
 from kvferry.sampling_params import SamplingParams
 from tests.test_pd_support import (
+    Relay,
     Server,
     decode,
     free_port,
@@ -32,6 +36,9 @@ from tests.test_pd_support import (
     wait_healthy,
     wait_idle,
 )
+from tests.test_proxy_fakes import serve_in_thread, start_cli
+from tests.test_proxy_fakes import stop as stop_procs
+from tests.test_proxy_fakes import wait_healthy as wait_proc_healthy
 
 MAX_TOKENS = 12
 CHUNK = ("--max-num-batched-tokens", "64")  # long prompts take several prefill steps
@@ -149,6 +156,7 @@ def _bad_cases(servers: dict[str, Server], good: dict, prompt_len: int) -> list[
         ("unreachable peer", {**good, "remote_port": dead_port}),
         ("forged request", {**good, "remote_request_id": "cmpl-forged-0"}),
         ("forged blocks", {**good, "remote_block_ids": [[b + 1 for b in good["remote_block_ids"][0]]]}),
+        ("first token outside the vocabulary", {**good, "first_token_id": 10**6}),
     ]
 
 
@@ -195,4 +203,116 @@ def test_pd_chat(servers, tiny_llama):
     assert resp["choices"][0]["message"]["content"] == expected
     assert resp["usage"]["prompt_tokens_details"]["cached_tokens"] == params["remote_num_tokens"] - 1
     wait_idle(servers["hnd"])
+    wait_idle(servers["prefill"])
+
+
+# ---- through the proxy ---------------------------------------------------------------------
+
+SAMPLED = {"temperature": 0.8, "top_p": 0.9}
+MESSAGES = [
+    [{"role": "user", "content": "Tell me a story about a cat."}],
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Count from 3 to ten."}],
+    [{"role": "user", "content": "the old man reads a golden book by the sea " * 6}],
+]
+
+
+class ProxyDeployment:
+    def __init__(self, url: str, prefill: Relay, decode: Relay) -> None:
+        self.url = url
+        self.prefill = prefill  # what the prefiller answered the proxy, request by request
+        self.decode = decode  # the same for the (NHD) decoder
+
+    def stream(self, path: str, body: dict) -> list[dict]:
+        """The SSE data objects the client gets."""
+        with httpx.stream("POST", self.url + path, json={"model": "tiny", **body}, timeout=120) as r:
+            assert r.status_code == 200, r.read()
+            return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+    def completion(self, prompt, max_tokens: int, stream: bool, **params) -> str:
+        body = {"prompt": prompt, "max_tokens": max_tokens, "stream": stream, **params}
+        if stream:
+            return "".join(_texts(self.stream("/v1/completions", body)))
+        resp = httpx.post(self.url + "/v1/completions", json={"model": "tiny", **body}, timeout=120)
+        assert resp.status_code == 200, resp.text
+        return resp.json()["choices"][0]["text"]
+
+
+@pytest.fixture(scope="module")
+def proxy(servers: dict[str, Server], tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyDeployment]:
+    """`kvferry proxy` in front of the prefiller and the NHD decoder, each behind a Relay."""
+    logs = tmp_path_factory.mktemp("pd_proxy")
+    relays = Relay(servers["prefill"].url), Relay(servers["nhd"].url)
+    with serve_in_thread(relays[0].app) as prefill_url, serve_in_thread(relays[1].app) as decode_url:
+        port = free_port()
+        args = ["--log-level", "WARNING", "proxy", "--prefill", prefill_url, "--decode", decode_url]
+        proc = start_cli([*args, "--port", str(port), "--health-interval", "1"], logs / "proxy.log")
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_proc_healthy(proc, url, logs / "proxy.log")
+            yield ProxyDeployment(url, *relays)
+        finally:
+            codes = stop_procs([proc])
+        log = (logs / "proxy.log").read_text()
+        assert codes == [0], log
+        assert "does not start with" not in log and "shorter than" not in log, log  # no divergence
+
+
+def _texts(chunks: list[dict]) -> list[str]:
+    """Each chunk's text (completions) or content (chat); chunks without choices skipped."""
+    out = []
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            out.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+    return out
+
+
+def test_seeded_sampling_through_the_proxy_equals_colocated(servers, proxy, prompts, tiny_llama):
+    """Prefiller and decoder each spend one draw of the seed on the first token: the decoder's
+    answer is the colocated engine's, byte for byte, streamed or not."""
+    llm = LLM(str(tiny_llama), kv_cache_bytes=5 << 20, max_num_batched_tokens=64)
+    for seeds, stream in (([7] * len(prompts), False), (range(100, 100 + len(prompts)), True)):
+        params = [SamplingParams(max_tokens=MAX_TOKENS, seed=seed, **SAMPLED) for seed in seeds]
+        expected = [o.outputs[0].text for o in llm.generate(prompts, params)]
+
+        def one(prompt, seed, stream=stream) -> str:
+            return proxy.completion(prompt, MAX_TOKENS, stream, seed=seed, **SAMPLED)
+
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(one, prompts, seeds)) == expected
+    assert len(set(expected)) > 1
+    for seed, messages in enumerate(MESSAGES):
+        want = llm.chat(messages, SamplingParams(max_tokens=MAX_TOKENS, seed=seed, **SAMPLED))
+        body = {"messages": messages, "max_tokens": MAX_TOKENS, "seed": seed, "stream": True, **SAMPLED}
+        assert "".join(_texts(proxy.stream("/v1/chat/completions", body))) == want[0].outputs[0].text
+    wait_idle(servers["nhd"])
+    wait_idle(servers["prefill"])
+
+
+def _check_early_first_token(proxy: ProxyDeployment, client_chunks: list[dict]) -> bool:
+    """The client's first text is the prefiller's token; the decoder's answer starts with it
+    and is, whole, what the client got. Returns whether the token was sent early."""
+    prefilled, decoded = proxy.prefill.answers[-1], proxy.decode.answers[-1]
+    choice = prefilled["choices"][0]
+    first = choice.get("text", (choice.get("message") or {}).get("content")) or ""
+    decoder_text = "".join(_texts(decoded))
+    client_texts = [t for t in _texts(client_chunks) if t]
+    assert decoder_text.startswith(first), (first, decoder_text)
+    assert "".join(client_texts) == decoder_text  # nothing doubled, nothing dropped
+    early = bool(first) and "\ufffd" not in first
+    if early:
+        assert client_texts[0] == first
+    return early
+
+
+def test_unseeded_sampled_stream_sends_the_prefill_token_first(servers, proxy, prompts):
+    early = 0
+    for prompt in prompts[:8]:
+        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True, **SAMPLED}
+        early += _check_early_first_token(proxy, proxy.stream("/v1/completions", body))
+    for messages in MESSAGES:
+        body = {"messages": messages, "max_tokens": MAX_TOKENS, "stream": True, **SAMPLED}
+        early += _check_early_first_token(proxy, proxy.stream("/v1/chat/completions", body))
+    assert early >= 6  # the prefill's token went out before the decoder's stream, mostly
+    wait_idle(servers["nhd"])
     wait_idle(servers["prefill"])

@@ -1,7 +1,8 @@
 """Helpers for the P/D end-to-end tests: `kvferry serve` processes with the NixlConnector.
 
 No tests here. Servers run in their own process groups (a kill takes the API server, the
-engine core and its workers down at once); every helper talks plain HTTP.
+engine core and its workers down at once); every helper talks plain HTTP. A Relay in
+front of an instance shows a test what the proxy got from it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny"
@@ -187,3 +190,55 @@ def prompt_set(tokenizer, block_size: int = 16) -> list[str | list[int]]:
     exact = [base[: n * block_size] for n in (1, 2, 3, 5)]
     odd = [base[:1], base[: block_size - 1], base[: block_size + 1], base[: 4 * block_size - 1]]
     return texts + exact + odd
+
+
+class Relay:
+    """An HTTP relay in front of one instance that keeps every POST's answer: the JSON
+    object, or the list of a stream's SSE data objects. Serve ``app`` (e.g. with
+    tests.test_proxy_fakes.serve_in_thread) and point a proxy at it."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.answers: list[dict | list[dict]] = []
+        self.app = self._build()
+
+    def _build(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.api_route("/{path:path}", methods=["GET", "POST"])
+        async def forward(path: str, request: Request) -> Response:
+            client = httpx.AsyncClient(timeout=120)
+            upstream = await client.send(
+                client.build_request(
+                    request.method,
+                    f"{self.target}/{path}",
+                    content=await request.body(),
+                    headers={"content-type": "application/json"},
+                ),
+                stream=True,
+            )
+            media_type = upstream.headers.get("content-type", "")
+            if "text/event-stream" not in media_type:
+                content = await upstream.aread()
+                await client.aclose()
+                if request.method == "POST":
+                    self.answers.append(json.loads(content))
+                return Response(content, status_code=upstream.status_code, media_type=media_type)
+            events: list[dict] = []
+            self.answers.append(events)
+            return StreamingResponse(
+                self._relay(client, upstream, events), upstream.status_code, media_type=media_type
+            )
+
+        return app
+
+    @staticmethod
+    async def _relay(client: httpx.AsyncClient, upstream: httpx.Response, events: list[dict]):
+        try:
+            async for line in upstream.aiter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[6:]))
+                yield line + "\n"
+        finally:
+            await upstream.aclose()
+            await client.aclose()
