@@ -95,6 +95,7 @@ def first_text(path: str, prefill_response: dict) -> str:
 
 
 def is_greedy(body: dict) -> bool:
+    """Greedy decoding: a decoder that recomputes the prompt finds the prefiller's token again."""
     return body.get("temperature") == 0 or body.get("top_k") == 1
 
 
