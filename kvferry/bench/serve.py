@@ -303,6 +303,7 @@ def run(args: argparse.Namespace) -> dict:
         "exact_input_len": tokenizer is not None,
         "max_concurrency": args.max_concurrency,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "deployment": getattr(args, "deployment", None),  # the command that served it, if known
         "results": results,
     }
     path = Path(args.output)

@@ -1,0 +1,108 @@
+"""``kvferry bench pd``: colocated against disaggregated serving, same model, same load.
+
+Starts one deployment at a time on localhost, runs the serving benchmark (``kvferry bench
+serve``: Poisson arrivals at each request rate, streamed completions, TTFT / ITL /
+end-to-end / throughput) against it, stops it, and starts the next:
+
+- ``colocated``: one ``kvferry serve`` that may use every core;
+- ``pd``: ``kvferry disagg`` (``--prefill`` + ``--decode`` instances behind the proxy, KV
+  pulled over NIXL; on a CPU each instance pinned to its own share of the cores).
+
+All runs land in one JSON file (one labelled run per deployment) and its PNG:
+
+    kvferry bench pd smollm2 --input-len 1000 --output-len 64 --request-rate 0.05 0.1 0.2
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shlex
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from kvferry.bench import serve
+from kvferry.entrypoints.disagg import Child, free_port, spawn, stop_all, wait_healthy
+
+logger = logging.getLogger(__name__)
+
+DEPLOYMENTS = ("colocated", "pd")
+SERVED_NAME = "kvferry-bench"
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default="smollm2", help="as for `kvferry serve`")
+    parser.add_argument("--deployments", nargs="+", default=list(DEPLOYMENTS), choices=DEPLOYMENTS)
+    parser.add_argument("--prefill", type=int, default=1, help="pd: prefill instances")
+    parser.add_argument("--decode", type=int, default=1, help="pd: decode instances")
+    parser.add_argument("--prefill-tp", type=int, default=1)
+    parser.add_argument("--decode-tp", type=int, default=1)
+    parser.add_argument("--engine-args", default="", help="more `kvferry serve` options for every instance")
+    parser.add_argument("--request-rate", nargs="+", type=serve.parse_rate, default=[0.05, 0.1, 0.2])
+    parser.add_argument("--num-prompts", type=int, default=16, help="per request rate")
+    parser.add_argument("--input-len", type=int, default=1000, help="prompt tokens (exact)")
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument("--log-dir", default=None, help="deployment logs (default: a new temporary dir)")
+    parser.add_argument("--output", default="bench-results/pd.json")
+
+
+def deployment_command(args: argparse.Namespace, name: str, port: int) -> list[str]:
+    cli = [sys.executable, "-m", "kvferry.entrypoints.cli"]  # 3 items: see serve_args
+    common = ["--port", str(port), "--served-model-name", SERVED_NAME, *shlex.split(args.engine_args)]
+    if name == "colocated":
+        return cli + ["serve", args.model, *common]
+    sizes = ["--prefill", str(args.prefill), "--decode", str(args.decode)]
+    sizes += ["--prefill-tp", str(args.prefill_tp), "--decode-tp", str(args.decode_tp)]
+    return cli + ["disagg", args.model, *sizes, *common]
+
+
+def serve_args(args: argparse.Namespace, label: str, url: str, command: list[str]) -> argparse.Namespace:
+    """`kvferry bench serve`'s arguments for one deployment."""
+    return argparse.Namespace(
+        url=url,
+        model=SERVED_NAME,
+        request_rate=args.request_rate,
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        tokenizer=args.model,
+        max_concurrency=None,
+        api_key=None,
+        label=label,
+        seed=args.seed,
+        output=args.output,
+        deployment=shlex.join(["kvferry", *command[3:]]),  # as a user would type it
+    )
+
+
+def bench_deployment(args: argparse.Namespace, name: str, log_dir: Path) -> dict:
+    """Start deployment `name`, benchmark it, stop it; the merged results document."""
+    port = free_port()
+    command = deployment_command(args, name, port)
+    child = Child(name, command, f"http://127.0.0.1:{port}", log_dir / f"{name}.log")
+    spawn(child)
+    try:
+        begin = time.monotonic()
+        wait_healthy([child], begin + args.startup_timeout, threading.Event())
+        logger.info("%s ready in %.0f s; benchmarking", name, time.monotonic() - begin)
+        return serve.run(serve_args(args, name, child.url, command))
+    finally:
+        stop_all([child], grace=30.0)
+
+
+def run(args: argparse.Namespace) -> dict:
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvferry-bench-pd-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    doc: dict = {}
+    for name in args.deployments:
+        doc = bench_deployment(args, name, log_dir)
+    logger.info(
+        "results: %s (plot %s); logs in %s", args.output, Path(args.output).with_suffix(".png"), log_dir
+    )
+    return doc
