@@ -60,6 +60,8 @@ def available_cores() -> tuple[int, ...]:
 def place_rank(parallel: ParallelConfig, rank: int, world_size: int) -> int:
     """Pin this process to its cores (if the instance has some) and set its torch thread
     count; the thread count it chose. Call before the model loads (loading reads it)."""
+    import torch
+
     if parallel.cpu_cores is not None:
         unknown = set(parallel.cpu_cores) - set(available_cores())
         if unknown:
@@ -67,11 +69,11 @@ def place_rank(parallel: ParallelConfig, rank: int, world_size: int) -> int:
         cores = rank_cores(parallel.cpu_cores, rank, world_size)
         os.sched_setaffinity(0, cores)
         where, default_threads = format_core_list(cores), len(cores)
-    else:
+    elif world_size > 1:
         where, default_threads = "any core", max(1, len(available_cores()) // world_size)
+    else:  # nothing asked: the process's own setting (torch's default, or its caller's)
+        where, default_threads = "any core", torch.get_num_threads()
     threads = parallel.cpu_threads or default_threads
-    import torch
-
     torch.set_num_threads(threads)
     logger.info("rank %d: %d torch threads on %s", rank, threads, where)
     return threads
