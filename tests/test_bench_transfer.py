@@ -27,6 +27,35 @@ def test_bench_transfer_writes_json_and_png(tmp_path: Path) -> None:
     assert out.with_suffix(".png").stat().st_size > 10_000
 
 
+def test_bench_transfer_connector_reads_each_prompt_through_the_nixl_connector(
+    tmp_path: Path, tiny_qwen2: Path
+) -> None:
+    pytest.importorskip("nixl._api")
+    out = tmp_path / "connector.json"
+    argv = [
+        "bench",
+        "transfer",
+        "--connector",
+        str(tiny_qwen2),
+        "--prompt-tokens",
+        "40",
+        "100",
+        "--iters",
+        "2",
+    ]
+    args = build_parser().parse_args([*argv, "--output", str(out)])
+    args.func(args)
+    doc = json.loads(out.read_text())
+    assert doc["bench"] == "transfer_connector"
+    assert [r["prompt_tokens"] for r in doc["results"]] == [40, 40, 100, 100]
+    block_bytes = 2 * 16 * 2 * 16 * 4  # tiny qwen2: K and V of 16 tokens x 2 KV heads x 16 dims, fp32
+    layers = 2
+    for row in doc["results"]:
+        blocks = -(-row["prompt_tokens"] // 16)
+        assert row["bytes"] == blocks * layers * block_bytes
+        assert 0 < row["descriptors"] <= blocks * layers * 2 and row["ms"] > 0
+
+
 def test_verify_catches_a_misplaced_block() -> None:
     s = Setting(size=4 * 64, block=64)
     src = touched_buffer(s.size, pattern=True)

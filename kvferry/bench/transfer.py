@@ -10,6 +10,14 @@ descriptors, timed from post to completion. The agents run without a progress th
 faults inside the timing), and every moved block is checked once. Baselines, same bytes in
 this process: ``torch copy_`` of the whole buffer, and ``index_copy_`` of the shuffled
 blocks (gather + scatter). Results: JSON and a PNG of GB/s vs block size.
+
+``--connector MODEL`` measures the NixlConnector itself instead: a prefill and a decode
+engine of MODEL in this process (``kv_role`` producer / consumer, real NIXL agents), one
+prompt of each ``--prompt-tokens`` length at a time prefilled on one and decoded on the
+other, ``--iters`` times; per prompt the decoder's connector stats give the bytes, NIXL
+descriptors and READ time. The pools hold little more than the longest prompt, and a
+warm-up round fills them once, so block ids come as on a busy server (freed blocks return
+to the pool last-first) rather than the fresh pool's ascending ones.
 """
 
 from __future__ import annotations
@@ -48,6 +56,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="UCX")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="bench-results/transfer.json")
+    parser.add_argument(
+        "--connector",
+        metavar="MODEL",
+        help="measure the NixlConnector between a prefill and a decode engine of MODEL instead",
+    )
+    parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[1000, 4000], help="with --connector")
 
 
 @dataclass(frozen=True)
@@ -237,6 +251,8 @@ def run_settings(args: argparse.Namespace, settings: list[Setting], init: Initia
 
 
 def run(args: argparse.Namespace) -> dict:
+    if args.connector:
+        return run_connector(args)
     import torch
 
     settings = settings_of(args)
@@ -295,3 +311,124 @@ def plot(doc: dict, path: Path) -> bool:
     blocks = sorted({r["block_kb"] for r in doc["results"]})
     ticks = (blocks, [f"{b:g}" for b in blocks])
     return save_panels(path, [rate, prep], "block size (KB)", title, xticks=ticks, logx=True)
+
+
+# ---- --connector MODEL: the NixlConnector between two engines ------------------------------
+
+
+def connector_config(args: argparse.Namespace, role: str):
+    """An engine of args.connector whose pool holds the longest prompt and a few blocks more."""
+    from kvferry.config import CacheConfig, EngineConfig, KVTransferConfig
+    from kvferry.model.resolve import resolve_model_config
+
+    block_size = 16
+    longest = max(args.prompt_tokens)
+    model = resolve_model_config(args.connector, dtype="float32", max_model_len=longest + block_size)
+    blocks = -(-(longest + 1) // block_size) + 4
+    return EngineConfig(
+        model=model,
+        cache=CacheConfig(block_size=block_size, num_gpu_blocks_override=blocks),
+        kv_transfer=KVTransferConfig("NixlConnector", kv_role=role),
+    )
+
+
+def finish(engine, request, other) -> object:
+    """Step `engine` until `request` finishes, stepping `other` too (it serves the lease)."""
+    engine.add_request(request)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        for out in engine.step():
+            if out.finished:
+                if out.error is not None:
+                    raise TransferBenchError(f"{request.req_id} failed: {out.error}")
+                return out
+        if other.has_unfinished_requests():
+            other.step()
+    raise TransferBenchError(f"{request.req_id} did not finish")
+
+
+def drain(*engines) -> None:
+    """Step until every lease and load is settled (the prefiller's blocks are free again)."""
+    deadline = time.monotonic() + 60
+    while any(e.has_unfinished_requests() for e in engines):
+        if time.monotonic() > deadline:
+            raise TransferBenchError("KV transfers still pending after 60 s")
+        for engine in engines:
+            if engine.has_unfinished_requests():
+                engine.step()
+
+
+def pd_round(prefiller, decoder, tag: str, prompt: list[int]) -> dict[str, float]:
+    """Prefill on one engine, decode one token on the other: the decoder's connector stats."""
+    from kvferry.engine.types import EngineCoreRequest
+    from kvferry.sampling_params import SamplingParams
+
+    one = SamplingParams(max_tokens=1, temperature=0)
+    before = dict(decoder.stats().kv_connector)
+    prefill = EngineCoreRequest(f"{tag}-p", prompt, one, time.time(), {"do_remote_decode": True})
+    params = finish(prefiller, prefill, decoder).kv_transfer_params
+    finish(decoder, EngineCoreRequest(f"{tag}-d", prompt, one, time.time(), params), prefiller)
+    drain(prefiller, decoder)
+    after = decoder.stats().kv_connector
+    return {key: after.get(key, 0.0) - before.get(key, 0.0) for key in after}
+
+
+def connector_rows(args: argparse.Namespace, prefiller, decoder) -> list[dict]:
+    import random
+
+    rng = random.Random(args.seed)
+    vocab = prefiller.config.model.vocab_size
+
+    def prompt(n: int) -> list[int]:  # fresh tokens every time: no prefix-cache hits
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    pd_round(prefiller, decoder, "warmup", prompt(max(args.prompt_tokens)))
+    rows = []
+    for n in args.prompt_tokens:
+        for i in range(args.iters):
+            delta = pd_round(prefiller, decoder, f"{n}-{i}", prompt(n))
+            if delta.get("nixl_failed_transfers"):
+                raise TransferBenchError(f"the READ of a {n}-token prompt failed")
+            seconds, nbytes = delta["nixl_transfer_seconds"], delta["nixl_bytes_read"]
+            row = {
+                "prompt_tokens": n,
+                "bytes": int(nbytes),
+                "descriptors": int(delta["nixl_descriptors"]),
+                "ms": 1000 * seconds,
+                "gbps": nbytes / seconds / 1e9,
+            }
+            logger.info(
+                "%d tokens: %.1f MB in %d descriptors, %.1f ms (%.2f GB/s)",
+                n, nbytes / MB, row["descriptors"], row["ms"], row["gbps"],
+            )  # fmt: skip
+            rows.append(row)
+    return rows
+
+
+def run_connector(args: argparse.Namespace) -> dict:
+    import torch
+
+    from kvferry.engine.core import EngineCore
+
+    prefiller = EngineCore(connector_config(args, "producer"))
+    try:
+        decoder = EngineCore(connector_config(args, "consumer"))
+        try:
+            rows = connector_rows(args, prefiller, decoder)
+        finally:
+            decoder.shutdown()
+    finally:
+        prefiller.shutdown()
+    doc = {
+        "bench": "transfer_connector",
+        "model": args.connector,
+        "iters": args.iters,
+        "threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(),
+        "results": rows,
+    }
+    path = Path(args.output)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2))
+    print(json.dumps(doc, indent=2))
+    return doc
