@@ -221,6 +221,20 @@ class AsyncEngine:
             logger.warning("engine stats not refreshed within %.1f s", timeout_s)
         return self._stats
 
+    def stop(self, reason: str = "the server is shutting down") -> None:
+        """Refuse new requests and end every open one with EngineDeadError(reason) (HTTP 503).
+
+        Does not wait; the core process keeps running until ``shutdown``.
+        """
+        if self._dead is None:
+            self._dead = EngineDeadError(reason)
+            logger.info("engine stopped: %s", reason)
+        failed = self._fail_all(self._dead)
+        try:
+            self.client.abort_requests(failed)
+        except EngineDeadError:
+            pass
+
     def shutdown(self) -> None:
         """Stop the output task (when called on its loop) and the core process."""
         if self._task is not None and not self._task.done():
@@ -229,7 +243,7 @@ class AsyncEngine:
                     self._task.cancel()
             except RuntimeError:  # no running loop: the task's loop is gone with it
                 pass
-        self._fail_all(EngineDeadError("the engine is shutting down"))
+        self.stop("the engine is shutting down")
         self.client.shutdown()
 
     # -- internals ----------------------------------------------------------------------
@@ -256,6 +270,9 @@ class AsyncEngine:
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
+            if self._dead is not None:  # stopped: the core going away is expected
+                logger.info("engine output loop ends: %s", exc)
+                return
             logger.exception("engine output loop failed; failing all requests")
             self._dead = exc if isinstance(exc, EngineDeadError) else EngineDeadError(f"engine failed: {exc}")
             self._fail_all(self._dead)
@@ -335,16 +352,20 @@ class AsyncEngine:
                 ids.append(out.req_id)
         self.client.abort_requests(ids)
 
-    def _fail_all(self, error: BaseException) -> None:
+    def _fail_all(self, error: BaseException) -> list[str]:
+        """End every open request (and stats wait) with ``error``; the ids it failed."""
+        failed = []
         for rid, stream in list(self._streams.items()):
             if not stream.finished:
                 stream.finished = True
                 self.output_processor.abort_request(rid)
                 stream.queue.put_nowait(error)
+                failed.append(rid)
         for _, fut in self._stats_waiters:
             if not fut.done():
                 fut.set_result(None)
         self._stats_waiters.clear()
+        return failed
 
     def _wake_stats_waiters(self, answered: int) -> None:
         keep = []

@@ -23,7 +23,7 @@ import zmq
 import zmq.asyncio
 
 from kvferry.config import EngineConfig
-from kvferry.engine.core_proc import CoreFactory, make_engine_core, run_core_process
+from kvferry.engine.core_proc import CoreFactory, core_process_main, make_engine_core
 from kvferry.engine.core_protocol import (
     REQ_ABORT,
     REQ_ADD,
@@ -83,7 +83,7 @@ class CoreClient:
         args = (config, core_factory, self._in.last_endpoint.decode(), self._out.last_endpoint.decode())
         kwargs = {"log_level": logging.getLogger("kvferry").getEffectiveLevel()}
         ctx = multiprocessing.get_context("spawn")
-        self._proc = ctx.Process(target=run_core_process, args=args, kwargs=kwargs, name="kvferry-core")
+        self._proc = ctx.Process(target=core_process_main, args=args, kwargs=kwargs, name="kvferry-core")
         self._proc.start()
         atexit.register(self.shutdown)
         if wait:
@@ -179,6 +179,16 @@ class CoreClient:
 
     # -- shutdown ----------------------------------------------------------------------------
 
+    def _ask_to_stop(self) -> None:
+        """A shutdown message; SIGTERM to a core still loading, which reads no messages yet."""
+        if self.initial_stats is None:
+            self._proc.terminate()
+            return
+        try:
+            self._in.send_multipart([REQ_SHUTDOWN, b""], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
     def shutdown(self) -> None:
         """Stop the core process (politely, then by force) and remove the socket files."""
         if self._closed:
@@ -186,10 +196,7 @@ class CoreClient:
         self._closed = True
         atexit.unregister(self.shutdown)
         if self._proc.is_alive():
-            try:
-                self._in.send_multipart([REQ_SHUTDOWN, b""], zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+            self._ask_to_stop()
             self._proc.join(SHUTDOWN_JOIN_S)
         if self._proc.is_alive():
             logger.warning("engine core did not stop in %.0f s; terminating it", SHUTDOWN_JOIN_S)

@@ -8,13 +8,16 @@
           push Outputs (with the core's latest stats) whenever something changed
 
 The child watches its parent: when the parent dies it shuts the core down and exits
-(after a grace period a watchdog thread exits it hard, even if a step hangs). A failing
-``add_request`` fails that one request; a failing ``step()`` fails every request in the
-core with an error output and the loop keeps serving.
+(after a grace period a watchdog thread exits it hard, even if a step hangs). SIGTERM
+stops it like a shutdown message: between two steps once it serves, at once while it
+loads. SIGINT is ignored (Ctrl-C reaches the whole process group: the parent decides).
+A failing ``add_request`` fails that one request; a failing ``step()`` fails every
+request in the core with an error output and the loop keeps serving.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -73,6 +76,23 @@ def make_engine_core(config: EngineConfig) -> CoreLike:
     return EngineCore(config)
 
 
+def core_process_main(
+    config: EngineConfig,
+    core_factory: CoreFactory,
+    input_addr: str,
+    output_addr: str,
+    log_level: int = logging.INFO,
+) -> None:
+    """Target of the spawned core process: ``run_core_process``, then a quick exit.
+
+    The interpreter's final garbage collections over torch's objects take about a second
+    (measured), which whoever stops the server would wait for. The process is about to
+    exit, so freeze what is left out of them (atexit handlers still run).
+    """
+    run_core_process(config, core_factory, input_addr, output_addr, log_level)
+    gc.freeze()
+
+
 def run_core_process(
     config: EngineConfig,
     core_factory: CoreFactory,
@@ -80,8 +100,9 @@ def run_core_process(
     output_addr: str,
     log_level: int = logging.INFO,
 ) -> None:
-    """Entry point of the core process."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
+    """The core process's work: build the core, serve until stopped, shut it down."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _raise_system_exit)  # while loading: give up the load
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [core] %(name)s: %(message)s")
     parent = multiprocessing.parent_process()
     parent_sentinel = parent.sentinel if parent is not None else None
@@ -93,22 +114,41 @@ def run_core_process(
     in_sock.connect(input_addr)
     out_sock.connect(output_addr)
     codec = CoreCodec()
+    linger_ms = 1000  # let the last outputs reach the front end
     try:
         core = _build_core(core_factory, config, out_sock, codec)
         if core is None:
             return
-        loop = CoreLoop(core, in_sock, out_sock, codec, parent_sentinel)
         try:
+            loop = CoreLoop(core, in_sock, out_sock, codec, parent_sentinel, _wake_fd_on_sigterm())
             loop.run()
         finally:
             core.shutdown()
-        if loop.orphaned:  # nobody else will remove the socket files
+        if loop.orphaned:  # nobody reads the outputs, nor removes the socket files
+            linger_ms = 0
             _remove_ipc_dir(input_addr)
     finally:
         in_sock.close(linger=0)
-        out_sock.close(linger=1000)
+        out_sock.close(linger=linger_ms)
         ctx.term()
     logger.info("engine core process exits")
+
+
+def _raise_system_exit(signum: int, _frame: object) -> None:
+    raise SystemExit(f"{signal.Signals(signum).name} received")
+
+
+def _wake_fd_on_sigterm() -> int:
+    """From now on SIGTERM only makes the returned fd readable, so the loop stops between steps.
+
+    ``signal.set_wakeup_fd`` writes the signal number to the pipe as the signal arrives,
+    which wakes a poll that a flag set by a Python handler would not.
+    """
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.set_wakeup_fd(write_fd)
+    signal.signal(signal.SIGTERM, lambda *_: None)  # a Python handler routes the signal to the fd
+    return read_fd
 
 
 def _build_core(
@@ -118,7 +158,10 @@ def _build_core(
         core = factory(config)
         stats = stats_to_wire(core.stats())
     except BaseException as exc:  # report everything, also SystemExit/KeyboardInterrupt from a loader
-        logger.exception("engine core failed to start")
+        if isinstance(exc, SystemExit):
+            logger.warning("engine core start-up abandoned: %s", exc)
+        else:
+            logger.exception("engine core failed to start")
         msg = StartupFailed(type(exc).__name__, str(exc), traceback.format_exc())
         out_sock.send(codec.encode(msg))
         return None
@@ -140,7 +183,7 @@ def _exit_when_parent_dies(sentinel: int) -> None:
 
 
 class CoreLoop:
-    """Drain messages, step, push outputs: until shutdown or the parent dies."""
+    """Drain messages, step, push outputs: until shutdown, SIGTERM or the parent dies."""
 
     def __init__(
         self,
@@ -149,6 +192,7 @@ class CoreLoop:
         out_sock: zmq.Socket,
         codec: CoreCodec,
         parent_sentinel: int | None = None,
+        sigterm_fd: int | None = None,
     ):
         self.core = core
         self.in_sock = in_sock
@@ -157,8 +201,10 @@ class CoreLoop:
         self.poller = zmq.Poller()
         self.poller.register(in_sock, zmq.POLLIN)
         self.parent_sentinel = parent_sentinel
-        if parent_sentinel is not None:
-            self.poller.register(parent_sentinel, zmq.POLLIN)
+        self.sigterm_fd = sigterm_fd
+        for fd in (parent_sentinel, sigterm_fd):
+            if fd is not None:
+                self.poller.register(fd, zmq.POLLIN)
         self.live: set[str] = set()  # requests added and neither finished nor aborted
         self.stats_seq = 0
         self.step_failures = 0  # consecutive
@@ -178,6 +224,9 @@ class CoreLoop:
             if self.parent_sentinel is not None and self.parent_sentinel in events:
                 logger.warning("parent process died; shutting the engine core down")
                 self.orphaned = True
+                return
+            if self.sigterm_fd is not None and self.sigterm_fd in events:
+                logger.info("SIGTERM received; shutting the engine core down")
                 return
             if self.in_sock in events:
                 self._drain()

@@ -9,8 +9,15 @@ and detokenizing here never stall the engine loop.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import signal
+import socket
+import threading
 import time
+from collections.abc import Callable, Iterator
+from types import FrameType
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
@@ -92,11 +99,73 @@ def run_server(
     api_key: str | None = None,
     log_level: str = "info",
 ) -> None:
-    """Start the engine core process, then serve HTTP until SIGINT/SIGTERM; stop both."""
+    """Start the engine core process, then serve HTTP until SIGINT/SIGTERM; stop both.
+
+    On the signal the server stops accepting, ends open requests with HTTP 503 (an error
+    event in a stream), stops the engine core and returns. A signal while the model loads
+    stops the loading core and returns as well.
+    """
+    with _signals_raise_stop():
+        try:
+            _serve(engine_config, host, port, api_key, log_level)
+        except _StopRequested as stop:
+            logger.info("%s: server stopped", stop)
+
+
+def _serve(engine_config: EngineConfig, host: str, port: int, api_key: str | None, log_level: str) -> None:
     engine = AsyncEngine.from_config(engine_config)
     try:
         app = build_app(engine, engine_config.model.served_model_name, api_key)
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
         logger.info("serving %s on http://%s:%d", engine_config.model.served_model_name, host, port)
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        _Server(config, on_exit=engine.stop).run()
     finally:
         engine.shutdown()
+
+
+class _StopRequested(Exception):
+    """SIGINT or SIGTERM outside uvicorn's serving loop."""
+
+
+@contextlib.contextmanager
+def _signals_raise_stop() -> Iterator[None]:
+    """SIGINT/SIGTERM raise _StopRequested while the engine loads and once uvicorn is done.
+
+    While serving, uvicorn handles the signals itself; after its graceful shutdown it
+    raises the signal again for the handler it replaced, which is this one.
+    """
+    if threading.current_thread() is not threading.main_thread():  # signals go to the main thread
+        yield
+        return
+
+    def raise_stop(signum: int, _frame: object) -> None:
+        raise _StopRequested(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server that calls ``on_exit`` (on its event loop) as soon as a signal stops it.
+
+    uvicorn then stops accepting and waits for open requests; a generation can take far
+    longer than any grace period, so ``on_exit`` ends them at once with a clean error.
+    """
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]):
+        super().__init__(config)
+        self._on_exit = on_exit
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        if self._loop is not None:  # a signal handler: hand the work to the loop
+            self._loop.call_soon_threadsafe(self._on_exit)
