@@ -23,7 +23,7 @@ import zmq
 import zmq.asyncio
 
 from kvferry.config import EngineConfig
-from kvferry.engine.core_proc import CoreFactory, core_process_main, make_engine_core
+from kvferry.engine.core_proc import CoreFactory, make_engine_core, run_core_process
 from kvferry.engine.core_protocol import (
     REQ_ABORT,
     REQ_ADD,
@@ -83,7 +83,7 @@ class CoreClient:
         args = (config, core_factory, self._in.last_endpoint.decode(), self._out.last_endpoint.decode())
         kwargs = {"log_level": logging.getLogger("kvferry").getEffectiveLevel()}
         ctx = multiprocessing.get_context("spawn")
-        self._proc = ctx.Process(target=core_process_main, args=args, kwargs=kwargs, name="kvferry-core")
+        self._proc = ctx.Process(target=run_core_process, args=args, kwargs=kwargs, name="kvferry-core")
         self._proc.start()
         atexit.register(self.shutdown)
         if wait:

@@ -76,23 +76,6 @@ def make_engine_core(config: EngineConfig) -> CoreLike:
     return EngineCore(config)
 
 
-def core_process_main(
-    config: EngineConfig,
-    core_factory: CoreFactory,
-    input_addr: str,
-    output_addr: str,
-    log_level: int = logging.INFO,
-) -> None:
-    """Target of the spawned core process: ``run_core_process``, then a quick exit.
-
-    The interpreter's final garbage collections over torch's objects take about a second
-    (measured), which whoever stops the server would wait for. The process is about to
-    exit, so freeze what is left out of them (atexit handlers still run).
-    """
-    run_core_process(config, core_factory, input_addr, output_addr, log_level)
-    gc.freeze()
-
-
 def run_core_process(
     config: EngineConfig,
     core_factory: CoreFactory,
@@ -100,7 +83,7 @@ def run_core_process(
     output_addr: str,
     log_level: int = logging.INFO,
 ) -> None:
-    """The core process's work: build the core, serve until stopped, shut it down."""
+    """Entry point of the core process: build the core, serve until stopped, shut it down."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _raise_system_exit)  # while loading: give up the load
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [core] %(name)s: %(message)s")
@@ -132,6 +115,9 @@ def run_core_process(
         out_sock.close(linger=linger_ms)
         ctx.term()
     logger.info("engine core process exits")
+    # The interpreter's final garbage collections over torch's objects take about a second
+    # (measured) that whoever stops the server waits for: leave what is left out of them.
+    gc.freeze()
 
 
 def _raise_system_exit(signum: int, _frame: object) -> None:
