@@ -1,4 +1,5 @@
-"""HTTP pieces the OpenAI server and the P/D proxy share: error bodies, API key, disconnects.
+"""HTTP pieces the OpenAI server and the P/D proxy share: error bodies, API key, SSE,
+disconnects, and awaiting several upstream streams at once.
 
 Kept free of engine imports so the proxy starts without torch.
 """
@@ -6,10 +7,11 @@ Kept free of engine imports so the proxy starts without torch.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
-from collections.abc import Awaitable
-from typing import TypeVar
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -19,11 +21,29 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+K = TypeVar("K")
+SSE_DONE = "data: [DONE]\n\n"
 
 
 def error_body(message: str, err_type: str, param: str | None = None, code: str | int | None = None) -> dict:
     """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def sse(obj: dict[str, Any]) -> str:
+    """One server-sent event carrying ``obj`` as compact JSON."""
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+def chat_role_chunk(meta: dict[str, Any]) -> dict[str, Any]:
+    """The first chunk of a chat completion stream: the assistant's role, no content yet."""
+    role = {
+        "index": 0,
+        "delta": {"role": "assistant", "content": ""},
+        "logprobs": None,
+        "finish_reason": None,
+    }
+    return {**meta, "choices": [role]}
 
 
 class ApiKeyMiddleware:
@@ -76,3 +96,48 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
         logger.info("client disconnected; request cancelled")
         raise ClientDisconnected()
     return task.result()
+
+
+async def gather_or_cancel(work: Sequence[Awaitable[T]]) -> list[T]:
+    """Await all; on the first failure cancel the rest and raise that failure."""
+    tasks = [asyncio.ensure_future(w) for w in work]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def interleave(sources: Sequence[tuple[K, AsyncIterator[T]]]) -> AsyncIterator[tuple[K, T]]:
+    """Items of several streams as they come, as (key, item); the first failure is raised.
+
+    Each stream is read by its own task; the tasks are cancelled when this generator is
+    closed. The streams themselves are the caller's to close.
+    """
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(key: K, stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((key, item))
+        except Exception as exc:
+            await queue.put((key, exc))
+        await queue.put((key, None))
+
+    tasks = [asyncio.ensure_future(pump(key, stream)) for key, stream in sources]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            key, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield key, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -9,22 +9,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
-from kvferry.entrypoints.http_common import ClientDisconnected, until_disconnect
+from kvferry.entrypoints.http_common import chat_role_chunk
+from kvferry.entrypoints.openai import serving_common as common
 from kvferry.entrypoints.openai.protocol import ChatCompletionRequest
-from kvferry.entrypoints.openai.serving_common import (
-    CLIENT_CLOSED_STATUS,
-    SSE_DONE,
-    ServerState,
-    final_outputs,
-    first_outputs,
-    merge,
-    sse,
-    sse_error,
-    token_text,
-    usage,
-)
+from kvferry.entrypoints.openai.serving_common import ServerState, Streams
 from kvferry.outputs import RequestOutput
 from kvferry.worker.output import SampleLogprobs
 
@@ -32,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 
 def _logprob_entry(tokenizer: Any, token_id: int, logprob: float) -> dict[str, Any]:
-    text = token_text(tokenizer, token_id)
+    text = common.token_text(tokenizer, token_id)
     return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
@@ -56,75 +46,43 @@ async def create_chat_completion(
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     gens = [engine.generate(prompt, params, request_id, body.kv_transfer_params)]
     meta = {"id": request_id, "created": int(time.time()), "model": model}
-    try:
-        if body.stream:
-            firsts = await until_disconnect(request, first_outputs(gens))
-            return StreamingResponse(_stream(state, body, meta, firsts, gens), media_type="text/event-stream")
-        (final,) = await until_disconnect(request, final_outputs(gens))
-    except ClientDisconnected:
-        return Response(status_code=CLIENT_CLOSED_STATUS)
-    return JSONResponse(_response(state, body, meta, final))
+    return await common.respond(
+        request,
+        request_id,
+        gens,
+        body.stream,
+        lambda firsts: _chunks(state, body, meta, firsts, gens),
+        lambda finals: _response(state, body, meta, finals),
+    )
 
 
-def _response(state: ServerState, body: ChatCompletionRequest, meta: dict, final: RequestOutput) -> dict:
-    comp = final.outputs[0]
+def _response(
+    state: ServerState, body: ChatCompletionRequest, meta: dict, finals: list[RequestOutput]
+) -> dict:
+    comp = finals[0].outputs[0]
     lps = None
     if body.logprobs and comp.logprobs is not None:
         lps = chat_logprobs(state.engine.tokenizer, comp.token_ids, comp.logprobs)
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": comp.text},
-        "logprobs": lps,
-        "finish_reason": comp.finish_reason,
-        "stop_reason": comp.stop_reason,
-    }
-    result = {**meta, "object": "chat.completion", "choices": [choice], "usage": usage([final])}
-    if final.kv_transfer_params is not None:
-        result["kv_transfer_params"] = final.kv_transfer_params
-    return result
+    message = {"role": "assistant", "content": comp.text}
+    choice = common.final_choice(0, {"message": message}, lps, finals[0])
+    return common.response_body({**meta, "object": "chat.completion"}, [choice], finals)
 
 
-async def _stream(
-    state: ServerState,
-    body: ChatCompletionRequest,
-    meta: dict,
-    firsts: list[RequestOutput],
-    gens: list[AsyncIterator[RequestOutput]],
-) -> AsyncIterator[str]:
+async def _chunks(
+    state: ServerState, body: ChatCompletionRequest, meta: dict, firsts: list[RequestOutput], gens: Streams
+) -> AsyncIterator[dict[str, Any]]:
     meta = {**meta, "object": "chat.completion.chunk"}
+    yield chat_role_chunk(meta)
     final = None
-    try:
-        yield sse({**meta, "choices": [_choice({"role": "assistant", "content": ""})]})
-        async for _, out in merge(firsts, gens):
-            chunk = _chunk(state, body, meta, out)
-            if out.finished:
-                final = out
-            if chunk is not None:
-                yield sse(chunk)
-        if body.include_usage and final is not None:
-            yield sse({**meta, "choices": [], "usage": usage([final])})
-    except Exception as exc:  # the request failed in the engine: tell the client in-stream
-        logger.warning("chat stream %s failed: %s", meta["id"], exc)
-        yield sse_error(exc)
-    yield SSE_DONE
-
-
-def _choice(delta: dict, logprobs: dict | None = None, finish_reason: str | None = None) -> dict:
-    return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-def _chunk(state: ServerState, body: ChatCompletionRequest, meta: dict, out: RequestOutput) -> dict | None:
-    reason = out.outputs[0].finish_reason if out.finished else None
-    lps = None
-    if body.logprobs and out.delta_logprobs:
-        lps = chat_logprobs(state.engine.tokenizer, out.delta_token_ids, out.delta_logprobs)
-    if not out.delta_text and reason is None and lps is None:
-        return None
-    delta = {"content": out.delta_text} if out.delta_text or lps is not None else {}
-    choice = _choice(delta, lps, reason)
-    if reason is not None:
-        choice["stop_reason"] = out.outputs[0].stop_reason
-    chunk: dict[str, Any] = {**meta, "choices": [choice]}
-    if out.finished and out.kv_transfer_params is not None:
-        chunk["kv_transfer_params"] = out.kv_transfer_params
-    return chunk
+    async for _, out in common.merge(firsts, gens):
+        if out.finished:
+            final = out
+        lps = None
+        if body.logprobs and out.delta_logprobs:
+            lps = chat_logprobs(state.engine.tokenizer, out.delta_token_ids, out.delta_logprobs)
+        delta = {"content": out.delta_text} if out.delta_text or lps is not None else {}
+        chunk = common.stream_chunk(meta, 0, {"delta": delta}, lps, out)
+        if chunk is not None:
+            yield chunk
+    if body.include_usage and final is not None:
+        yield {**meta, "choices": [], "usage": common.usage([final])}

@@ -1,16 +1,25 @@
-"""Shared pieces of the completion and chat handlers: state, SSE, usage, disconnects, batches."""
+"""What the completion and chat handlers share: the request flow (streamed or not, client
+disconnects), SSE framing and errors, choice and chunk shapes, usage, batches of prompts."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
 from kvferry.engine.async_engine import AsyncEngine
-from kvferry.entrypoints.http_common import ClientDisconnected
+from kvferry.entrypoints.http_common import (
+    SSE_DONE,
+    ClientDisconnected,
+    gather_or_cancel,
+    interleave,
+    sse,
+    until_disconnect,
+)
 from kvferry.entrypoints.openai.errors import exception_body
 from kvferry.errors import ModelNotFoundError
 from kvferry.outputs import RequestOutput
@@ -18,8 +27,9 @@ from kvferry.outputs import RequestOutput
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-SSE_DONE = "data: [DONE]\n\n"
 CLIENT_CLOSED_STATUS = 499  # nginx's "client closed request": nobody reads it
+
+Streams = list[AsyncIterator[RequestOutput]]  # one generate() stream per prompt
 
 
 @dataclass(frozen=True)
@@ -34,13 +44,91 @@ class ServerState:
         return self.served_model_name
 
 
-def sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+# -- the request flow ---------------------------------------------------------------------
+
+
+async def respond(
+    request: Request,
+    request_id: str,
+    gens: Streams,
+    stream: bool,
+    stream_chunks: Callable[[list[RequestOutput]], AsyncIterator[dict[str, Any]]],
+    response_body: Callable[[list[RequestOutput]], dict[str, Any]],
+) -> Response:
+    """Answer with SSE (``stream_chunks`` of the first outputs) or JSON (``response_body`` of the
+    final ones). A failure before the first outputs is an HTTP error; one after them, an
+    error event in the stream."""
+    try:
+        if stream:
+            firsts = await until_disconnect(request, first_outputs(gens))
+            events = sse_events(stream_chunks(firsts), request_id)
+            return StreamingResponse(events, media_type="text/event-stream")
+        finals = await until_disconnect(request, final_outputs(gens))
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED_STATUS)
+    return JSONResponse(response_body(finals))
+
+
+async def sse_events(chunks: AsyncIterator[dict[str, Any]], request_id: str) -> AsyncIterator[str]:
+    """``chunks`` as server-sent events, then [DONE]; an engine failure becomes an error event."""
+    try:
+        async for chunk in chunks:
+            yield sse(chunk)
+    except Exception as exc:  # the request failed in the engine: tell the client in-stream
+        logger.warning("stream %s failed: %s", request_id, exc)
+        yield sse_error(exc)
+    finally:
+        await chunks.aclose()  # type: ignore[attr-defined]
+    yield SSE_DONE
 
 
 def sse_error(exc: BaseException) -> str:
     _, body = exception_body(exc)
     return sse(body)
+
+
+# -- response shapes ----------------------------------------------------------------------
+
+
+def final_choice(index: int, content: dict[str, Any], logprobs: Any, out: RequestOutput) -> dict[str, Any]:
+    """A choice of a complete response: ``content`` (text or message), logprobs, reasons."""
+    comp = out.outputs[0]
+    return {
+        "index": index,
+        **content,
+        "logprobs": logprobs,
+        "finish_reason": comp.finish_reason,
+        "stop_reason": comp.stop_reason,
+    }
+
+
+def response_body(meta: dict[str, Any], choices: list[dict[str, Any]], finals: list[RequestOutput]) -> dict:
+    """A complete response: choices, usage and the KV transfer parameters (one, or a list)."""
+    result = {**meta, "choices": choices, "usage": usage(finals)}
+    kv = [o.kv_transfer_params for o in finals if o.kv_transfer_params is not None]
+    if kv:
+        result["kv_transfer_params"] = kv[0] if len(finals) == 1 else kv
+    return result
+
+
+def stream_chunk(
+    meta: dict[str, Any], index: int, content: dict[str, Any], logprobs: Any, out: RequestOutput
+) -> dict[str, Any] | None:
+    """A stream chunk with one choice; None when ``out`` brings nothing to send.
+
+    The last chunk of a choice carries its finish and stop reasons and the request's KV
+    transfer parameters.
+    """
+    reason = out.outputs[0].finish_reason if out.finished else None
+    if not out.delta_text and reason is None and logprobs is None:
+        return None
+    choice = {"index": index, **content, "logprobs": logprobs, "finish_reason": reason}
+    if reason is not None:
+        choice["stop_reason"] = out.outputs[0].stop_reason
+    chunk: dict[str, Any] = {**meta, "choices": [choice]}
+    if out.finished and out.kv_transfer_params is not None:
+        chunk["kv_transfer_params"] = out.kv_transfer_params
+    return chunk
 
 
 def usage(outputs: list[RequestOutput]) -> dict[str, Any]:
@@ -55,6 +143,13 @@ def usage(outputs: list[RequestOutput]) -> dict[str, Any]:
     }
 
 
+def token_text(tokenizer: Any, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+# -- several generate() streams -----------------------------------------------------------
+
+
 async def final_output(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
     """Drain a generate() stream and return its last output."""
     last = None
@@ -65,7 +160,7 @@ async def final_output(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
     return last
 
 
-async def first_outputs(gens: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+async def first_outputs(gens: Streams) -> list[RequestOutput]:
     """The first output of every stream, concurrently; all are closed if any fails.
 
     Streams submit their request on the first ``anext``, so this is where a bad prompt
@@ -74,24 +169,20 @@ async def first_outputs(gens: list[AsyncIterator[RequestOutput]]) -> list[Reques
     return await _all_or_none(gens, [anext(g) for g in gens])
 
 
-async def final_outputs(gens: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+async def final_outputs(gens: Streams) -> list[RequestOutput]:
     """The last output of every stream, concurrently; all are closed if any fails."""
     return await _all_or_none(gens, [final_output(g) for g in gens])
 
 
-async def _all_or_none(gens: list[AsyncIterator[RequestOutput]], work: list[Awaitable[T]]) -> list[T]:
-    tasks = [asyncio.ensure_future(w) for w in work]
+async def _all_or_none(gens: Streams, work: list[Awaitable[T]]) -> list[T]:
     try:
-        return list(await asyncio.gather(*tasks))
+        return await gather_or_cancel(work)
     except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
         await close_all(gens)
         raise
 
 
-async def close_all(gens: list[AsyncIterator[RequestOutput]]) -> None:
+async def close_all(gens: Streams) -> None:
     for g in gens:
         try:
             await g.aclose()  # type: ignore[attr-defined]
@@ -99,9 +190,7 @@ async def close_all(gens: list[AsyncIterator[RequestOutput]]) -> None:
             logger.exception("closing a generate() stream failed")
 
 
-async def merge(
-    firsts: list[RequestOutput], gens: list[AsyncIterator[RequestOutput]]
-) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merge(firsts: list[RequestOutput], gens: Streams) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several streams (a batch of prompts) as (index, output)."""
     try:
         for i, first in enumerate(firsts):
@@ -111,42 +200,8 @@ async def merge(
                 async for out in gens[0]:
                     yield 0, out
         else:
-            async for item in _interleave(firsts, gens):
+            live = [(i, gens[i]) for i, first in enumerate(firsts) if not first.finished]
+            async for item in interleave(live):
                 yield item
     finally:
         await close_all(gens)
-
-
-async def _interleave(
-    firsts: list[RequestOutput], gens: list[AsyncIterator[RequestOutput]]
-) -> AsyncIterator[tuple[int, RequestOutput]]:
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:
-        try:
-            async for out in gen:
-                await queue.put((i, out))
-        except Exception as exc:
-            await queue.put((i, exc))
-        await queue.put((i, None))
-
-    live = [i for i, first in enumerate(firsts) if not first.finished]
-    tasks = [asyncio.ensure_future(pump(i, gens[i])) for i in live]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def token_text(tokenizer: Any, token_id: int) -> str:
-    return tokenizer.decode([token_id])
