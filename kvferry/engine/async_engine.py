@@ -332,35 +332,28 @@ class AsyncEngine:
         iteration.finished.append(self._finished_stats(stream.timing, reason or "stop"))
         stream.queue.put_nowait(out)
 
+    def _fail(self, request_id: str, error: BaseException) -> bool:
+        """End an open request's stream with ``error``; False if it is gone or already ended."""
+        stream = self._streams.get(request_id)
+        if stream is None or stream.finished:
+            return False
+        stream.finished = True
+        self.output_processor.abort_request(request_id)
+        stream.queue.put_nowait(error)
+        return True
+
     def _fail_unrouted_errors(self, outputs: list[EngineCoreOutput]) -> None:
         """An error output the output processor did not turn into a RequestOutput."""
         for out in outputs:
-            stream = self._streams.get(out.req_id)
-            if out.error is not None and stream is not None and not stream.finished:
-                stream.finished = True
-                self.output_processor.abort_request(out.req_id)
-                stream.queue.put_nowait(_request_error(out.error, out.invalid_param))
+            if out.error is not None:
+                self._fail(out.req_id, _request_error(out.error, out.invalid_param))
 
     def _fail_batch(self, outputs: list[EngineCoreOutput], error: BaseException) -> None:
-        ids = []
-        for out in outputs:
-            stream = self._streams.get(out.req_id)
-            if stream is not None and not stream.finished:
-                stream.finished = True
-                self.output_processor.abort_request(out.req_id)
-                stream.queue.put_nowait(error)
-                ids.append(out.req_id)
-        self.client.abort_requests(ids)
+        self.client.abort_requests([out.req_id for out in outputs if self._fail(out.req_id, error)])
 
     def _fail_all(self, error: BaseException) -> list[str]:
         """End every open request (and stats wait) with ``error``; the ids it failed."""
-        failed = []
-        for rid, stream in list(self._streams.items()):
-            if not stream.finished:
-                stream.finished = True
-                self.output_processor.abort_request(rid)
-                stream.queue.put_nowait(error)
-                failed.append(rid)
+        failed = [rid for rid in list(self._streams) if self._fail(rid, error)]
         for _, fut in self._stats_waiters:
             if not fut.done():
                 fut.set_result(None)
