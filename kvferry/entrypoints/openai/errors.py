@@ -15,7 +15,14 @@ from kvferry.engine.core_protocol import EngineDeadError
 from kvferry.entrypoints.http_common import ApiKeyMiddleware, error_body
 from kvferry.errors import InvalidRequestError, KVFerryError, ModelNotFoundError
 
-__all__ = ["ApiKeyMiddleware", "error_body", "error_response", "exception_body", "install_error_handlers"]
+__all__ = [
+    "ApiKeyMiddleware",
+    "error_body",
+    "error_response",
+    "exception_body",
+    "exception_response",
+    "install_error_handlers",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +44,11 @@ def exception_body(exc: BaseException) -> tuple[int, dict]:
         return 500, error_body(str(exc), "server_error")
     logger.error("internal error while serving a request", exc_info=exc)
     return 500, error_body(f"internal server error: {type(exc).__name__}", "server_error")
+
+
+def exception_response(exc: BaseException) -> JSONResponse:
+    status, body = exception_body(exc)
+    return JSONResponse(body, status_code=status)
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "none", "dict"}
@@ -77,12 +89,10 @@ def install_error_handlers(app: FastAPI) -> None:
         err_type = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
         return error_response(exc.status_code, str(exc.detail), err_type)
 
-    @app.exception_handler(KVFerryError)  # typed errors: handled here, not as crashes
-    async def _on_kvferry(_: Request, exc: KVFerryError) -> JSONResponse:
-        status, body = exception_body(exc)
-        return JSONResponse(body, status_code=status)
+    async def _on_exception(_: Request, exc: Exception) -> JSONResponse:
+        return exception_response(exc)
 
-    @app.exception_handler(Exception)
-    async def _on_any(_: Request, exc: Exception) -> JSONResponse:
-        status, body = exception_body(exc)
-        return JSONResponse(body, status_code=status)
+    # Typed errors get their own registration: handled as answers, not logged as crashes
+    # (starlette's handler for Exception itself re-raises after answering).
+    app.add_exception_handler(KVFerryError, _on_exception)
+    app.add_exception_handler(Exception, _on_exception)

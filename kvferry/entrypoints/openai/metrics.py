@@ -64,27 +64,9 @@ class PrometheusStatLogger:
         self.generation_tokens = Counter(
             PREFIX + "generation_tokens", "Generated tokens.", labels, registry=registry
         )
-        self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds",
-            "Time to first token.",
-            labels,
-            buckets=TTFT_BUCKETS,
-            registry=registry,
-        )
-        self.itl = Histogram(
-            PREFIX + "inter_token_latency_seconds",
-            "Time between tokens.",
-            labels,
-            buckets=ITL_BUCKETS,
-            registry=registry,
-        )
-        self.e2e = Histogram(
-            PREFIX + "e2e_request_latency_seconds",
-            "Request latency.",
-            labels,
-            buckets=E2E_BUCKETS,
-            registry=registry,
-        )
+        self.ttft = _histogram(registry, "time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = _histogram(registry, "inter_token_latency_seconds", "Time between tokens.", ITL_BUCKETS)
+        self.e2e = _histogram(registry, "e2e_request_latency_seconds", "Request latency.", E2E_BUCKETS)
         self._model = model_name
         for reason in FINISH_REASONS:  # export zeros from the start
             self.requests.labels(model_name, reason)
@@ -104,6 +86,10 @@ class PrometheusStatLogger:
             self.e2e.labels(m).observe(fin.e2e_latency)
 
 
+def _histogram(registry: CollectorRegistry, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+    return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets, registry=registry)
+
+
 class EngineStatsCollector(Collector):
     """Gauges and cumulative counters straight from the engine core's stats."""
 
@@ -116,7 +102,6 @@ class EngineStatsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s = self.engine.stats
-        labels, value = ["model_name"], [self.model_name]
         gauges = (
             ("num_requests_running", "Requests in the running batch.", s.num_running),
             ("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
@@ -125,25 +110,24 @@ class EngineStatsCollector(Collector):
             ("num_blocks", "KV cache blocks in total.", s.num_blocks),
             ("engine_alive", "1 while the engine core process serves.", 0 if self.engine.is_dead else 1),
         )
-        for name, doc, val in gauges:
-            g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
-            g.add_metric(value, float(val))
-            yield g
-        counters = (
+        counters = [
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
             ("num_preemptions", "Requests preempted.", s.num_preemptions),
-        )
-        for name, doc, val in counters:
-            c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
-            c.add_metric(value, float(val))
-            yield c
+        ]
         for key, val in sorted((s.kv_connector or {}).items()):
-            c = CounterMetricFamily(
-                PREFIX + "kv_connector_" + key, f"KV connector counter {key}.", labels=labels
-            )
-            c.add_metric(value, float(val))
-            yield c
+            counters.append(("kv_connector_" + key, f"KV connector counter {key}.", val))
+        for name, doc, val in gauges:
+            yield self._sample(GaugeMetricFamily, name, doc, val)
+        for name, doc, val in counters:
+            yield self._sample(CounterMetricFamily, name, doc, val)
+
+    def _sample(
+        self, family: type[GaugeMetricFamily | CounterMetricFamily], name: str, doc: str, val
+    ) -> Metric:
+        metric = family(PREFIX + name, doc, labels=["model_name"])
+        metric.add_metric([self.model_name], float(val))
+        return metric
 
 
 def make_registry(engine: AsyncEngine, model_name: str) -> CollectorRegistry:

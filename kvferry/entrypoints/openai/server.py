@@ -27,7 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvferry.config import EngineConfig
 from kvferry.engine.async_engine import AsyncEngine
 from kvferry.engine.core_protocol import EngineDeadError
-from kvferry.entrypoints.openai.errors import ApiKeyMiddleware, error_response, install_error_handlers
+from kvferry.entrypoints.openai.errors import ApiKeyMiddleware, exception_response, install_error_handlers
 from kvferry.entrypoints.openai.metrics import make_registry
 from kvferry.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from kvferry.entrypoints.openai.serving_chat import create_chat_completion
@@ -82,7 +82,7 @@ def _add_ops_routes(app: FastAPI, engine: AsyncEngine, served_model_name: str) -
         try:
             engine.check_health()
         except EngineDeadError as exc:
-            return error_response(503, str(exc), "service_unavailable_error")
+            return exception_response(exc)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
