@@ -12,7 +12,7 @@ import itertools
 import pytest
 import torch
 
-from kvferry.connector.nixl.plan import RankView, concat, kv_head_range, plan_read
+from kvferry.connector.nixl.plan import RankView, block_runs, concat, kv_head_range, plan_read
 from kvferry.connector.nixl.protocol import LayerRegion
 from kvferry.kv.spec import Layout
 
@@ -111,3 +111,68 @@ def test_mixed_layouts_fall_back_to_rows():
         ).num_descriptors
         == 0
     )
+
+
+@pytest.mark.parametrize(
+    ("local_ids", "remote_ids", "runs"),
+    [
+        ([3, 4, 5], [0, 1, 2], [(3, 0, 3)]),  # contiguous on both sides
+        ([7], [2], [(7, 2, 1)]),  # a single block
+        ([], [], []),
+        ([9, 8, 7], [5, 4, 3], [(7, 3, 3)]),  # reversed (freed blocks come back last-first)
+        ([3, 4, 6, 7], [0, 1, 2, 3], [(3, 0, 2), (6, 2, 2)]),  # a gap on the local side
+        ([3, 4, 5, 6], [0, 1, 5, 6], [(3, 0, 2), (5, 5, 2)]),  # a gap on the remote side
+        ([1, 2, 3], [6, 5, 4], [(3, 4, 1), (2, 5, 1), (1, 6, 1)]),  # opposite directions: no run
+        ([12, 13, 20], [2, 3, 4], [(12, 2, 2), (20, 4, 1)]),  # prefix-cache hit: a read from block 2 on
+        ([5, 6, 1, 2], [10, 11, 0, 1], [(1, 0, 2), (5, 10, 2)]),  # runs in any order
+    ],
+)
+def test_block_runs(local_ids, remote_ids, runs):
+    assert [tuple(r) for r in block_runs(local_ids, remote_ids).tolist()] == runs
+
+
+def test_reversed_block_ids_read_whole_runs():
+    remote = [_tensor(Layout.HND, HEADS) for _ in range(LAYERS)]
+    local = [_tensor(Layout.HND, HEADS) for _ in range(LAYERS)]
+    names = [f"l{i}" for i in range(LAYERS)]
+    rv, lv = _view(Layout.HND, 1, 0, remote), _view(Layout.HND, 1, 0, local)
+    plan = plan_read(lv, rv, names, [6, 5, 4, 1], [9, 8, 7, 2])
+    # (4,5,6) <- (7,8,9) is one run, 1 <- 2 another: for K and V of each layer
+    assert plan.num_descriptors == LAYERS * 2 * 2
+    assert sorted(plan.local[:, 1].tolist()) == sorted(
+        [BS * HEADS * DIM * 4] * 4 + [3 * BS * HEADS * DIM * 4] * 4
+    )
+
+
+@pytest.mark.parametrize(
+    ("remote_layout", "local_layout", "tps"),
+    [(Layout.NHD, Layout.NHD, (1, 1)), (Layout.HND, Layout.HND, (1, 2)), (Layout.NHD, Layout.HND, (2, 1))],
+)
+def test_runs_with_gaps_and_reversals_move_the_right_blocks(remote_layout, local_layout, tps):
+    """Reversed runs, gaps and a prefix-cache offset (the decoder reads blocks 2.. of the prompt)."""
+    remote_tp, local_tp = tps
+    prompt_remote = [9, 8, 7, 6, 5, 0, 1]  # the prefiller's blocks for the whole prompt
+    remote_ids, local_ids = prompt_remote[2:], [4, 3, 2, 8, 9]  # the decoder hit blocks 0-1
+    gen = torch.Generator().manual_seed(1)
+    full = torch.randn(LAYERS, len(local_ids), 2, BS, HEADS, DIM, generator=gen)
+    names = [f"l{i}" for i in range(LAYERS)]
+    remote = {
+        p: [_tensor(remote_layout, _count(remote_tp, p)) for _ in range(LAYERS)] for p in range(remote_tp)
+    }
+    for p, tensors in remote.items():
+        for layer, tensor in enumerate(tensors):
+            for i, rb in enumerate(remote_ids):
+                _put(tensor, remote_layout, rb, full[layer, i, :, :, _heads(remote_tp, p)])
+    for d in range(local_tp):
+        local = [_tensor(local_layout, _count(local_tp, d)) for _ in range(LAYERS)]
+        lview = _view(local_layout, local_tp, d, local)
+        for p in range(remote_tp):
+            _run(
+                plan_read(lview, _view(remote_layout, remote_tp, p, remote[p]), names, local_ids, remote_ids)
+            )
+        for layer in range(LAYERS):
+            for i, lb in enumerate(local_ids):
+                assert torch.equal(
+                    _get(local[layer], local_layout, lb), full[layer, i, :, :, _heads(local_tp, d)]
+                )
+            assert not local[layer][:, [b for b in range(BLOCKS) if b not in local_ids]].any()
