@@ -24,6 +24,13 @@ class ModelNotFoundError(InvalidRequestError):
     error_type = "NotFoundError"
 
 
+class UnknownRequestError(InvalidRequestError):
+    """The request names something (e.g. a request id) this server does not know: HTTP 404."""
+
+    status_code = 404
+    error_type = "NotFoundError"
+
+
 class ConfigError(KVFerryError, ValueError):
     """A bad engine configuration, reported at start-up."""
 

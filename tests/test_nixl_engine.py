@@ -142,3 +142,31 @@ def test_incompatible_model_is_a_client_error(engines, tiny_qwen2, tiny_llama):
     # The prefill is still held (nobody read it): a genuine decoder can still have it.
     _run(engines[1], [EngineCoreRequest("cmp-d2", prompt, one, time.time(), params)], prefiller)
     _drain(prefiller, engines[1])
+
+
+def test_release_kv_frees_a_prefill_nobody_will_read(engines, tiny_qwen2):
+    """The engine's release (the proxy's client left): the prefiller's pool is all free at
+    once, not at lease expiry; a decoder that still shows up gets a load failure."""
+    prefiller, decoder = engines[0], engines[1]
+    prompt = tokenize_all(tiny_qwen2, PROMPT_TEXTS[:1])[0]
+    one = SamplingParams(max_tokens=1, temperature=0)
+    _, prefilled = _run(
+        prefiller, [EngineCoreRequest("rel-p", prompt, one, time.time(), {"do_remote_decode": True})]
+    )
+    assert prefiller.stats().num_free_blocks < prefiller.stats().num_blocks  # held for a decoder
+    start = time.monotonic()
+    prefiller.release_kv(["rel-p", "never-held"])  # unknown ids are ignored
+    _drain(prefiller)
+    assert time.monotonic() - start < 2.0  # the lease is 20 s
+    prefiller.release_kv(["rel-p"])  # idempotent
+    params = prefilled["rel-p"].kv_transfer_params
+    decoder.add_request(EngineCoreRequest("rel-d", prompt, one, time.time(), params))
+    deadline, outputs = time.monotonic() + 20, []
+    while not outputs:
+        assert time.monotonic() < deadline
+        outputs = decoder.step()
+        if prefiller.has_unfinished_requests():
+            prefiller.step()
+    (out,) = outputs
+    assert out.error is not None and "loading the request's KV cache failed" in out.error, out.error
+    _drain(prefiller, decoder)

@@ -140,9 +140,13 @@ def test_release_and_unknown_reader():
     table = LeaseTable(rank=1, tp=2, total_heads=2)
     table.add(_hold(), now=0.0, wall_now=100.0)
     assert not table.done("p", "dec", 0, consumer_tp=2, ok=True).ok  # decode rank 0 reads prefill rank 0
-    table.release("p")
+    table.release("p", "released by the decoder")
     assert table.take_finished() == {"p"} and len(table) == 0
     assert not table.done("nothing", "dec", 0, consumer_tp=1, ok=True).known
+    table.release("p", "again")  # idempotent: an ended lease stays ended
+    assert not table.take_finished()
+    verdict = table.done("p", "dec", 1, consumer_tp=2, ok=True)
+    assert verdict.known and not verdict.ok and "released by the decoder" in verdict.message
 
 
 # ---- scheduler seam ---------------------------------------------------------------------

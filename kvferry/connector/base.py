@@ -110,6 +110,11 @@ class KVConnectorBase:
         the scheduler keeps the blocks until finished_sending names the request."""
         return False, None
 
+    def release_kept(self, request_ids: list[str]) -> None:
+        """Nobody will consume the KV kept (delay_free) for these finished requests (their
+        client left): free it now, through finished_sending as usual. Unknown or already
+        released ids are ignored. Default: nothing is kept."""
+
     @classmethod
     def prepare_config(cls, engine_config: EngineConfig) -> EngineConfig:
         """Resolve, once and before any half is built, settings every half must agree on

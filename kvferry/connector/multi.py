@@ -172,6 +172,10 @@ class MultiConnector(KVConnectorBase):
             self._delayed[request.req_id] = tuple(delayed)
         return bool(delayed), params
 
+    def release_kept(self, request_ids: list[str]) -> None:
+        for child in self.children:
+            child.release_kept(request_ids)
+
     # ---- worker half ----------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], kv_cache_config: KVCacheConfig) -> None:

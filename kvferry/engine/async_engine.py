@@ -18,6 +18,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -31,13 +32,14 @@ from kvferry.engine.core_protocol import EngineDeadError, Outputs
 from kvferry.engine.input_processor import InputProcessor
 from kvferry.engine.output_processor import OutputProcessor
 from kvferry.engine.types import EngineCoreOutput
-from kvferry.errors import InvalidRequestError, KVFerryError
+from kvferry.errors import InvalidRequestError, KVFerryError, UnknownRequestError
 from kvferry.outputs import RequestOutput
 from kvferry.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 STATS_TIMEOUT_S = 2.0
+MAX_KEPT_KV_IDS = 8192  # finished requests with kv_transfer_params remembered for release_kv
 
 
 class RequestFailedError(KVFerryError, RuntimeError):
@@ -122,6 +124,9 @@ class AsyncEngine:
         self._stats_waiters: list[tuple[int, asyncio.Future]] = []
         self._task: asyncio.Task | None = None
         self._dead: BaseException | None = None
+        # Finished requests whose answer carried kv_transfer_params (the connector may keep
+        # their KV for a remote consumer), oldest first: the ids release_kv accepts.
+        self._kept_kv: OrderedDict[str, None] = OrderedDict()
 
     @classmethod
     def from_config(
@@ -208,6 +213,18 @@ class AsyncEngine:
             return
         self._abort_stream(request_id, stream)
         stream.queue.put_nowait(None)
+
+    def release_kv(self, request_id: str) -> None:
+        """The KV the connector keeps for a finished request's remote consumer will not be
+        read (the client left between prefill and decode): free it now, not at lease expiry.
+
+        Idempotent. Raises UnknownRequestError (HTTP 404) for an id that did not finish here
+        with kv_transfer_params (of the last MAX_KEPT_KV_IDS such requests).
+        """
+        self.check_health()
+        if request_id not in self._kept_kv:
+            raise UnknownRequestError(f"no finished request {request_id!r} has KV kept here", "request_id")
+        self.client.release_kv([request_id])
 
     async def refresh_stats(self, timeout_s: float = STATS_TIMEOUT_S) -> EngineStats:
         """Ask the core for its stats now (e.g. on a /metrics scrape)."""
@@ -330,7 +347,14 @@ class AsyncEngine:
             stream.queue.put_nowait(_request_error(out.error, out.invalid_param))
             return
         iteration.finished.append(self._finished_stats(stream.timing, reason or "stop"))
+        if out.kv_transfer_params is not None:
+            self._remember_kept_kv(out.request_id)
         stream.queue.put_nowait(out)
+
+    def _remember_kept_kv(self, request_id: str) -> None:
+        self._kept_kv[request_id] = None
+        while len(self._kept_kv) > MAX_KEPT_KV_IDS:
+            self._kept_kv.popitem(last=False)
 
     def _fail(self, request_id: str, error: BaseException) -> bool:
         """End an open request's stream with ``error``; False if it is gone or already ended."""

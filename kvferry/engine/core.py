@@ -91,6 +91,12 @@ class EngineCore:
     def abort_requests(self, req_ids: list[str]) -> None:
         self.scheduler.abort_requests(req_ids)
 
+    def release_kv(self, req_ids: list[str]) -> None:
+        """Finished requests whose KV the connector keeps for a remote consumer that will not
+        come (the client left): the connector frees it (unknown ids are ignored)."""
+        if self.connector is not None:
+            self.connector.release_kept(list(req_ids))
+
     def has_unfinished_requests(self) -> bool:
         """Work left for step(): requests to run, finished ids the workers must still drop,
         or KV transfers whose completion frees blocks."""

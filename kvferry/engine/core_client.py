@@ -3,7 +3,7 @@
 Sockets are ``ipc://`` files in a private temporary directory, so any number of engines
 run side by side on one host. The client binds both sockets; the child connects:
 
-    front end  PUSH --(add/abort/stats/shutdown)--> PULL  core
+    front end  PUSH --(add/abort/release_kv/stats/shutdown)--> PULL  core
     front end  PULL <--(Ready | StartupFailed | Outputs)-- PUSH core
 
 Sends never block the event loop: the input socket has no high-water mark and a send to
@@ -27,6 +27,7 @@ from kvferry.engine.core_proc import CoreFactory, make_engine_core, run_core_pro
 from kvferry.engine.core_protocol import (
     REQ_ABORT,
     REQ_ADD,
+    REQ_RELEASE_KV,
     REQ_SHUTDOWN,
     REQ_STATS,
     CoreCodec,
@@ -137,6 +138,10 @@ class CoreClient:
     def abort_requests(self, req_ids: list[str]) -> None:
         if req_ids:
             self._send(REQ_ABORT, list(req_ids))
+
+    def release_kv(self, req_ids: list[str]) -> None:
+        if req_ids:
+            self._send(REQ_RELEASE_KV, list(req_ids))
 
     def request_stats(self) -> int:
         """Ask for fresh stats; the answering Outputs has ``stats_seq`` >= the returned number."""

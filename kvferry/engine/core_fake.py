@@ -1,7 +1,7 @@
 """A deterministic stand-in for EngineCore: the front end's tests run without a model.
 
-It keeps the real core's contract (add / abort / step / has_unfinished_requests / stats /
-shutdown), emits one token per running request per step (token ``i`` of a request is
+It keeps the real core's contract (add / abort / release_kv / step /
+has_unfinished_requests / stats / shutdown), emits one token per running request per step (token ``i`` of a request is
 ``(first_prompt_token + 7 * (i + 1)) % vocab``), finishes on ``max_tokens``, EOS or a stop
 token, and books KV blocks like a paged cache (``ceil(tokens / block_size)`` per request,
 all freed at finish or abort). Magic prompt tokens inject faults:
@@ -118,6 +118,9 @@ class FakeEngineCore:
         for rid in ids & self.running.keys():
             self._free(self.running.pop(rid))
         self.waiting = [r for r in self.waiting if r.req.req_id not in ids]
+
+    def release_kv(self, req_ids: list[str]) -> None:
+        """Nothing to release: finished requests' blocks are freed at once."""
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running or self.waiting)

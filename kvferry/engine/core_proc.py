@@ -3,7 +3,7 @@
 ``run_core_process`` is the target of a spawned child (see ``core_client.CoreClient``):
 
     connect sockets -> build the core -> send Ready (or StartupFailed and exit)
-    loop: drain messages (add / abort / stats / shutdown)
+    loop: drain messages (add / abort / release_kv / stats / shutdown)
           step() while there is work, else block on the input socket
           push Outputs (with the core's latest stats) whenever something changed
 
@@ -36,6 +36,7 @@ from kvferry.config import EngineConfig
 from kvferry.engine.core_protocol import (
     REQ_ABORT,
     REQ_ADD,
+    REQ_RELEASE_KV,
     REQ_SHUTDOWN,
     REQ_STATS,
     CoreCodec,
@@ -60,6 +61,7 @@ class CoreLike(Protocol):
 
     def add_request(self, req: EngineCoreRequest) -> None: ...
     def abort_requests(self, req_ids: list[str]) -> None: ...
+    def release_kv(self, req_ids: list[str]) -> None: ...
     def step(self) -> list[EngineCoreOutput]: ...
     def has_unfinished_requests(self) -> bool: ...
     def stats(self) -> object: ...
@@ -239,6 +241,8 @@ class CoreLoop:
             self._add(payload)
         elif kind == REQ_ABORT:
             self._abort(self.codec.decode_ids(payload))
+        elif kind == REQ_RELEASE_KV:
+            self._release_kv(self.codec.decode_ids(payload))
         elif kind == REQ_STATS:
             self.stats_seq = max(self.stats_seq, self.codec.decode_seq(payload))
         elif kind == REQ_SHUTDOWN:
@@ -270,6 +274,12 @@ class CoreLoop:
             self.core.abort_requests(known)
         except Exception:
             logger.exception("abort_requests failed for %s", known)
+
+    def _release_kv(self, req_ids: list[str]) -> None:
+        try:
+            self.core.release_kv(req_ids)
+        except Exception:
+            logger.exception("release_kv failed for %s", req_ids)
 
     def _step(self) -> list[EngineCoreOutput]:
         try:

@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 REQ_ADD = b"add"  # payload: EngineCoreRequest
 REQ_ABORT = b"abort"  # payload: list[str] (request ids)
 REQ_STATS = b"stats"  # payload: int (sequence number, echoed back in Outputs.stats_seq)
+REQ_RELEASE_KV = b"release_kv"  # payload: list[str] (finished request ids whose kept KV may go)
 REQ_SHUTDOWN = b"shutdown"  # payload: empty
 
 

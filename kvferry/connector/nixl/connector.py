@@ -111,6 +111,9 @@ class NixlConnector(KVConnectorBase):
     ) -> tuple[bool, dict | None]:
         return self.scheduler.request_finished(request, block_ids)
 
+    def release_kept(self, request_ids: list[str]) -> None:
+        self.scheduler.release_kept(request_ids)
+
     # ---- worker half ----------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], kv_cache_config: KVCacheConfig) -> None:

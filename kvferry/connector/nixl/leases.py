@@ -2,8 +2,8 @@
 
 One LeaseTable per prefill worker (TP rank), driven by that worker's side-channel thread.
 A lease starts when the scheduler half's hold reaches the worker and ends when every
-decode rank that reads from this rank reported done, when the decoder releases it, or
-when it expires. Its end puts the request in `finished` (the scheduler then frees the
+decode rank that reads from this rank reported done, when the decoder (or the engine,
+its client gone) releases it, or when it expires. Its end puts the request in `finished` (the scheduler then frees the
 blocks). A decode rank's Done is acknowledged only while the lease holds: the blocks were
 held for the whole read. After the end, every Done gets a negative acknowledgement.
 """
@@ -123,9 +123,10 @@ class LeaseTable:
             self._end(request_id, "read by the decoder")
         return Verdict(True, ok, "")
 
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: str, why: str) -> None:
+        """End a lease nobody will read under (idempotent: an ended or unknown one is left)."""
         if request_id in self.leases:
-            self._end(request_id, "released by the decoder")
+            self._end(request_id, why)
 
     def expire(self, now: float) -> list[str]:
         expired = [rid for rid, lease in self.leases.items() if lease.deadline <= now]

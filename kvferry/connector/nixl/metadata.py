@@ -31,6 +31,7 @@ class NixlConnectorMetadata(KVConnectorMetadata):
     holds: list[Hold] = field(default_factory=list)  # prefills to keep for decoders
     loads: list[LoadSpec] = field(default_factory=list)  # remote KV to read
     cancels: list[str] = field(default_factory=list)  # loads whose request finished meanwhile
+    releases: list[str] = field(default_factory=list)  # holds nobody will read: end their leases
 
 
 _DEFAULTS: dict[str, object] = {

@@ -2,7 +2,8 @@
 
 Prefill side: `request_finished` of a request that asked for remote decode keeps its
 blocks (delay free), queues a Hold for the workers (whose side channels run the lease)
-and returns the kv_transfer_params the proxy hands the decoder.
+and returns the kv_transfer_params the proxy hands the decoder. `release_kept` (the
+proxy's client left before a decoder got the params) ends the leases at once.
 
 Decode side, per request pointing to a remote prefill:
 
@@ -88,6 +89,7 @@ class NixlScheduler:
         self.holds: list[Hold] = []
         self.loads: list[LoadSpec] = []
         self.cancels: list[str] = []
+        self.releases: list[str] = []
         self._last_heartbeat = time.monotonic()
 
     # ---- decode side ------------------------------------------------------------------
@@ -283,8 +285,8 @@ class NixlScheduler:
                 self._advance(state)  # requests still waiting for their turn
         self.clients.receive()
         self._heartbeat()
-        meta = NixlConnectorMetadata(self.holds, self.loads, self.cancels)
-        self.holds, self.loads, self.cancels = [], [], []
+        meta = NixlConnectorMetadata(self.holds, self.loads, self.cancels, self.releases)
+        self.holds, self.loads, self.cancels, self.releases = [], [], [], []
         return meta
 
     def update_connector_output(self, finished_recving: set[str]) -> None:
@@ -305,6 +307,12 @@ class NixlScheduler:
         if self.role == "consumer" or not wants_remote_decode(request.kv_transfer_params):
             return False, None
         return self._hold(request, block_ids)
+
+    def release_kept(self, request_ids: list[str]) -> None:
+        """Prefill side: end these holds' leases (every worker frees; unknown ids are ignored).
+        A hold still queued goes out in the same metadata, and workers apply holds first."""
+        if self.role != "consumer":
+            self.releases.extend(request_ids)
 
     def _hold(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         num_tokens = request.num_prompt_tokens

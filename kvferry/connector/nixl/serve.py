@@ -57,6 +57,11 @@ class ProducerService:
         if holds and self.waiting:
             self._retry(now, final=False)
 
+    def release(self, request_ids: list[str]) -> None:
+        """The engine's own release: nobody will read these prefills (their client left)."""
+        for request_id in request_ids:
+            self.table.release(request_id, "released: its client left")
+
     def serve(self) -> None:
         now = time.monotonic()
         for identity, message in self.server.receive():
@@ -74,7 +79,7 @@ class ProducerService:
         elif isinstance(message, Heartbeat):
             self.table.heartbeat(message.request_ids, now)
         elif isinstance(message, Release):
-            self.table.release(message.request_id)
+            self.table.release(message.request_id, "released by the decoder")
         elif not self._answer(identity, message, now, final=False):
             self.waiting.append(_Waiting(now + self.grace_s, identity, message))
 

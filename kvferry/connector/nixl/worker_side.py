@@ -107,7 +107,7 @@ class TransferThread(threading.Thread):
         self._expired_seen = 0
 
     def submit(self, meta: NixlConnectorMetadata) -> None:
-        if not (meta.holds or meta.loads or meta.cancels):
+        if not (meta.holds or meta.loads or meta.cancels or meta.releases):
             return
         with self._lock:
             self._inbox.append(meta)
@@ -172,8 +172,9 @@ class TransferThread(threading.Thread):
         self.agent.progress()
 
     def _apply(self, meta: NixlConnectorMetadata) -> None:
-        if self.producer is not None and meta.holds:
-            self.producer.hold(meta.holds)
+        if self.producer is not None:
+            self.producer.hold(meta.holds)  # before the releases: a hold may end in the same step
+            self.producer.release(meta.releases)
         if self.consumer is not None:
             for spec in meta.loads:
                 self.consumer.add(spec)

@@ -143,3 +143,12 @@ class ChatCompletionRequest(_CommonRequest):
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.to_template_dict() for m in self.messages]
+
+
+class KVReleaseRequest(BaseModel):
+    """POST /v1/kv_transfer/release: the KV kept for this finished request's remote consumer
+    (the prefill's ``remote_request_id``) will not be read: free it now."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    request_id: str = Field(min_length=1)

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: ``build_app`` (FastAPI) and ``run_server`` (uvicorn).
 
     /v1/completions, /v1/chat/completions   (SSE when "stream": true)
+    /v1/kv_transfer/release                  free the KV kept for a remote decoder now
     /v1/models, /health, /metrics (Prometheus text)
 
 The engine core runs in its own process (AsyncEngine), so request handling, tokenizing
@@ -29,7 +30,7 @@ from kvferry.engine.async_engine import AsyncEngine
 from kvferry.engine.core_protocol import EngineDeadError
 from kvferry.entrypoints.openai.errors import ApiKeyMiddleware, exception_response, install_error_handlers
 from kvferry.entrypoints.openai.metrics import make_registry
-from kvferry.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from kvferry.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, KVReleaseRequest
 from kvferry.entrypoints.openai.serving_chat import create_chat_completion
 from kvferry.entrypoints.openai.serving_common import ServerState
 from kvferry.entrypoints.openai.serving_completions import create_completion
@@ -68,6 +69,13 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(body, request, state)
+
+    @v1.post("/kv_transfer/release")
+    async def release_kv(body: KVReleaseRequest) -> dict:
+        """Free the KV kept for a finished prefill whose decoder will not come (404: unknown
+        id; idempotent). The proxy calls it when its client leaves between the two legs."""
+        engine.release_kv(body.request_id)
+        return {"request_id": body.request_id, "released": True}
 
     app.include_router(v1)
     _add_ops_routes(app, engine, served_model_name)
