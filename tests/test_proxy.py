@@ -197,6 +197,7 @@ def test_each_request_is_prefilled_then_decoded_round_robin(deploy) -> None:
     assert dec["max_tokens"] == 5 and dec["kv_transfer_params"] == {
         "engine_id": "prefill0",
         "first_token_id": 7,
+        "remote_request_id": "prefill0-0",
     }
 
 
@@ -363,3 +364,27 @@ def _wait(cond, timeout: float = 5.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.02)
+
+
+def test_a_leg_without_a_decoder_answer_releases_the_prefill(deploy) -> None:
+    """The client leaves (or the decoder fails) after the prefill answered: the proxy asks
+    that prefill instance to free the KV it keeps for the leg; a decoded leg releases nothing."""
+    d = deploy(2, 1)
+    prefill = {f.name: f for f in d.prefill}
+    assert httpx.post(d.url + "/v1/completions", json={"prompt": "hi"}, timeout=10).status_code == 200
+    d.decode[0].delay = 3.0
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up while the decoder works
+        httpx.post(d.url + "/v1/completions", json={"prompt": "hi"}, timeout=1.0)
+    _wait(lambda: prefill["prefill1"].released == ["prefill1-0"])
+    body = {"prompt": "hi", "stream": True, "temperature": 0}
+    with httpx.stream("POST", d.url + "/v1/completions", json=body, timeout=10) as resp:
+        first = next(line for line in resp.iter_lines() if line)  # the early token, then leave
+    assert json.loads(first[6:])["choices"][0]["text"] == FIRST
+    _wait(lambda: prefill["prefill0"].released == ["prefill0-1"])
+    d.decode[0].delay = 0.0
+    d.decode[0].fail_status = 400
+    for stream in (False, True):
+        httpx.post(d.url + "/v1/completions", json={**body, "stream": stream}, timeout=10)
+    _wait(lambda: prefill["prefill1"].released == ["prefill1-0", "prefill1-1"])
+    _wait(lambda: prefill["prefill0"].released == ["prefill0-1", "prefill0-2"])
+    assert prefill["prefill0"].requests[0]["kv_transfer_params"] == {"do_remote_decode": True}

@@ -1,8 +1,9 @@
 """Test helpers (no tests): free ports, uvicorn apps in threads, and fake OpenAI instances.
 
 A fake instance answers like a kvferry server would: a prefill request (max_tokens=1)
-gets ``FIRST`` and ``kv_transfer_params``; any other request gets ``ANSWER`` (streamed
-in ``ANSWER_CHUNKS`` when asked). It records every body it receives.
+gets ``FIRST`` and ``kv_transfer_params`` (``remote_request_id``: ``<name>-<n>``); any
+other request gets ``ANSWER`` (streamed in ``ANSWER_CHUNKS`` when asked). It records
+every body it receives, and the ids ``POST /v1/kv_transfer/release`` names.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class FakeInstance:
     def __init__(self, name: str) -> None:
         self.name = name
         self.requests: list[dict] = []
+        self.released: list[str] = []
         self.health = 200
         self.fail_status: int | None = None
         self.delay = 0.0
@@ -86,6 +88,12 @@ class FakeInstance:
         @app.get("/v1/models")
         async def models() -> dict:
             return {"object": "list", "data": [{"id": "fake", "object": "model", "owned_by": self.name}]}
+
+        @app.post("/v1/kv_transfer/release")
+        async def release(request: Request) -> dict:
+            body = await request.json()
+            self.released.append(body["request_id"])
+            return {"request_id": body["request_id"], "released": True}
 
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:
@@ -105,7 +113,11 @@ class FakeInstance:
             return _error(self.fail_status, f"{self.name} refuses")
         if body.get("max_tokens") == 1 and body.get("kv_transfer_params", {}).get("do_remote_decode"):
             answer = _full(FIRST, chat, usage=1)
-            answer["kv_transfer_params"] = {"engine_id": self.name, "first_token_id": 7}
+            answer["kv_transfer_params"] = {
+                "engine_id": self.name,
+                "first_token_id": 7,
+                "remote_request_id": f"{self.name}-{len(self.requests) - 1}",
+            }
             return JSONResponse(answer)
         if body.get("stream"):
             return StreamingResponse(_stream(chat, body), media_type="text/event-stream")

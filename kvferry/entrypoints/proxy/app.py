@@ -70,6 +70,7 @@ def build_app(config: ProxyConfig) -> FastAPI:
         finally:
             checks.cancel()
             await asyncio.gather(checks, return_exceptions=True)
+            await ctx.cancel_background()
             await client.aclose()
 
     app = FastAPI(title="kvferry proxy", docs_url=None, redoc_url=None, lifespan=lifespan)

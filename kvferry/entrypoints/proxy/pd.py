@@ -9,6 +9,14 @@ and the decoder outputs that token instead of sampling its own (it still spends 
 token's draw, so a seeded answer equals a colocated engine's). That is what lets the
 streamed flow send the prefiller's token to the client before the decoder answers, for
 sampled requests as much as greedy ones.
+
+A leg that ends with the prefill's answer in hand but no decoder's (the client left, or
+the decode leg failed) asks the prefill instance that answered to free the KV it keeps
+for the leg (``POST /v1/kv_transfer/release`` with the params' ``remote_request_id``), in
+the background, instead of leaving it held until the lease expires. A decoder that did
+answer frees it itself (by reading it, or by releasing it when its request is aborted);
+the release is idempotent, so one sent while a decoder also had the params is harmless
+(a read it cut short is refused by the prefiller, never silently wrong).
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from typing import Any, TypeVar
 
 from kvferry.entrypoints.proxy.errors import BadRequestError
 from kvferry.entrypoints.proxy.metrics import ProxyMetrics
-from kvferry.entrypoints.proxy.pool import InstancePool
+from kvferry.entrypoints.proxy.pool import Instance, InstancePool
 from kvferry.entrypoints.proxy.upstream import Upstream
 
 logger = logging.getLogger(__name__)
@@ -43,9 +51,22 @@ class ProxyContext:
     metrics: ProxyMetrics
     early_first_token: bool = True
     pools: list[InstancePool] = field(init=False)
+    background: set[asyncio.Task] = field(init=False, default_factory=set)
 
     def __post_init__(self) -> None:
         self.pools = [self.prefill, self.decode]
+
+    def spawn(self, work: Awaitable[None]) -> None:
+        """Run ``work`` outside the calling request (which may be being cancelled)."""
+        task = asyncio.ensure_future(work)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def cancel_background(self) -> None:
+        tasks = list(self.background)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def split_legs(path: str, body: dict) -> list[dict]:
@@ -119,6 +140,20 @@ def stop_may_cut(text: str, stop: object) -> bool:
     return any(s and (s in text or any(text.endswith(s[:k]) for k in range(1, len(s)))) for s in stops)
 
 
+def kept_request_id(prefill_response: dict) -> str | None:
+    """The prefill instance's id of the request whose KV it keeps for this leg (None: none)."""
+    params = prefill_response.get("kv_transfer_params")
+    request_id = params.get("remote_request_id") if isinstance(params, dict) else None
+    return request_id if isinstance(request_id, str) and request_id else None
+
+
+def release_abandoned(ctx: ProxyContext, prefill: Prefilled, headers: dict[str, str]) -> None:
+    """No decoder answered for this leg: have the prefill instance free the KV it keeps."""
+    request_id = kept_request_id(prefill.response)
+    if request_id is not None:
+        ctx.spawn(ctx.upstream.release_kv(ctx.prefill, prefill.instance, request_id, headers))
+
+
 def wants_logprobs(path: str, body: dict) -> bool:
     if path == CHAT:
         return bool(body.get("logprobs"))
@@ -143,16 +178,29 @@ async def gather_all(work: Sequence[Awaitable[T]]) -> list[T]:
         raise
 
 
-async def run_prefill(ctx: ProxyContext, path: str, body: dict, headers: dict[str, str]) -> dict:
+@dataclass(frozen=True)
+class Prefilled:
+    """A prefill's answer and the instance that gave it (which keeps the leg's KV)."""
+
+    instance: Instance
+    response: dict
+
+
+async def run_prefill(ctx: ProxyContext, path: str, body: dict, headers: dict[str, str]) -> Prefilled:
     start = time.monotonic()
-    _, response = await ctx.upstream.post_json(ctx.prefill, path, prefill_body(path, body), headers)
+    inst, response = await ctx.upstream.post_json(ctx.prefill, path, prefill_body(path, body), headers)
     ctx.metrics.prefill_done(time.monotonic() - start)
-    return response
+    return Prefilled(inst, response)
 
 
 async def run_leg(ctx: ProxyContext, path: str, body: dict, headers: dict[str, str]) -> dict:
     prefill = await run_prefill(ctx, path, body, headers)
-    _, answer = await ctx.upstream.post_json(ctx.decode, path, decode_body(body, prefill), headers)
+    decode = decode_body(body, prefill.response)
+    try:
+        _, answer = await ctx.upstream.post_json(ctx.decode, path, decode, headers)
+    except BaseException:  # also a cancellation: the client left
+        release_abandoned(ctx, prefill, headers)
+        raise
     return answer
 
 

@@ -14,6 +14,9 @@ instead of being spliced from two instances. In those cases the decoder's stream
 opened before the response starts (so its errors keep their HTTP status) and passed
 through.
 
+A leg that ends before its decoder answered (the client left, a decoder failed) asks the
+prefill instance to release the KV it keeps for the leg (see pd.py).
+
 All chunks get the proxy's id and their leg's choice index; usage chunks are summed into
 one at the end. An error after the response started is sent in-stream as an OpenAI error
 body, like the server does, then ``[DONE]``.
@@ -33,11 +36,13 @@ from typing import Any
 from kvferry.entrypoints.proxy.errors import exception_event_body
 from kvferry.entrypoints.proxy.pd import (
     CHAT,
+    Prefilled,
     ProxyContext,
     decode_body,
     decoder_repeats_first_token,
     first_text,
     gather_all,
+    release_abandoned,
     run_prefill,
     split_legs,
     stop_may_cut,
@@ -65,14 +70,14 @@ class StreamLeg:
         self.index = index
         self.body = body
         self.headers = headers
-        self.prefill: dict = {}
+        self.prefill: Prefilled | None = None
         self.early: str | None = None  # the prefill's text, sent before the decoder's stream
         self.pending = ""  # early text still to drop from the decoder's stream
         self.stream: UpstreamStream | None = None
 
     async def prepare(self, allow_early: bool) -> None:
         self.prefill = await run_prefill(self.ctx, self.path, self.body, self.headers)
-        text = first_text(self.path, self.prefill)
+        text = first_text(self.path, self.prefill.response)
         if allow_early and self._can_send_early(text):
             self.early = text
         else:
@@ -82,18 +87,18 @@ class StreamLeg:
         return (
             bool(text)
             and REPLACEMENT_CHAR not in text
-            and decoder_repeats_first_token(self.body, self.prefill)
+            and decoder_repeats_first_token(self.body, self.prefill.response)
             and not stop_may_cut(text, self.body.get("stop"))
         )
 
     async def _open_decoder(self) -> None:
-        body = decode_body(self.body, self.prefill)
+        body = decode_body(self.body, self.prefill.response)
         self.stream = await self.ctx.upstream.open_stream(self.ctx.decode, self.path, body, self.headers)
 
     async def chunks(self) -> AsyncIterator[dict]:
         """Chunks for the client; an ``{"error": ...}`` chunk ends the leg."""
         if self.early is not None:
-            for chunk in early_chunks(self.path, self.prefill, self.early):
+            for chunk in early_chunks(self.path, self.prefill.response, self.early):
                 yield chunk
             self.pending = self.early
             await self._open_decoder()
@@ -117,8 +122,13 @@ class StreamLeg:
         return chunk
 
     async def aclose(self) -> None:
-        if self.stream is not None:
-            await self.stream.aclose()
+        """Drop the decoder's stream; with none opened, release the prefill's kept KV (no
+        await before that: the caller may be in a cancelled scope)."""
+        if self.stream is None:
+            if self.prefill is not None:
+                release_abandoned(self.ctx, self.prefill, self.headers)
+            return
+        await self.stream.aclose()
 
 
 def early_chunks(path: str, prefill: dict, text: str) -> list[dict]:

@@ -21,6 +21,8 @@ from kvferry.entrypoints.proxy.pool import Instance, InstancePool
 logger = logging.getLogger(__name__)
 
 SSE_DONE = object()  # what iter_sse yields for "data: [DONE]"
+RELEASE_KV_PATH = "/v1/kv_transfer/release"
+RELEASE_TIMEOUT_S = 5.0
 _RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout)
 
 
@@ -79,6 +81,28 @@ class Upstream:
         if not isinstance(data, dict):
             raise UpstreamUnavailableError(f"{pool.role} instance {inst.url} sent a non-object answer")
         return inst, data
+
+    async def release_kv(
+        self, pool: InstancePool, inst: Instance, request_id: str, headers: dict[str, str]
+    ) -> None:
+        """Ask ``inst`` to free the KV it keeps for ``request_id``; failures are only logged
+        (the instance's lease frees it in the end)."""
+        url = inst.url + RELEASE_KV_PATH
+        try:
+            resp = await self.client.post(
+                url, json={"request_id": request_id}, headers=headers, timeout=RELEASE_TIMEOUT_S
+            )
+        except httpx.HTTPError as exc:
+            self.metrics.upstream(pool.role, inst.url, "error")
+            logger.warning(
+                "could not release %s on %s: %s: %s", request_id, inst.url, type(exc).__name__, exc
+            )
+            return
+        self.metrics.upstream(pool.role, inst.url, str(resp.status_code))
+        if resp.status_code != 200:
+            logger.warning(
+                "%s refused to release %s: HTTP %d %s", inst.url, request_id, resp.status_code, resp.text
+            )
 
     async def get_json(self, pool: InstancePool, path: str, headers: dict[str, str]) -> dict:
         _, resp = await self._send(pool, "GET", path, None, headers, stream=False)

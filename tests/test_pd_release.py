@@ -1,0 +1,143 @@
+"""Releasing a prefill nobody will read: POST /v1/kv_transfer/release and the proxy.
+
+Over the fake core: the endpoint's contract (API key, 400 for a bad body, 404 for an id
+that did not finish here with kv_transfer_params, idempotent 200). With real processes: a
+`kvferry serve` prefiller (NixlConnector, 30 s leases) behind the proxy, whose decoder
+never answers; a client that leaves once the prefill is done (non-streamed: while the
+proxy waits for the decoder; streamed: after the early first token) gets the prefiller's
+pool back to all free within seconds, not at lease expiry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from kvferry.entrypoints.proxy.app import build_app as build_proxy
+from kvferry.entrypoints.proxy.config import ProxyConfig
+from tests.test_pd_support import MODEL as PD_MODEL
+from tests.test_pd_support import Server, nixl, start_server, stop, wait_healthy, wait_idle
+from tests.test_proxy_fakes import serve_in_thread as serve_app
+from tests.test_server_api import KEY, MODEL, make_engine, serve_in_thread
+
+RELEASE = "/v1/kv_transfer/release"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+LEASE_S = 30.0
+PROMPT, FIRST_TEXT = "Count from 3 to ten.", " hungry"  # the tiny llama's greedy first token
+
+
+def test_release_endpoint_contract(tiny_llama: Path) -> None:
+    engine = make_engine(tiny_llama)
+    uv, thread, url = serve_in_thread(engine)
+    try:
+        with httpx.Client(base_url=url, headers=AUTH, timeout=10) as http:
+            assert httpx.post(url + RELEASE, json={"request_id": "x"}).status_code == 401
+            for bad in ({}, {"request_id": 5}, {"request_id": ""}):
+                assert http.post(RELEASE, json=bad).status_code == 400, bad
+            unknown = http.post(RELEASE, json={"request_id": "cmpl-nobody-0"})
+            assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "NotFoundError"
+            body = {"model": MODEL, "prompt": [400], "max_tokens": 1}
+            plain = http.post("/v1/completions", json=body).json()["id"]
+            assert http.post(RELEASE, json={"request_id": f"{plain}-0"}).status_code == 404
+            kept = http.post(
+                "/v1/completions", json={**body, "kv_transfer_params": {"do_remote_decode": True}}
+            ).json()["id"]
+            for _ in range(2):  # idempotent
+                resp = http.post(RELEASE, json={"request_id": f"{kept}-0"})
+                assert resp.status_code == 200 and resp.json() == {
+                    "request_id": f"{kept}-0",
+                    "released": True,
+                }
+    finally:
+        uv.should_exit = True
+        thread.join(10)
+        engine.shutdown()
+
+
+def stalled_decoder() -> FastAPI:
+    """A decode instance that is healthy but never answers a request."""
+    app = FastAPI()
+    app.state.requests = 0
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> JSONResponse:
+        app.state.requests += 1
+        await asyncio.sleep(3600)
+        return JSONResponse({})
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def deployment(
+    tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Server, str, FastAPI]]:
+    """(the prefill server, the proxy's URL, the stalled decoder's app)."""
+    logs = tmp_path_factory.mktemp("pd_release")
+    kv = nixl("producer", lease_s=LEASE_S)
+    prefiller = start_server(tiny_llama, logs, "prefill", kv, args=("--api-key", KEY))
+    decoder = stalled_decoder()
+    try:
+        wait_healthy([prefiller])
+        with serve_app(decoder) as decode_url:
+            config = ProxyConfig((prefiller.url,), (decode_url,), api_key=KEY, health_interval_s=60.0)
+            with serve_app(build_proxy(config)) as proxy_url:
+                yield prefiller, proxy_url, decoder
+    finally:
+        codes = stop([prefiller])
+    assert codes == [0], prefiller.tail()
+
+
+def held_blocks(server: Server) -> float:
+    m = server.metrics()
+    return m["num_blocks"] - m["num_free_blocks"] if m["num_requests_running"] == 0 else 0.0
+
+
+async def leave_after_the_prefill(proxy_url: str, prefiller: Server, stream: bool) -> None:
+    """Send a request through the proxy and hang up once the prefill is done: streamed, at
+    the prefiller's token (sent early); else once the prefiller holds the prompt's KV."""
+    body = {"model": PD_MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stream": stream}
+    early = asyncio.Event()
+    async with httpx.AsyncClient(headers=AUTH, timeout=60) as http:
+
+        async def ask() -> None:
+            async with http.stream("POST", proxy_url + "/v1/completions", json=body) as resp:
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: {"):
+                        assert json.loads(line[6:])["choices"][0]["text"] == FIRST_TEXT
+                        early.set()
+
+        async def prefilled() -> bool:
+            return early.is_set() if stream else bool(await asyncio.to_thread(held_blocks, prefiller))
+
+        task = asyncio.ensure_future(ask())
+        deadline = time.monotonic() + 60
+        while not await prefilled():
+            assert time.monotonic() < deadline and not task.done(), "the prefill did not finish"
+            await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_leaving_between_prefill_and_decode_frees_the_prefill(deployment, stream: bool) -> None:
+    prefiller, proxy_url, decoder = deployment
+    seen = decoder.state.requests
+    start = time.monotonic()
+    asyncio.run(leave_after_the_prefill(proxy_url, prefiller, stream))
+    wait_idle(prefiller, timeout=LEASE_S / 3)
+    assert time.monotonic() - start < LEASE_S / 3
+    assert decoder.state.requests == seen + 1  # the decode leg had started, and stalled
+    assert prefiller.metrics().get("kv_connector_nixl_expired_leases", 0.0) == 0.0
