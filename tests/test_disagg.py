@@ -228,7 +228,9 @@ def test_sigterm_leaves_nothing_behind(deployment: Deployment) -> None:
     assert code == 0, deployment.log.read_text()[-4000:]
     left = {pid for pid, start in family.items() if _proc_start_time(pid) == start}
     assert not left, f"processes left behind: {left}"
-    assert "all stopped" in deployment.log.read_text()
+    log = deployment.log.read_text()
+    assert "all stopped" in log
+    assert log.count("stopped (exit code 0)") == 3, log[-4000:]  # proxy, prefill, decode: clean exits
 
 
 def _metric(url: str, name: str) -> float:
@@ -261,11 +263,11 @@ def test_an_instance_that_dies_while_starting_is_reported_with_its_log(tmp_path:
     assert "no model at /nowhere" in str(err.value)
 
 
-def test_stop_kills_what_ignores_sigint_and_its_whole_group(tmp_path: Path) -> None:
+def test_stop_kills_what_ignores_sigterm_and_its_whole_group(tmp_path: Path) -> None:
     stubborn = (
-        "import signal, subprocess, sys, time; signal.signal(signal.SIGINT, signal.SIG_IGN);"
+        "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN);"
         "p = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
-        "signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(60)']);"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)']);"
         "print(p.pid, flush=True); time.sleep(60)"
     )
     polite = _child(tmp_path, "proxy", "import time; time.sleep(60)")

@@ -4,8 +4,8 @@ Starts N prefill instances (``kvferry serve``, KV connector role producer), M de
 instances (role consumer) and the proxy, each a subprocess in its own process group with
 a free port and a log file; waits until every one is healthy (on failure: its log tail,
 and everything started so far is stopped); prints the proxy URL; on Ctrl-C or SIGTERM
-stops the proxy, then the instances (SIGINT, then SIGKILL of the whole group after a
-grace period), leaving no process behind. Children also get SIGINT if the launcher dies.
+stops the proxy, then the instances (SIGTERM, then SIGKILL of the whole group after a
+grace period), leaving no process behind. Children also get SIGTERM if the launcher dies.
 
 ``--kv-connector none`` starts colocated instances without a connector: the decoder then
 recomputes the prompt and ignores the prefill's ``kv_transfer_params``.
@@ -186,13 +186,13 @@ def _port_free(host: str, port: int) -> bool:
 
 
 def _die_with_parent(parent: int) -> None:
-    """In the child, before exec: get SIGINT when the launcher dies (Linux)."""
+    """In the child, before exec: get SIGTERM when the launcher dies (Linux)."""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGINT)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):
         return
     if os.getppid() != parent:  # the launcher died before prctl took effect
-        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def spawn(child: Child) -> None:
@@ -242,16 +242,16 @@ def wait_healthy(children: list[Child], deadline: float, stop: threading.Event) 
 
 
 def stop_all(children: list[Child], grace: float) -> None:
-    """SIGINT each started child (in order), wait up to ``grace``, then SIGKILL whatever is left
+    """SIGTERM each started child (in order), wait up to ``grace``, then SIGKILL whatever is left
     of each one's process group (its engine core, TP workers).
 
-    SIGINT, not SIGTERM: uvicorn re-raises SIGTERM after its shutdown, which ends `kvferry
-    serve` before it stops its engine core; SIGINT lets it stop the core itself.
+    `kvferry serve` and `kvferry proxy` stop cleanly on SIGTERM (open requests end with an
+    error, the engine core is shut down), as under any process manager.
     """
     started = [c for c in children if c.proc is not None]
     for child in started:
         if child.proc.poll() is None:
-            _signal_group_leader(child, signal.SIGINT)
+            _signal_group_leader(child, signal.SIGTERM)
     begin = time.monotonic()
     pending = list(started)
     while pending and time.monotonic() < begin + grace:

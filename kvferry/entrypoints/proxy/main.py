@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 
 from kvferry.entrypoints.proxy.config import POLICIES, ProxyConfig
 
@@ -60,4 +61,12 @@ def run(args: argparse.Namespace) -> None:
         config.policy,
     )
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again for the
+    # handler it replaced: this one, so a stop asked for ends with exit code 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _exit_zero)
     uvicorn.run(app, host=args.host, port=args.port, log_level=level, timeout_graceful_shutdown=5)
+
+
+def _exit_zero(signum: int, _frame: object) -> None:
+    raise SystemExit(0)
