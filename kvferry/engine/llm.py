@@ -10,6 +10,7 @@ from kvferry.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerC
 from kvferry.engine.core import EngineCore, EngineStats
 from kvferry.engine.input_processor import InputProcessor
 from kvferry.engine.output_processor import OutputProcessor
+from kvferry.errors import InvalidRequestError
 from kvferry.model.resolve import resolve_model_config
 from kvferry.model.tokenizer import load_tokenizer
 from kvferry.outputs import RequestOutput
@@ -17,7 +18,22 @@ from kvferry.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | list[int]
+# Text, token ids, or (as vLLM takes them) {"prompt": text} / {"prompt_token_ids": ids}.
+Prompt = str | list[int] | dict
+
+
+def prompt_input(prompt: Prompt) -> str | list[int]:
+    """The text or token ids a prompt stands for."""
+    if not isinstance(prompt, dict):
+        return prompt
+    if len(prompt) == 1 and "prompt" in prompt:
+        return prompt["prompt"]
+    if len(prompt) == 1 and isinstance(prompt.get("prompt_token_ids"), list):
+        return prompt["prompt_token_ids"]  # its items are checked with any token-id prompt
+    raise InvalidRequestError(
+        f"a prompt dict holds one key, 'prompt' (text) or 'prompt_token_ids' (a list), not {prompt!r:.80}",
+        param="prompt",
+    )
 
 
 class LLM:
@@ -64,10 +80,11 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (
+        if isinstance(prompts, str | dict) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
+        prompts = [prompt_input(prompt) for prompt in prompts]
         params = params or SamplingParams()
         param_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(param_list) != len(prompts):
