@@ -5,7 +5,7 @@ import torch
 from kvferry.sampling_params import SamplingParams
 from kvferry.scheduler.output import NewRequestData
 from kvferry.worker.request_state import RequestState, build_sampling_batch
-from kvferry.worker.sampler import Sampler
+from kvferry.worker.sampler import Sampler, sample_inverse_cdf
 
 VOCAB = 50
 
@@ -14,7 +14,7 @@ def _states(params_list, prompt=(1, 2, 3), outputs=()):
     states = []
     for i, params in enumerate(params_list):
         data = NewRequestData(str(i), list(prompt) + list(outputs), len(prompt), params, ([0],), 0)
-        states.append(RequestState.from_new(data, VOCAB))
+        states.append(RequestState.from_new(data))
     return states
 
 
@@ -57,6 +57,28 @@ def test_temperature_sampling_follows_the_distribution():
         counts[tokens[0]] += 1
     freq = counts[:3] / 2000
     assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.04)
+
+
+def test_tokens_outside_top_k_or_of_probability_zero_are_never_drawn():
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(11))
+    logits[3, 5:] = float("-inf")  # only tokens 0..4 possible
+    sampler = Sampler(torch.Generator().manual_seed(12))
+    params = [SamplingParams(temperature=2.0, top_k=3)] * 3 + [SamplingParams(temperature=5.0)]
+    states = _states(params)
+    allowed = [set(logits[row].topk(3).indices.tolist()) for row in range(3)] + [set(range(5))]
+    seen: list[set[int]] = [set() for _ in range(4)]
+    for _ in range(500):
+        tokens, _ = sampler(logits, build_sampling_batch(states))
+        for row, token in enumerate(tokens):
+            assert token in allowed[row]
+            seen[row].add(token)
+    assert seen == allowed  # and every allowed token does come up
+
+
+def test_inverse_cdf_picks_the_token_whose_interval_holds_the_draw():
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.5, 0.25]] * 5)
+    draws = torch.tensor([[0.0], [0.2499], [0.25], [0.7501], [0.999999]], dtype=torch.float64)
+    assert sample_inverse_cdf(probs, draws).tolist() == [1, 1, 3, 4, 4]
 
 
 def test_seeded_request_is_reproducible_whatever_the_batch():
@@ -121,7 +143,7 @@ def test_logprobs_of_sampled_token_and_top_alternatives():
 
 def _forced_state(params, forced, prompt=(1, 2, 3), outputs=()):
     data = NewRequestData("f", list(prompt) + list(outputs), len(prompt), params, ([0],), 0, forced)
-    return RequestState.from_new(data, VOCAB)
+    return RequestState.from_new(data)
 
 
 def _decode(sampler, logits, state, steps):

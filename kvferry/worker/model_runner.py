@@ -26,7 +26,6 @@ class ModelRunner:
         self.config = config
         self.model = model
         self.device = device
-        self.vocab_size = config.model.vocab_size
         self.sampler = Sampler(torch.Generator(device="cpu").manual_seed(config.seed))
         self.states: dict[str, RequestState] = {}
         self.kv_config: KVCacheConfig | None = None
@@ -121,7 +120,7 @@ class ModelRunner:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             self.states.pop(req_id, None)
         for data in so.scheduled_new_reqs:
-            self.states[data.req_id] = RequestState.from_new(data, self.vocab_size)
+            self.states[data.req_id] = RequestState.from_new(data)
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, num_computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True

@@ -8,7 +8,7 @@ import torch
 
 from kvferry.sampling_params import SamplingParams
 from kvferry.scheduler.output import NewRequestData
-from kvferry.worker.sampler import SamplingBatch
+from kvferry.worker.sampler import SamplingBatch, draw_one
 
 
 @dataclass
@@ -23,15 +23,15 @@ class RequestState:
     forced_first_token_id: int | None = None  # the first sample yields this token
 
     @classmethod
-    def from_new(cls, data: NewRequestData, vocab_size: int) -> RequestState:
+    def from_new(cls, data: NewRequestData) -> RequestState:
         generator = None
         if data.sampling_params.seed is not None and not data.sampling_params.greedy:
             generator = torch.Generator().manual_seed(data.sampling_params.seed)
-            # A request resumed after preemption already drew one noise row per output token:
-            # replay those draws so its seeded stream continues where it stopped.
+            # A request resumed after preemption already drew once per output token: replay
+            # those draws so its seeded stream continues where it stopped.
             num_outputs = len(data.token_ids) - data.num_prompt_tokens
             for _ in range(num_outputs):
-                torch.empty(vocab_size).exponential_(generator=generator)
+                draw_one(generator)
         return cls(
             req_id=data.req_id,
             token_ids=list(data.token_ids),

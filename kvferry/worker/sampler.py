@@ -1,7 +1,10 @@
 """Sampling on the device: penalties, temperature, top-k, top-p, min-p, seeds, logprobs.
 
-Seeded requests draw their noise from their own generator, one draw per sampled token,
-so a seed reproduces the same tokens whatever else shares the batch.
+A row is sampled by inverse CDF: one uniform draw u, then the first token whose cumulative
+probability exceeds u. Seeded requests draw from their own generator, one draw per sampled
+token, so a seed reproduces the same tokens whatever else shares the batch. (An
+exponential race, argmax(p / Exp(1) noise), needs a draw per vocabulary entry: 78 ms per
+step for 64 rows of a 49k vocabulary on 2 CPU cores, against 4 ms for this.)
 
 A row may come with a forced token (a P/D decoder's first token is the prefiller's): the
 row is sampled as usual, then its token replaced. Sampling it first keeps the one draw per
@@ -72,18 +75,30 @@ class Sampler:
         probs = torch.softmax(scaled, dim=-1)
         if bool((batch.min_p > 0).any()):
             probs = apply_min_p(probs, batch.min_p)
-        noise = self._exponential_noise(probs.shape, batch.generators)
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = sample_inverse_cdf(probs, self._uniform_draws(probs.shape[0], batch.generators))
         return torch.where(greedy, logits.argmax(dim=-1), sampled)
 
-    def _exponential_noise(self, shape: torch.Size, generators: list[torch.Generator | None]) -> torch.Tensor:
-        """Exponential(1) noise; argmax(p / q) draws from p (the exponential-race trick)."""
-        noise = torch.empty(shape, dtype=torch.float32)
-        noise.exponential_(generator=self.generator)
+    def _uniform_draws(self, num_rows: int, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """One U[0, 1) draw per row ([N, 1], float64): a seeded row's from its own generator."""
+        draws = torch.rand(num_rows, 1, dtype=torch.float64, generator=self.generator)
         for row, gen in enumerate(generators):
             if gen is not None:
-                noise[row].exponential_(generator=gen)
-        return noise
+                draws[row] = draw_one(gen)
+        return draws
+
+
+def draw_one(generator: torch.Generator) -> torch.Tensor:
+    """The one draw a seeded request makes per sampled token (also replayed on resume)."""
+    return torch.rand(1, dtype=torch.float64, generator=generator)
+
+
+def sample_inverse_cdf(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    """Per row, the first token whose cumulative probability exceeds draw * total. A token
+    of probability 0 adds nothing to the sum, so it is never the first to exceed it."""
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    targets = draws * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, targets, right=True).squeeze(1)
+    return tokens.clamp_(max=probs.shape[-1] - 1)  # rounding at the very top
 
 
 def apply_forced(tokens: list[int], forced: list[int | None] | None, vocab_size: int) -> list[int]:
