@@ -1,11 +1,12 @@
 """Sampler unit tests: greedy, filters, penalties, seeds, logprobs."""
 
+import pytest
 import torch
 
 from kvferry.sampling_params import SamplingParams
 from kvferry.scheduler.output import NewRequestData
 from kvferry.worker.request_state import RequestState, build_sampling_batch
-from kvferry.worker.sampler import Sampler, sample_inverse_cdf
+from kvferry.worker.sampler import Sampler, apply_top_k_top_p, sample_inverse_cdf
 
 VOCAB = 50
 
@@ -79,6 +80,33 @@ def test_inverse_cdf_picks_the_token_whose_interval_holds_the_draw():
     probs = torch.tensor([[0.0, 0.25, 0.0, 0.5, 0.25]] * 5)
     draws = torch.tensor([[0.0], [0.2499], [0.25], [0.7501], [0.999999]], dtype=torch.float64)
     assert sample_inverse_cdf(probs, draws).tolist() == [1, 1, 3, 4, 4]
+
+
+def _reference_top_k_top_p(logits, top_k, top_p):
+    """The filter by its definition: whole rows sorted; p = 1 keeps the whole top-k."""
+    out = logits.clone()
+    for row in range(logits.shape[0]):
+        values, order = logits[row].sort(descending=True)
+        k = int(top_k[row]) or logits.shape[1]
+        probs = torch.softmax(values[:k], dim=-1)
+        kept = int(((probs.cumsum(0) - probs) < top_p[row]).sum()) if top_p[row] < 1 else k
+        out[row, order[kept:]] = float("-inf")
+    return out
+
+
+@pytest.mark.parametrize("head_size", [4, 64, 4096])
+def test_top_k_top_p_on_a_sorted_head_equals_the_full_sort(head_size: int):
+    gen = torch.Generator().manual_seed(13)
+    sharp = torch.randn(6, 300, generator=gen) * 8  # nucleus inside a small head
+    flat = torch.randn(6, 300, generator=gen) * 0.1  # nucleus past it: full-sort fallback
+    logits = torch.cat([sharp, flat])
+    top_k = torch.tensor([0, 3, 0, 200, 0, 50] * 2)
+    top_p = torch.tensor([0.9, 1.0, 1.0, 0.5, 0.99, 0.7] * 2)
+    got = apply_top_k_top_p(logits, top_k, top_p, head_size=head_size)
+    assert torch.equal(torch.isinf(got), torch.isinf(_reference_top_k_top_p(logits, top_k, top_p)))
+    kept = ~torch.isinf(got)
+    assert torch.equal(got[kept], logits[kept])
+    assert bool(kept[2].all()) and bool(kept[8].all())  # no filter: every token stays
 
 
 def test_seeded_request_is_reproducible_whatever_the_batch():
