@@ -27,8 +27,16 @@ def load_hf_reference(model_config: ModelConfig, dtype: torch.dtype | None = Non
 
 
 @torch.inference_mode()
-def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int, pad_token_id: int = 0) -> list[list[int]]:
-    """Batched greedy generate with left padding; returns the new tokens per prompt (no padding)."""
+def hf_generate(
+    model,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    pad_token_id: int = 0,
+) -> list[list[int]]:
+    """Batched generate with left padding (greedy at temperature 0); the new tokens per
+    prompt (no padding)."""
     width = max(len(p) for p in prompts)
     input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -37,7 +45,11 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int, pad_token_id
         attention_mask=mask,
         max_new_tokens=max_new_tokens,
         min_new_tokens=max_new_tokens,
-        do_sample=False,
         pad_token_id=pad_token_id,
+        **(
+            {"do_sample": True, "temperature": temperature, "top_p": top_p}
+            if temperature > 0
+            else {"do_sample": False}
+        ),
     )
     return [row[width:].tolist() for row in out]

@@ -27,12 +27,12 @@ def make_prompts(tokenizer, num_prompts: int, input_len: int, seed: int = 0) -> 
     return prompts
 
 
-def time_kvferry(config, prompts: list[list[int]], output_len: int) -> dict:
+def time_kvferry(config, prompts: list[list[int]], output_len: int, temperature: float, top_p: float) -> dict:
     from kvferry.engine.llm import LLM
     from kvferry.sampling_params import SamplingParams
 
     llm = LLM.from_config(config)
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=output_len, temperature=temperature, top_p=top_p, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm caches
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
@@ -41,13 +41,13 @@ def time_kvferry(config, prompts: list[list[int]], output_len: int) -> dict:
     return {"seconds": elapsed, "generated_tokens": generated, "tokens_per_s": generated / elapsed}
 
 
-def time_hf(config, prompts: list[list[int]], output_len: int) -> dict:
-    from kvferry.bench.hf_reference import hf_greedy, load_hf_reference
+def time_hf(config, prompts: list[list[int]], output_len: int, temperature: float, top_p: float) -> dict:
+    from kvferry.bench.hf_reference import hf_generate, load_hf_reference
 
     model = load_hf_reference(config.model)
-    hf_greedy(model, prompts[:2], 4)
+    hf_generate(model, prompts[:2], 4)
     start = time.perf_counter()
-    outputs = hf_greedy(model, prompts, output_len)
+    outputs = hf_generate(model, prompts, output_len, temperature, top_p)
     elapsed = time.perf_counter() - start
     generated = sum(len(o) for o in outputs)
     return {"seconds": elapsed, "generated_tokens": generated, "tokens_per_s": generated / elapsed}
@@ -67,13 +67,15 @@ def run_throughput_bench(args, config_from_args) -> dict:
         "num_prompts": args.num_prompts,
         "input_len": args.input_len,
         "output_len": args.output_len,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
         "threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(),
-        "kvferry": time_kvferry(config, prompts, args.output_len),
+        "kvferry": time_kvferry(config, prompts, args.output_len, args.temperature, args.top_p),
     }
     logger.info("kvferry: %.1f tokens/s", result["kvferry"]["tokens_per_s"])
     if args.hf_reference:
-        result["hf_transformers"] = time_hf(config, prompts, args.output_len)
+        result["hf_transformers"] = time_hf(config, prompts, args.output_len, args.temperature, args.top_p)
         logger.info("HF transformers: %.1f tokens/s", result["hf_transformers"]["tokens_per_s"])
     write_result(result, Path(args.output))
     print(json.dumps(result, indent=2))

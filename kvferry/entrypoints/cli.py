@@ -183,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--num-prompts", type=int, default=64)
     tp.add_argument("--input-len", type=int, default=32)
     tp.add_argument("--output-len", type=int, default=128)
+    tp.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    tp.add_argument("--top-p", type=float, default=1.0)
     tp.add_argument("--hf-reference", action="store_true", help="also time HF transformers generate")
     tp.add_argument("--output", default="bench-results/throughput.json")
     tp.set_defaults(func=cmd_bench)
