@@ -25,10 +25,11 @@ import asyncio
 import copy
 import logging
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
+from kvferry.entrypoints.http_common import gather_or_cancel
 from kvferry.entrypoints.proxy.errors import BadRequestError
 from kvferry.entrypoints.proxy.metrics import ProxyMetrics
 from kvferry.entrypoints.proxy.pool import Instance, InstancePool
@@ -36,7 +37,6 @@ from kvferry.entrypoints.proxy.upstream import Upstream
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 
@@ -166,18 +166,6 @@ def check_body(body: Any) -> dict:
     return body
 
 
-async def gather_all(work: Sequence[Awaitable[T]]) -> list[T]:
-    """Await all; on the first failure cancel the rest and raise that failure."""
-    tasks = [asyncio.ensure_future(w) for w in work]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
-
-
 @dataclass(frozen=True)
 class Prefilled:
     """A prefill's answer and the instance that gave it (which keeps the leg's KV)."""
@@ -207,7 +195,7 @@ async def run_leg(ctx: ProxyContext, path: str, body: dict, headers: dict[str, s
 async def complete(ctx: ProxyContext, path: str, body: dict, headers: dict[str, str]) -> dict:
     """A non-streamed answer: the decoder's, or the decoders' merged for a batch."""
     legs = split_legs(path, body)
-    answers = await gather_all([run_leg(ctx, path, leg, headers) for leg in legs])
+    answers = await gather_or_cancel([run_leg(ctx, path, leg, headers) for leg in legs])
     if len(answers) == 1:
         return answers[0]
     return merge_answers(answers)

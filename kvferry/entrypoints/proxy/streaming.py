@@ -24,15 +24,14 @@ body, like the server does, then ``[DONE]``.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
+from kvferry.entrypoints.http_common import SSE_DONE as SSE_DONE_EVENT
+from kvferry.entrypoints.http_common import chat_role_chunk, gather_or_cancel, interleave, sse
 from kvferry.entrypoints.proxy.errors import exception_event_body
 from kvferry.entrypoints.proxy.pd import (
     CHAT,
@@ -41,7 +40,6 @@ from kvferry.entrypoints.proxy.pd import (
     decode_body,
     decoder_repeats_first_token,
     first_text,
-    gather_all,
     release_abandoned,
     run_prefill,
     split_legs,
@@ -53,12 +51,7 @@ from kvferry.entrypoints.proxy.upstream import SSE_DONE, UpstreamStream
 
 logger = logging.getLogger(__name__)
 
-SSE_DONE_LINE = "data: [DONE]\n\n"
 REPLACEMENT_CHAR = "\ufffd"  # an incomplete character: never stream it early
-
-
-def sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
 class StreamLeg:
@@ -135,14 +128,8 @@ def early_chunks(path: str, prefill: dict, text: str) -> list[dict]:
     meta = {"id": None, "created": prefill.get("created", int(time.time())), "model": prefill.get("model")}
     if path == CHAT:
         meta["object"] = "chat.completion.chunk"
-        role = {
-            "index": 0,
-            "delta": {"role": "assistant", "content": ""},
-            "logprobs": None,
-            "finish_reason": None,
-        }
         first = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
-        return [{**meta, "choices": [role]}, {**meta, "choices": [first]}]
+        return [chat_role_chunk(meta), {**meta, "choices": [first]}]
     meta["object"] = "text_completion"
     return [{**meta, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}]}]
 
@@ -189,35 +176,13 @@ def _has_text(chunk: dict) -> bool:
 
 
 async def _interleave(legs: list[StreamLeg]) -> AsyncIterator[tuple[StreamLeg, dict]]:
-    if len(legs) == 1:
+    if len(legs) == 1:  # no tasks needed
         async for chunk in legs[0].chunks():
             yield legs[0], chunk
         return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(leg: StreamLeg) -> None:
-        try:
-            async for chunk in leg.chunks():
-                await queue.put((leg, chunk))
-        except Exception as exc:
-            await queue.put((leg, exc))
-        await queue.put((leg, None))
-
-    tasks = [asyncio.ensure_future(pump(leg)) for leg in legs]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            leg, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield leg, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    async with contextlib.aclosing(interleave([(leg, leg.chunks()) for leg in legs])) as items:
+        async for leg, chunk in items:
+            yield leg, chunk
 
 
 async def open_stream(
@@ -227,7 +192,7 @@ async def open_stream(
     legs = [StreamLeg(ctx, path, i, leg, headers) for i, leg in enumerate(split_legs(path, body))]
     allow_early = ctx.early_first_token and not wants_logprobs(path, body) and ctx.decode.num_healthy > 0
     try:
-        await gather_all([leg.prepare(allow_early) for leg in legs])
+        await gather_or_cancel([leg.prepare(allow_early) for leg in legs])
     except BaseException:
         await _close(legs)
         raise
@@ -263,7 +228,7 @@ async def _events(ctx: ProxyContext, path: str, legs: list[StreamLeg], start: fl
         yield sse(exception_event_body(exc))
     finally:
         await _close(legs)
-    yield SSE_DONE_LINE
+    yield SSE_DONE_EVENT
 
 
 async def _close(legs: list[StreamLeg]) -> None:
