@@ -62,22 +62,16 @@ def deployment_command(args: argparse.Namespace, name: str, port: int) -> list[s
 
 
 def serve_args(args: argparse.Namespace, label: str, url: str, command: list[str]) -> argparse.Namespace:
-    """`kvferry bench serve`'s arguments for one deployment."""
-    return argparse.Namespace(
-        url=url,
-        model=SERVED_NAME,
-        request_rate=args.request_rate,
-        num_prompts=args.num_prompts,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        tokenizer=args.model,
-        max_concurrency=None,
-        api_key=None,
-        label=label,
-        seed=args.seed,
-        output=args.output,
-        deployment=shlex.join(["kvferry", *command[3:]]),  # as a user would type it
-    )
+    """`kvferry bench serve`'s arguments for one deployment (its parser supplies the rest)."""
+    parser = argparse.ArgumentParser()
+    serve.add_args(parser)
+    argv = ["--url", url, "--model", SERVED_NAME, "--tokenizer", args.model, "--label", label]
+    argv += ["--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len)]
+    argv += ["--output-len", str(args.output_len), "--seed", str(args.seed), "--output", args.output]
+    argv += ["--request-rate", *(str(rate) for rate in args.request_rate)]
+    parsed = parser.parse_args(argv)
+    parsed.deployment = shlex.join(["kvferry", *command[3:]])  # as a user would type it
+    return parsed
 
 
 def bench_deployment(args: argparse.Namespace, name: str, log_dir: Path) -> dict:

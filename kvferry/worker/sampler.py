@@ -158,7 +158,8 @@ def apply_top_k_top_p(
         resolved = resolved | unfiltered
     if not bool(resolved.all()):
         rows = (~resolved).nonzero().squeeze(1)
-        out[rows] = _top_k_top_p_full_sort(logits[rows], k[rows], top_p[rows])
+        # a head as long as the row decides every row
+        out[rows] = apply_top_k_top_p(logits[rows], top_k[rows], top_p[rows], head_size=vocab)
     return out
 
 
@@ -182,15 +183,6 @@ def _kept_in_head(
     cut = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
     resolved = k_in_head | (no_k & cut.any(dim=-1))
     return keep & ~cut, resolved
-
-
-def _top_k_top_p_full_sort(logits: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """The same filter with whole rows sorted (rows whose kept tokens reach past the head)."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    drop = torch.arange(logits.shape[-1]).unsqueeze(0) >= k.unsqueeze(1)
-    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-    drop |= ((probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
 def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
