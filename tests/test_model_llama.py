@@ -88,6 +88,9 @@ def test_model_api(tiny_qwen3: Path) -> None:
     assert hidden.shape == (3, cfg.hidden_size) and hidden.dtype == torch.float32
     logits = ours.compute_logits(hidden[-1:])
     assert logits.shape == (1, cfg.vocab_size) and logits.dtype == torch.float32
+    visited: list[str] = []
+    ours.apply(lambda module: visited.append(type(module).__name__))  # nn.Module's own apply
+    assert "RotaryEmbedding" in visited and visited.count("LlamaAttention") == cfg.num_layers
 
 
 class LayerOrder:

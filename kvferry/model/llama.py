@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,7 +26,7 @@ from kvferry.model.layers.linear import (
 )
 from kvferry.model.layers.norm import RMSNorm
 from kvferry.model.layers.parallel import TPGroup
-from kvferry.model.layers.rotary import RotaryEmbedding, rope_parameters
+from kvferry.model.layers.rotary import RotaryEmbedding, apply_rope, rope_parameters
 from kvferry.model.microbatch import MicroBatcher
 
 logger = logging.getLogger(__name__)
@@ -46,14 +45,6 @@ STACKED = (
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
-@dataclass(frozen=True)
-class Shared:
-    """What every layer of one model shares: the rope cache and the attention workspace."""
-
-    rotary_emb: RotaryEmbedding
-    workspace: Workspace
-
-
 def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
@@ -66,7 +57,7 @@ class LlamaAttention(nn.Module):
         tp: TPGroup,
         dtype: torch.dtype,
         flags: dict[str, bool],
-        shared: Shared,
+        workspace: Workspace,
     ):
         super().__init__()
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -85,7 +76,6 @@ class LlamaAttention(nn.Module):
         )
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if flags["qk_norm"] else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if flags["qk_norm"] else None
-        self.rotary_emb = shared.rotary_emb
         self.head_dim = head_dim
         self.attn = PagedAttention(
             f"{prefix}.attn",
@@ -93,7 +83,7 @@ class LlamaAttention(nn.Module):
             self.qkv_proj.num_kv_heads,
             head_dim,
             scale=head_dim**-0.5,
-            workspace=shared.workspace,
+            workspace=workspace,
         )
 
     def forward(self, rope: CosSin, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -102,7 +92,7 @@ class LlamaAttention(nn.Module):
         k = k.view(k.shape[0], self.qkv_proj.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb.apply(rope, q, k)
+        q, k = apply_rope(rope, q, k)
         return self.o_proj(self.attn(q, k, v, ctx))
 
 
@@ -127,11 +117,11 @@ class LlamaDecoderLayer(nn.Module):
         tp: TPGroup,
         dtype: torch.dtype,
         flags: dict[str, bool],
-        shared: Shared,
+        workspace: Workspace,
     ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, f"{prefix}.self_attn", tp, dtype, flags, shared)
+        self.self_attn = LlamaAttention(config, f"{prefix}.self_attn", tp, dtype, flags, workspace)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, tp, dtype)
 
@@ -157,9 +147,9 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
         rope = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, rope_parameters(config))
         self.rotary_emb = rope
-        shared = Shared(rotary_emb=rope, workspace=Workspace())
+        workspace = Workspace()  # one per model: every layer's attention shares it
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, f"model.layers.{i}", tp, dtype, flags, shared)
+            LlamaDecoderLayer(config, f"model.layers.{i}", tp, dtype, flags, workspace)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)

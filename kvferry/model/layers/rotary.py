@@ -74,23 +74,25 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.cos_sin_cache[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
         return cos, sin
 
-    @staticmethod
-    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate-half rope of x [T, heads, head_dim] into a new tensor (no temporaries)."""
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        x1, x2 = x.chunk(2, dim=-1)
-        out1, out2 = out.chunk(2, dim=-1)
-        torch.mul(x1, cos, out=out1).addcmul_(x2, sin, value=-1)  # x1 cos - x2 sin
-        torch.mul(x2, cos, out=out2).addcmul_(x1, sin)  # x2 cos + x1 sin
-        return out
-
-    def apply(
-        self, cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = cos_sin
-        return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
-
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.apply(self.cos_sin(positions, q.dtype), q, k)
+        return apply_rope(self.cos_sin(positions, q.dtype), q, k)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rope of x [T, heads, head_dim] into a new tensor (no temporaries)."""
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    x1, x2 = x.chunk(2, dim=-1)
+    out1, out2 = out.chunk(2, dim=-1)
+    torch.mul(x1, cos, out=out1).addcmul_(x2, sin, value=-1)  # x1 cos - x2 sin
+    torch.mul(x2, cos, out=out2).addcmul_(x1, sin)  # x2 cos + x1 sin
+    return out
+
+
+def apply_rope(
+    cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k rotated by `cos_sin` (RotaryEmbedding.cos_sin, computed once per forward)."""
+    cos, sin = cos_sin
+    return rotate(q, cos, sin), rotate(k, cos, sin)
