@@ -57,12 +57,13 @@ def test_map_runs_in_order_on_several_threads() -> None:
     import threading
 
     mb = MicroBatcher(3)
+    before = torch.get_num_threads()
     names = mb.map(
         lambda i: (i, threading.current_thread().name, torch.is_inference_mode_enabled()), [0, 1, 2]
     )
     assert [n[0] for n in names] == [0, 1, 2] and all(n[2] for n in names)
     assert "MainThread" in {n[1] for n in names} and len({n[1] for n in names}) >= 2
-    assert torch.get_num_threads() >= 1
+    assert torch.get_num_threads() == before  # the caller's thread count is back
 
 
 @pytest.mark.parametrize("threads", [2, 3])
@@ -79,11 +80,16 @@ def test_model_results_match_the_whole_batch(tiny_llama: Path, threads: int) -> 
         ],
     ]
     steps.append([Chunk(str(i), [7], decode=True) for i in range(len(prompts))])
+    splitter = MicroBatcher(threads)
+    part_counts: list[int] = []
+    map_parts = splitter.map
+    splitter.map = lambda fn, items: part_counts.append(len(items)) or map_parts(fn, items)
     results = []
-    for microbatcher in (None, MicroBatcher(threads)):
+    for microbatcher in (None, splitter):
         model.microbatcher = microbatcher
         driver = PagedDriver(model, num_blocks=64, block_size=4, seed=1)
         results.append([driver.step(step) for step in steps])
     for whole, split in zip(*results, strict=True):
         for req, logits in whole.items():
             torch.testing.assert_close(split[req], logits, atol=1e-5, rtol=0)
+    assert max(part_counts) >= 2  # the batches really were split
