@@ -12,9 +12,10 @@ import itertools
 import pytest
 import torch
 
-from kvferry.connector.nixl.plan import RankView, block_runs, concat, kv_head_range, plan_read
+from kvferry.connector.nixl.plan import RankView, block_runs, concat, plan_read
 from kvferry.connector.nixl.protocol import LayerRegion
 from kvferry.kv.spec import Layout
+from kvferry.model.layers.parallel import kv_head_range
 
 BS, HEADS, DIM, BLOCKS, LAYERS = 4, 4, 8, 10, 2
 

@@ -14,8 +14,9 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvferry.connector.nixl.plan import kv_head_range, overlaps
+from kvferry.connector.nixl.plan import overlaps
 from kvferry.connector.nixl.protocol import EXPIRED, HELD, MISMATCH, UNKNOWN
+from kvferry.model.layers.parallel import kv_head_range
 
 logger = logging.getLogger(__name__)
 

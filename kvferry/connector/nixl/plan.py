@@ -78,16 +78,6 @@ class ReadPlan:
         return int(self.local[:, 1].sum()) if len(self.local) else 0
 
 
-def kv_head_range(rank: int, tp: int, total_heads: int) -> tuple[int, int]:
-    """(first global KV head, count) a TP rank holds, as tensor-parallel attention places them:
-    contiguous ranges, the first `total % tp` ranks taking one more; with fewer heads than
-    ranks, each head replicated on `tp // total` consecutive ranks."""
-    if total_heads >= tp:
-        base, extra = divmod(total_heads, tp)
-        return rank * base + min(rank, extra), base + (rank < extra)
-    return rank * total_heads // tp, 1
-
-
 def overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
     return max(a[0], b[0]) < min(a[0] + a[1], b[0] + b[1])
 

@@ -23,12 +23,13 @@ from kvferry.connector.nixl.channel import Clients, Server
 from kvferry.connector.nixl.leases import LeaseTable
 from kvferry.connector.nixl.loads import ConsumerLoads
 from kvferry.connector.nixl.metadata import NixlConnectorMetadata, NixlSettings
-from kvferry.connector.nixl.plan import RankView, kv_head_range
+from kvferry.connector.nixl.plan import RankView
 from kvferry.connector.nixl.protocol import EngineInfo, LayerRegion, RankInfo
 from kvferry.connector.nixl.regions import compat_hash, describe_regions, group_infos
 from kvferry.connector.nixl.serve import ProducerService
 from kvferry.errors import ConfigError
 from kvferry.kv.spec import KVCacheConfig
+from kvferry.model.layers.parallel import kv_head_range
 
 logger = logging.getLogger(__name__)
 

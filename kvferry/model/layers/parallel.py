@@ -61,17 +61,25 @@ class TPGroup:
         if num_heads % num_kv_heads:
             raise ConfigError(f"{num_heads} attention heads are not a multiple of {num_kv_heads} KV heads")
         group = num_heads // num_kv_heads
+        kv_start, kv_count = kv_head_range(self.rank, self.size, num_kv_heads)
         if num_kv_heads >= self.size:
-            base, extra = divmod(num_kv_heads, self.size)
-            kv_start = self.rank * base + min(self.rank, extra)
-            kv_count = base + (self.rank < extra)
             return HeadShard(kv_start * group, kv_count * group, kv_start, kv_count)
         if self.size % num_kv_heads:
             raise ConfigError(
                 f"tensor-parallel size {self.size} is not a multiple of the {num_kv_heads} KV heads"
             )
         q_count = self.split(num_heads, "number of attention heads")
-        return HeadShard(self.rank * q_count, q_count, self.rank * num_kv_heads // self.size, 1)
+        return HeadShard(self.rank * q_count, q_count, kv_start, kv_count)
+
+
+def kv_head_range(rank: int, tp: int, total_heads: int) -> tuple[int, int]:
+    """(first global KV head, count) TP rank `rank` holds: contiguous ranges, the first
+    `total % tp` ranks taking one more; with fewer heads than ranks, each head replicated
+    on `tp // total` consecutive ranks. (The NIXL connector reads remote ranks by it.)"""
+    if total_heads >= tp:
+        base, extra = divmod(total_heads, tp)
+        return rank * base + min(rank, extra), base + (rank < extra)
+    return rank * total_heads // tp, 1
 
 
 @dataclass(frozen=True)
