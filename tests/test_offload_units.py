@@ -213,3 +213,11 @@ def test_block_copier_round_trips_blocks_of_every_tensor(layout):
         caches["c"][:, 3], before["c"][:, 0]
     )
     assert torch.equal(caches["a"][:, 0], before["a"][:, 0])  # untouched blocks stay
+
+
+def test_block_runs_for_copies_cut_at_gaps_and_at_the_length_cap() -> None:
+    from kvferry.connector.offload.blocks import _runs
+
+    assert _runs([4, 5, 6, 9, 3]) == [(0, 4, 3), (3, 9, 1), (4, 3, 1)]
+    assert _runs([4, 5, 6], max_run=1) == [(0, 4, 1), (1, 5, 1), (2, 6, 1)]
+    assert _runs([4, 5, 6], max_run=2) == [(0, 4, 2), (2, 6, 1)]

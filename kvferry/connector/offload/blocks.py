@@ -50,34 +50,46 @@ class BlockCopier:
         n = len(block_ids)
         if out is None:
             out = torch.empty((n, self.slot_bytes), dtype=torch.uint8)
-        # Block by block: each copy is below torch's parallel grain, so the background thread
-        # that saves does not start thread teams of its own beside the forward's.
+        # On a CPU block by block: each copy stays below torch's parallel grain, so the
+        # background thread that saves does not start thread teams beside the forward's.
+        # On a GPU whole runs: each device-to-host copy waits for the device.
+        max_run = 1 if self.device.type == "cpu" else None
+        runs = self._runs_per_group(block_ids, max_run)
         for seg in self.segments:
-            dst = out[:, seg.offset : seg.offset + 2 * seg.half].view(n, 2, seg.half)
-            for row, ids in enumerate(block_ids):
-                dst[row].copy_(seg.view[:, ids[seg.group]])
+            dst = out[:, seg.offset : seg.offset + 2 * seg.half].view(n, 2, seg.half).transpose(0, 1)
+            for row, block, length in runs[seg.group]:
+                dst[:, row : row + length].copy_(seg.view[:, block : block + length])
         return out
 
     def scatter(self, rows: torch.Tensor, block_ids: list[tuple[int, ...]]) -> None:
         """Write rows [n, slot_bytes] into the device blocks (before the forward: one strided
         copy per run of consecutive blocks, free to use every thread)."""
         n = len(block_ids)
+        runs = self._runs_per_group(block_ids)
         for seg in self.segments:
             src = rows[:, seg.offset : seg.offset + 2 * seg.half].view(n, 2, seg.half).transpose(0, 1)
             src = src.to(self.device, non_blocking=True)
-            for row, block, length in _runs([ids[seg.group] for ids in block_ids]):
+            for row, block, length in runs[seg.group]:
                 seg.view[:, block : block + length].copy_(src[:, row : row + length])
 
+    def _runs_per_group(
+        self, block_ids: list[tuple[int, ...]], max_run: int | None = None
+    ) -> dict[int, list[tuple[int, int, int]]]:
+        """Each KV cache group's runs, computed once for all of its layers."""
+        groups = {seg.group for seg in self.segments}
+        return {group: _runs([ids[group] for ids in block_ids], max_run) for group in groups}
 
-def _runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
-    """(first row, first block, length) of each run of consecutive block ids.
+
+def _runs(block_ids: list[int], max_run: int | None = None) -> list[tuple[int, int, int]]:
+    """(first row, first block, length) of each run of consecutive block ids (at most
+    `max_run` long).
 
     Strided copies of whole runs are memcpy-bound; index_copy_ over wide rows was measured
     ~10x slower on CPU, and block tables are mostly consecutive.
     """
     runs: list[tuple[int, int, int]] = []
     for row, block in enumerate(block_ids):
-        if runs and runs[-1][1] + runs[-1][2] == block:
+        if runs and runs[-1][1] + runs[-1][2] == block and runs[-1][2] != max_run:
             first_row, first_block, length = runs[-1]
             runs[-1] = (first_row, first_block, length + 1)
         else:
