@@ -70,6 +70,9 @@ class ApiKeyMiddleware:
         await response(scope, receive, send)
 
 
+CLIENT_CLOSED_STATUS = 499  # nginx's "client closed request": nobody reads it
+
+
 class ClientDisconnected(Exception):
     """The HTTP client went away before its (non-streaming) answer was ready."""
 
@@ -113,9 +116,14 @@ async def gather_or_cancel(work: Sequence[Awaitable[T]]) -> list[T]:
 async def interleave(sources: Sequence[tuple[K, AsyncIterator[T]]]) -> AsyncIterator[tuple[K, T]]:
     """Items of several streams as they come, as (key, item); the first failure is raised.
 
-    Each stream is read by its own task; the tasks are cancelled when this generator is
-    closed. The streams themselves are the caller's to close.
+    Each stream is read by its own task (a single one is read directly); the tasks are
+    cancelled when this generator is closed. The streams themselves are the caller's to close.
     """
+    if len(sources) == 1:
+        key, stream = sources[0]
+        async for item in stream:
+            yield key, item
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(key: K, stream: AsyncIterator[T]) -> None:

@@ -14,7 +14,6 @@ one order) and without per-layer connector hooks (they are called once per layer
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -24,8 +23,6 @@ from typing import TypeVar
 import torch
 
 from kvferry.model.forward_context import AttentionMetadata, ForwardContext
-
-logger = logging.getLogger(__name__)
 
 MIN_TOKENS_PER_PART = 4  # fewer rows per thread: not worth a thread hand-off
 T = TypeVar("T")

@@ -30,9 +30,8 @@ logger = logging.getLogger(__name__)
 
 
 class OffloadConnector(KVConnectorBase):
-    # The tiers are local to this instance and serve it whatever its P/D role (e.g. beside a
-    # NixlConnector in a MultiConnector): it always both saves and loads.
-    supported_roles: ClassVar[frozenset[str]] = frozenset({"producer", "consumer", "both"})
+    # Every kv_role (the base's default): the tiers are local to this instance and serve it
+    # whatever its P/D role (e.g. beside a NixlConnector in a MultiConnector).
     # No per-layer work: loads happen before the forward, saves after it.
     graph_safe: ClassVar[bool] = True
     # The worker half's implementation (tests subclass it to inject failures).

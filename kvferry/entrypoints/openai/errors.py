@@ -12,11 +12,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvferry.engine.async_engine import RequestFailedError
 from kvferry.engine.core_protocol import EngineDeadError
-from kvferry.entrypoints.http_common import ApiKeyMiddleware, error_body
+from kvferry.entrypoints.http_common import error_body
 from kvferry.errors import InvalidRequestError, KVFerryError, ModelNotFoundError
 
 __all__ = [
-    "ApiKeyMiddleware",
     "error_body",
     "error_response",
     "exception_body",

@@ -28,7 +28,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvferry.config import EngineConfig
 from kvferry.engine.async_engine import AsyncEngine
 from kvferry.engine.core_protocol import EngineDeadError
-from kvferry.entrypoints.openai.errors import ApiKeyMiddleware, exception_response, install_error_handlers
+from kvferry.entrypoints.http_common import ApiKeyMiddleware
+from kvferry.entrypoints.openai.errors import exception_response, install_error_handlers
 from kvferry.entrypoints.openai.metrics import make_registry
 from kvferry.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, KVReleaseRequest
 from kvferry.entrypoints.openai.serving_chat import create_chat_completion

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -17,8 +16,6 @@ from kvferry.entrypoints.openai.protocol import ChatCompletionRequest
 from kvferry.entrypoints.openai.serving_common import ServerState, Streams
 from kvferry.outputs import RequestOutput
 from kvferry.worker.output import SampleLogprobs
-
-logger = logging.getLogger(__name__)
 
 
 def _logprob_entry(tokenizer: Any, token_id: int, logprob: float) -> dict[str, Any]:

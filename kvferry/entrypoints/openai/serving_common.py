@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvferry.engine.async_engine import AsyncEngine
 from kvferry.entrypoints.http_common import (
+    CLIENT_CLOSED_STATUS,
     SSE_DONE,
     ClientDisconnected,
     gather_or_cancel,
@@ -27,7 +28,6 @@ from kvferry.outputs import RequestOutput
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-CLIENT_CLOSED_STATUS = 499  # nginx's "client closed request": nobody reads it
 
 Streams = list[AsyncIterator[RequestOutput]]  # one generate() stream per prompt
 
@@ -195,13 +195,8 @@ async def merge(firsts: list[RequestOutput], gens: Streams) -> AsyncIterator[tup
     try:
         for i, first in enumerate(firsts):
             yield i, first
-        if len(gens) == 1:
-            if not firsts[0].finished:
-                async for out in gens[0]:
-                    yield 0, out
-        else:
-            live = [(i, gens[i]) for i, first in enumerate(firsts) if not first.finished]
-            async for item in interleave(live):
-                yield item
+        live = [(i, gens[i]) for i, first in enumerate(firsts) if not first.finished]
+        async for item in interleave(live):
+            yield item
     finally:
         await close_all(gens)

@@ -21,7 +21,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvferry.entrypoints.http_common import ApiKeyMiddleware, ClientDisconnected, until_disconnect
+from kvferry.entrypoints.http_common import (
+    CLIENT_CLOSED_STATUS,
+    ApiKeyMiddleware,
+    ClientDisconnected,
+    until_disconnect,
+)
 from kvferry.entrypoints.proxy.config import ProxyConfig, normalize_url
 from kvferry.entrypoints.proxy.errors import BadRequestError, ProxyError, error_body, install_error_handlers
 from kvferry.entrypoints.proxy.health import health_loop
@@ -34,7 +39,6 @@ from kvferry.entrypoints.proxy.upstream import Upstream
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-CLIENT_CLOSED_STATUS = 499
 FORWARDED_HEADERS = ("authorization", "x-request-id")
 
 

@@ -175,16 +175,6 @@ def _has_text(chunk: dict) -> bool:
     return False
 
 
-async def _interleave(legs: list[StreamLeg]) -> AsyncIterator[tuple[StreamLeg, dict]]:
-    if len(legs) == 1:  # no tasks needed
-        async for chunk in legs[0].chunks():
-            yield legs[0], chunk
-        return
-    async with contextlib.aclosing(interleave([(leg, leg.chunks()) for leg in legs])) as items:
-        async for leg, chunk in items:
-            yield leg, chunk
-
-
 async def open_stream(
     ctx: ProxyContext, path: str, body: dict, headers: dict[str, str], start: float
 ) -> AsyncIterator[str]:
@@ -205,7 +195,7 @@ async def _events(ctx: ProxyContext, path: str, legs: list[StreamLeg], start: fl
     usages: list[dict] = []
     first = True
     try:
-        async with contextlib.aclosing(_interleave(legs)) as items:
+        async with contextlib.aclosing(interleave([(leg, leg.chunks()) for leg in legs])) as items:
             async for leg, chunk in items:
                 if "error" in chunk:
                     yield sse(chunk)

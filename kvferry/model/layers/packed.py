@@ -10,11 +10,7 @@ serves every row count, so the plain weight is released (memory stays flat).
 
 from __future__ import annotations
 
-import logging
-
 import torch
-
-logger = logging.getLogger(__name__)
 
 BATCH_HINT = 64  # rows oneDNN tunes the layout for; measured as good from 1 to 2048 rows
 

@@ -24,14 +24,13 @@ def load_model(
     model_config: ModelConfig,
     tp: TPGroup | None = None,
     device: str | torch.device = "cpu",
-    pack_weights: bool = True,
 ) -> nn.Module:
     """Instantiate `model_config.architecture` on `device` and load its weights.
 
     Weights take `model_config.dtype`; the model computes in `compute_dtype` (float32 for
     half precision on a CPU without native half-precision GEMMs, the weights rounded to
-    the requested dtype first). `pack_weights`: pre-pack float32 CPU linear weights for
-    oneDNN (see layers.packed).
+    the requested dtype first). float32 CPU linear weights are pre-packed for oneDNN (see
+    layers.packed).
     """
     tp = tp or TPGroup()
     start = time.perf_counter()
@@ -53,8 +52,7 @@ def load_model(
         weights = ((name, tensor.to(model_config.dtype).to(dtype)) for name, tensor in weights)
     model.load_weights(weights)
     model.eval()
-    if pack_weights:
-        pack_linear_weights(model)
+    pack_linear_weights(model)
     threads = torch.get_num_threads()
     if (
         torch.device(device).type == "cpu"
