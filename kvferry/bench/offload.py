@@ -175,13 +175,13 @@ def bench_decode(args, prompts: list[list[int]]) -> dict:
 def run(args: argparse.Namespace) -> dict:
     import torch
 
-    from kvferry.bench.throughput import make_prompts
+    from kvferry.bench.serve import make_prompts
     from kvferry.model.resolve import resolve_model_config
     from kvferry.model.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(resolve_model_config(args.model, dtype=args.dtype))
-    prompt = make_prompts(tokenizer, 1, args.prompt_len, seed=1)[0]
-    decode_prompts = make_prompts(tokenizer, args.decode_batch, args.decode_prompt_len, seed=2)
+    prompt = make_prompts(1, args.prompt_len, tokenizer, seed=1)[0]
+    decode_prompts = make_prompts(args.decode_batch, args.decode_prompt_len, tokenizer, seed=2)
     with tempfile.TemporaryDirectory(prefix="kvferry-bench-offload-", dir=args.disk_dir) as disk_dir:
         ttft = bench_ttft(args, prompt, disk_dir)
     result = {

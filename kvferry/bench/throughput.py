@@ -5,26 +5,15 @@ from __future__ import annotations
 import json
 import logging
 import platform
-import random
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from kvferry.bench.serve import make_prompts
+
 logger = logging.getLogger(__name__)
-
-WORDS = "the of and to in a is that for it as was with be by on not he this are or his from at which".split()
-
-
-def make_prompts(tokenizer, num_prompts: int, input_len: int, seed: int = 0) -> list[list[int]]:
-    """Random English-word prompts cut to exactly input_len tokens."""
-    rng = random.Random(seed)
-    prompts = []
-    for _ in range(num_prompts):
-        text = " ".join(rng.choice(WORDS) for _ in range(input_len * 2))
-        prompts.append(tokenizer.encode(text, add_special_tokens=False)[:input_len])
-    return prompts
 
 
 def time_kvferry(config, prompts: list[list[int]], output_len: int, temperature: float, top_p: float) -> dict:
@@ -58,7 +47,7 @@ def run_throughput_bench(args, config_from_args) -> dict:
 
     config = config_from_args(args)
     tokenizer = load_tokenizer(config.model)
-    prompts = make_prompts(tokenizer, args.num_prompts, args.input_len)
+    prompts = make_prompts(args.num_prompts, args.input_len, tokenizer)
     config = replace(config, scheduler=replace(config.scheduler, max_num_seqs=max(args.num_prompts, 1)))
     result = {
         "bench": "throughput",
