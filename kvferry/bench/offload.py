@@ -16,12 +16,12 @@ import itertools
 import json
 import logging
 import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
+
+from kvferry.bench.results import host_facts, save_json
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +173,6 @@ def bench_decode(args, prompts: list[list[int]]) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    import torch
 
     from kvferry.bench.serve import make_prompts
     from kvferry.model.resolve import resolve_model_config
@@ -190,17 +189,14 @@ def run(args: argparse.Namespace) -> dict:
         "model": args.model,
         "dtype": args.dtype,
         "prompt_len": len(prompt),
-        "threads": torch.get_num_threads(),
+        **host_facts(),
         "cpus": os.cpu_count(),
-        "machine": platform.processor() or platform.machine(),
         "ttft": ttft,
         "decode": bench_decode(args, decode_prompts),
         "decode_batch": args.decode_batch,
         "decode_prompt_len": args.decode_prompt_len,
     }
-    path = Path(args.output)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2))
+    save_json(result, args.output)
     print(json.dumps(result, indent=2))
     return result
 

@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvferry.bench.results import save_json
+
 logger = logging.getLogger(__name__)
 
 WORDS = (
@@ -308,8 +310,7 @@ def run(args: argparse.Namespace) -> dict:
     }
     path = Path(args.output)
     doc = merge_run(path, run_doc)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=2))
+    save_json(doc, path)
     plot(doc, path.with_suffix(".png"))
     print(json.dumps(run_doc, indent=2))
     return doc

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
-import platform
 import time
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
+from kvferry.bench.results import host_facts, save_json
 from kvferry.bench.serve import make_prompts
 
 logger = logging.getLogger(__name__)
@@ -58,22 +56,19 @@ def run_throughput_bench(args, config_from_args) -> dict:
         "output_len": args.output_len,
         "temperature": args.temperature,
         "top_p": args.top_p,
-        "threads": torch.get_num_threads(),
-        "machine": platform.processor() or platform.machine(),
+        **host_facts(),
         "kvferry": time_kvferry(config, prompts, args.output_len, args.temperature, args.top_p),
     }
     logger.info("kvferry: %.1f tokens/s", result["kvferry"]["tokens_per_s"])
     if args.hf_reference:
         result["hf_transformers"] = time_hf(config, prompts, args.output_len, args.temperature, args.top_p)
         logger.info("HF transformers: %.1f tokens/s", result["hf_transformers"]["tokens_per_s"])
-    write_result(result, Path(args.output))
+    plot_result(result, save_json(result, args.output))
     print(json.dumps(result, indent=2))
     return result
 
 
-def write_result(result: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2))
+def plot_result(result: dict, path: Path) -> None:
     try:
         import matplotlib
 

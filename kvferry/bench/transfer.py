@@ -26,12 +26,12 @@ import argparse
 import json
 import logging
 import multiprocessing as mp
-import platform
 import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvferry.bench.results import host_facts, save_json
 from kvferry.errors import KVFerryError
 
 logger = logging.getLogger(__name__)
@@ -253,7 +253,6 @@ def run_settings(args: argparse.Namespace, settings: list[Setting], init: Initia
 def run(args: argparse.Namespace) -> dict:
     if args.connector:
         return run_connector(args)
-    import torch
 
     settings = settings_of(args)
     size = max(s.size for s in settings)
@@ -282,14 +281,10 @@ def run(args: argparse.Namespace) -> dict:
         "op": args.op,
         "backend": args.backend,
         "iters": args.iters,
-        "threads": torch.get_num_threads(),
-        "machine": platform.processor() or platform.machine(),
+        **host_facts(),
         "results": results,
     }
-    path = Path(args.output)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=2))
-    plot(doc, path.with_suffix(".png"))
+    plot(doc, save_json(doc, args.output).with_suffix(".png"))
     print(json.dumps(doc, indent=2))
     return doc
 
@@ -406,7 +401,6 @@ def connector_rows(args: argparse.Namespace, prefiller, decoder) -> list[dict]:
 
 
 def run_connector(args: argparse.Namespace) -> dict:
-    import torch
 
     from kvferry.engine.core import EngineCore
 
@@ -423,12 +417,9 @@ def run_connector(args: argparse.Namespace) -> dict:
         "bench": "transfer_connector",
         "model": args.connector,
         "iters": args.iters,
-        "threads": torch.get_num_threads(),
-        "machine": platform.processor() or platform.machine(),
+        **host_facts(),
         "results": rows,
     }
-    path = Path(args.output)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=2))
+    save_json(doc, args.output)
     print(json.dumps(doc, indent=2))
     return doc

@@ -1,0 +1,22 @@
+"""What every benchmark result records about the host, and how it is written."""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+
+
+def host_facts() -> dict:
+    """The torch thread count and the CPU the numbers were taken on."""
+    import torch
+
+    return {"threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine()}
+
+
+def save_json(doc: dict, output: str | Path) -> Path:
+    """Write `doc` to `output` (parents created); the path."""
+    path = Path(output)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2))
+    return path
