@@ -202,12 +202,11 @@ class CoreLoop:
         self.orphaned = False  # the parent died
 
     def run(self) -> None:
-        idle_steps = 0  # consecutive empty, quick steps (e.g. only waiting for remote KV)
+        # Back off while steps find nothing to do (e.g. only waiting for remote KV): poll
+        # SPIN_WAIT_MS, then twice as long each empty step, up to MAX_SPIN_WAIT_MS.
+        wait_ms = 0
         while not self.stopping:
-            busy = self.core.has_unfinished_requests()
-            # Back off while steps find nothing to do: 1, 2, 4 ... MAX_SPIN_WAIT_MS.
-            wait = min(SPIN_WAIT_MS << min(idle_steps, 8), MAX_SPIN_WAIT_MS) if idle_steps else 0
-            timeout = wait if busy else None
+            timeout = wait_ms if self.core.has_unfinished_requests() else None
             events = dict(self.poller.poll(timeout))
             if self.parent_sentinel is not None and self.parent_sentinel in events:
                 logger.warning("parent process died; shutting the engine core down")
@@ -218,12 +217,12 @@ class CoreLoop:
                 return
             if self.in_sock in events:
                 self._drain()
-                idle_steps = 0
+                wait_ms = 0
             if not self.stopping and self.core.has_unfinished_requests():
                 start = time.perf_counter()
                 outputs = self._step()
                 quiet = not outputs and time.perf_counter() - start < SPIN_STEP_S
-                idle_steps = idle_steps + 1 if quiet else 0
+                wait_ms = min(max(2 * wait_ms, SPIN_WAIT_MS), MAX_SPIN_WAIT_MS) if quiet else 0
                 self.pending.extend(outputs)
             self._push()
 
