@@ -79,7 +79,9 @@ def _drain(*cores: EngineCore) -> None:
 
 
 def _pd_round(prefiller: EngineCore, decoder: EngineCore, colocated: EngineCore, prompts, tag: str) -> None:
-    """Prefill every prompt on one engine, decode on the other: equal to the colocated engine."""
+    """Prefill every prompt on one engine, decode on the other: equal to the colocated engine,
+    every prompt's KV read over NIXL (none from the decoder's own prefix cache)."""
+    before = decoder.stats()
     one = SamplingParams(max_tokens=1, temperature=0)
     params = SamplingParams(max_tokens=8, temperature=0)
     now = time.time()
@@ -106,14 +108,20 @@ def _pd_round(prefiller: EngineCore, decoder: EngineCore, colocated: EngineCore,
     for i, prompt in enumerate(prompts):
         assert decoded[f"{tag}-d{i}"] == expected[f"{tag}-c{i}"]
         assert finals[f"{tag}-d{i}"].num_cached_tokens == len(prompt) - 1
-    assert decoder.stats().kv_connector["nixl_transfers"] >= 1
+    after = decoder.stats()
+    assert after.prefix_cache_hits == before.prefix_cache_hits
+    transfers = after.kv_connector["nixl_transfers"] - before.kv_connector.get("nixl_transfers", 0)
+    assert transfers == len(prompts)
 
 
 @pytest.mark.parametrize("direction", ["nhd_to_hnd", "hnd_to_nhd"])
 def test_both_roles_prefill_and_decode_for_each_other(engines, tiny_qwen2, direction):
     first, second, colocated = engines
     prefiller, decoder = (first, second) if direction == "nhd_to_hnd" else (second, first)
-    _pd_round(prefiller, decoder, colocated, tokenize_all(tiny_qwen2, PROMPT_TEXTS), tag=direction[:3])
+    # prompts of this direction only: the other direction's decoder prefilled its own
+    lead = 5 if direction == "nhd_to_hnd" else 6
+    prompts = [[lead, *prompt] for prompt in tokenize_all(tiny_qwen2, PROMPT_TEXTS)]
+    _pd_round(prefiller, decoder, colocated, prompts, tag=direction[:3])
     _drain(prefiller, decoder)
 
 
