@@ -59,12 +59,21 @@ TPS = [(1, 1), (1, 2), (2, 1), (2, 4), (3, 1), (1, 3), (8, 2), (2, 8)]  # uneven
 CASES = list(itertools.product([Layout.NHD, Layout.HND], [Layout.NHD, Layout.HND], TPS))
 
 
+BLOCK_IDS = {
+    "scattered": ([7, 2, 5], [1, 8, 3]),
+    # reversed runs, gaps and a prefix-cache offset: the prefiller holds the prompt in blocks
+    # [9, 8, 7, 6, 5, 0, 1], the decoder already has the first two and reads from block 2 on
+    "runs": ([7, 6, 5, 0, 1], [4, 3, 2, 8, 9]),
+}
+
+
+@pytest.mark.parametrize("block_ids", BLOCK_IDS.values(), ids=BLOCK_IDS.keys())
 @pytest.mark.parametrize(("remote_layout", "local_layout", "tps"), CASES)
-def test_plan_moves_the_right_heads_in_the_right_layout(remote_layout, local_layout, tps):
+def test_plan_moves_the_right_heads_in_the_right_layout(remote_layout, local_layout, tps, block_ids):
     remote_tp, local_tp = tps
+    remote_ids, local_ids = block_ids
     gen = torch.Generator().manual_seed(0)
-    full = torch.randn(LAYERS, 3, 2, BS, HEADS, DIM, generator=gen)  # 3 logical blocks
-    remote_ids, local_ids = [7, 2, 5], [1, 8, 3]
+    full = torch.randn(LAYERS, len(local_ids), 2, BS, HEADS, DIM, generator=gen)
     remote = {
         p: [_tensor(remote_layout, _count(remote_tp, p)) for _ in range(LAYERS)] for p in range(remote_tp)
     }
@@ -90,15 +99,22 @@ def test_plan_moves_the_right_heads_in_the_right_layout(remote_layout, local_lay
             assert not local[layer][:, untouched].any()
 
 
-def test_equal_layouts_read_whole_block_runs():
-    remote = [_tensor(Layout.NHD, HEADS) for _ in range(LAYERS)]
-    local = [_tensor(Layout.NHD, HEADS) for _ in range(LAYERS)]
+@pytest.mark.parametrize(
+    ("layout", "local_ids", "remote_ids"),
+    [
+        (Layout.NHD, [3, 4, 5, 9], [0, 1, 2, 6]),  # ascending: (3,4,5)<-(0,1,2) and 9<-6
+        (Layout.HND, [6, 5, 4, 1], [9, 8, 7, 2]),  # reversed: (4,5,6)<-(7,8,9) and 1<-2
+    ],
+)
+def test_equal_layouts_read_whole_block_runs(layout, local_ids, remote_ids):
+    remote = [_tensor(layout, HEADS) for _ in range(LAYERS)]
+    local = [_tensor(layout, HEADS) for _ in range(LAYERS)]
     names = [f"l{i}" for i in range(LAYERS)]
-    rv, lv = _view(Layout.NHD, 1, 0, remote), _view(Layout.NHD, 1, 0, local)
-    plan = plan_read(lv, rv, names, [3, 4, 5, 9], [0, 1, 2, 6])
-    # consecutive blocks on both sides merge: (3,4,5)<-(0,1,2) and 9<-6, for K and V of each layer
+    plan = plan_read(_view(layout, 1, 0, local), _view(layout, 1, 0, remote), names, local_ids, remote_ids)
+    # one descriptor per run, for K and V of each layer
     assert plan.num_descriptors == LAYERS * 2 * 2
-    assert plan.num_bytes == LAYERS * 2 * 4 * BS * HEADS * DIM * 4
+    block = BS * HEADS * DIM * 4
+    assert sorted(plan.local[:, 1].tolist()) == [block] * (LAYERS * 2) + [3 * block] * (LAYERS * 2)
 
 
 def test_mixed_layouts_fall_back_to_rows():
@@ -130,50 +146,3 @@ def test_mixed_layouts_fall_back_to_rows():
 )
 def test_block_runs(local_ids, remote_ids, runs):
     assert [tuple(r) for r in block_runs(local_ids, remote_ids).tolist()] == runs
-
-
-def test_reversed_block_ids_read_whole_runs():
-    remote = [_tensor(Layout.HND, HEADS) for _ in range(LAYERS)]
-    local = [_tensor(Layout.HND, HEADS) for _ in range(LAYERS)]
-    names = [f"l{i}" for i in range(LAYERS)]
-    rv, lv = _view(Layout.HND, 1, 0, remote), _view(Layout.HND, 1, 0, local)
-    plan = plan_read(lv, rv, names, [6, 5, 4, 1], [9, 8, 7, 2])
-    # (4,5,6) <- (7,8,9) is one run, 1 <- 2 another: for K and V of each layer
-    assert plan.num_descriptors == LAYERS * 2 * 2
-    assert sorted(plan.local[:, 1].tolist()) == sorted(
-        [BS * HEADS * DIM * 4] * 4 + [3 * BS * HEADS * DIM * 4] * 4
-    )
-
-
-@pytest.mark.parametrize(
-    ("remote_layout", "local_layout", "tps"),
-    [(Layout.NHD, Layout.NHD, (1, 1)), (Layout.HND, Layout.HND, (1, 2)), (Layout.NHD, Layout.HND, (2, 1))],
-)
-def test_runs_with_gaps_and_reversals_move_the_right_blocks(remote_layout, local_layout, tps):
-    """Reversed runs, gaps and a prefix-cache offset (the decoder reads blocks 2.. of the prompt)."""
-    remote_tp, local_tp = tps
-    prompt_remote = [9, 8, 7, 6, 5, 0, 1]  # the prefiller's blocks for the whole prompt
-    remote_ids, local_ids = prompt_remote[2:], [4, 3, 2, 8, 9]  # the decoder hit blocks 0-1
-    gen = torch.Generator().manual_seed(1)
-    full = torch.randn(LAYERS, len(local_ids), 2, BS, HEADS, DIM, generator=gen)
-    names = [f"l{i}" for i in range(LAYERS)]
-    remote = {
-        p: [_tensor(remote_layout, _count(remote_tp, p)) for _ in range(LAYERS)] for p in range(remote_tp)
-    }
-    for p, tensors in remote.items():
-        for layer, tensor in enumerate(tensors):
-            for i, rb in enumerate(remote_ids):
-                _put(tensor, remote_layout, rb, full[layer, i, :, :, _heads(remote_tp, p)])
-    for d in range(local_tp):
-        local = [_tensor(local_layout, _count(local_tp, d)) for _ in range(LAYERS)]
-        lview = _view(local_layout, local_tp, d, local)
-        for p in range(remote_tp):
-            _run(
-                plan_read(lview, _view(remote_layout, remote_tp, p, remote[p]), names, local_ids, remote_ids)
-            )
-        for layer in range(LAYERS):
-            for i, lb in enumerate(local_ids):
-                assert torch.equal(
-                    _get(local[layer], local_layout, lb), full[layer, i, :, :, _heads(local_tp, d)]
-                )
-            assert not local[layer][:, [b for b in range(BLOCKS) if b not in local_ids]].any()
