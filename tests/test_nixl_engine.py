@@ -66,6 +66,19 @@ def _run(
     return tokens, finals
 
 
+def _first_output(core: EngineCore, request: EngineCoreRequest, other: EngineCore | None = None):
+    """Add `request` and step (and `other`, the remote side) until its one output comes."""
+    core.add_request(request)
+    deadline, outputs = time.monotonic() + 20, []
+    while not outputs:
+        assert time.monotonic() < deadline
+        outputs = core.step()
+        if other is not None and other.has_unfinished_requests():
+            other.step()
+    (out,) = outputs
+    return out
+
+
 def _drain(*cores: EngineCore) -> None:
     deadline = time.monotonic() + 20
     while any(c.has_unfinished_requests() for c in cores):
@@ -137,12 +150,7 @@ def test_incompatible_model_is_a_client_error(engines, tiny_qwen2, tiny_llama):
             prefiller, [EngineCoreRequest("cmp-p", prompt, one, time.time(), {"do_remote_decode": True})]
         )
         params = prefilled["cmp-p"].kv_transfer_params
-        other.add_request(EngineCoreRequest("cmp-d", prompt, one, time.time(), params))
-        deadline, outputs = time.monotonic() + 20, []
-        while not outputs:
-            assert time.monotonic() < deadline
-            outputs = other.step()
-        (out,) = outputs
+        out = _first_output(other, EngineCoreRequest("cmp-d", prompt, one, time.time(), params))
         assert out.invalid_param == "kv_transfer_params" and "incompatible" in out.error, out.error
         _drain(other)
     finally:
@@ -168,13 +176,6 @@ def test_release_kv_frees_a_prefill_nobody_will_read(engines, tiny_qwen2):
     assert time.monotonic() - start < 2.0  # the lease is 20 s
     prefiller.release_kv(["rel-p"])  # idempotent
     params = prefilled["rel-p"].kv_transfer_params
-    decoder.add_request(EngineCoreRequest("rel-d", prompt, one, time.time(), params))
-    deadline, outputs = time.monotonic() + 20, []
-    while not outputs:
-        assert time.monotonic() < deadline
-        outputs = decoder.step()
-        if prefiller.has_unfinished_requests():
-            prefiller.step()
-    (out,) = outputs
+    out = _first_output(decoder, EngineCoreRequest("rel-d", prompt, one, time.time(), params), prefiller)
     assert out.error is not None and "loading the request's KV cache failed" in out.error, out.error
     _drain(prefiller, decoder)
