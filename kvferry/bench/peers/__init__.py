@@ -1,0 +1,1 @@
+"""`kvferry bench peers`: kvferry against vLLM's CPU engine (see command.py)."""

@@ -1,0 +1,168 @@
+"""The comparison of ``kvferry bench peers``: rows of both engines' figures, kvferry / vLLM
+ratios, the printed table and the PNG."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+ENGINES = ("kvferry", "vllm")
+EVEN = 0.02  # within 2%: neither is ahead
+
+
+@dataclass(frozen=True)
+class Row:
+    part: str  # offline | serving
+    metric: str
+    unit: str
+    kvferry: float | None
+    vllm: float | None
+    higher_is_better: bool
+
+    @property
+    def ratio(self) -> float | None:
+        """kvferry / vLLM (None when either is missing or vLLM's is 0)."""
+        if self.kvferry is None or not self.vllm:
+            return None
+        return self.kvferry / self.vllm
+
+    @property
+    def ahead(self) -> str:
+        ratio = self.ratio
+        if ratio is None:
+            return "-"
+        if abs(ratio - 1.0) <= EVEN:
+            return "even"
+        return "kvferry" if (ratio > 1.0) == self.higher_is_better else "vLLM"
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "ratio": self.ratio, "ahead": self.ahead}
+
+
+def _per_s(doc: dict | None, workload: str, tokens: str) -> float | None:
+    run = (doc or {}).get("workloads", {}).get(workload)
+    return run[tokens] / run["seconds"] if run and run["seconds"] > 0 else None
+
+
+def _seconds(doc: dict | None, workload: str) -> float | None:
+    run = (doc or {}).get("workloads", {}).get(workload)
+    return run["seconds"] if run else None
+
+
+def offline_rows(offline: dict, shape: dict) -> list[Row]:
+    """Rows from each engine's driver document (`offline[engine]`; missing engines give None)."""
+    k, v = offline.get("kvferry"), offline.get("vllm")
+    tp = f"throughput {shape['num_prompts']}x{shape['input_len']}->{shape['output_len']}"
+    rows = [
+        Row("offline", tp, "gen tok/s", _per_s(k, "throughput", "generated_tokens"),
+            _per_s(v, "throughput", "generated_tokens"), True),
+        Row("offline", f"batch-1 decode {shape['decode_len']} tokens", "gen tok/s",
+            _per_s(k, "decode_b1", "generated_tokens"), _per_s(v, "decode_b1", "generated_tokens"), True),
+        Row("offline", f"prefill {shape['prefill_len']} tokens", "s",
+            _seconds(k, "prefill"), _seconds(v, "prefill"), False),
+        Row("offline", "engine load (incl. warm-up compile)", "s",
+            (k or {}).get("load_s"), (v or {}).get("load_s"), False),
+    ]  # fmt: skip
+    return rows
+
+
+SERVING_METRICS = (
+    ("output_throughput", "output tok/s", "tok/s", True),
+    ("mean_ttft_ms", "mean TTFT", "ms", False),
+    ("p99_ttft_ms", "p99 TTFT", "ms", False),
+    ("mean_tpot_ms", "mean TPOT", "ms", False),
+    ("p99_itl_ms", "p99 ITL", "ms", False),
+)
+
+
+def serving_rows(serving: dict) -> list[Row]:
+    """Rows per request rate from each engine's parsed `vllm bench serve` results."""
+    by_rate: dict[float, dict[str, dict]] = {}
+    for engine in ENGINES:
+        for result in serving.get(engine) or []:
+            by_rate.setdefault(result["request_rate"], {})[engine] = result
+    rows = []
+    for rate in sorted(by_rate):
+        pair = by_rate[rate]
+        for key, name, unit, higher in SERVING_METRICS:
+            values = [pair.get(engine, {}).get(key) for engine in ENGINES]
+            rows.append(Row("serving", f"{name} @ {rate:g} req/s", unit, *values, higher))
+    return rows
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+
+
+def format_table(rows: list[Row]) -> str:
+    """A fixed-width table: metric, unit, both engines, kvferry / vLLM, who is ahead."""
+    header = ("part", "metric", "unit", "kvferry", "vLLM", "kvferry/vLLM", "ahead")
+    lines = [header]
+    for row in rows:
+        ratio = f"{row.ratio:.2f}x" if row.ratio is not None else "-"
+        lines.append((row.part, row.metric, row.unit, _fmt(row.kvferry), _fmt(row.vllm), ratio, row.ahead))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    out = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def kvferry_speedup(row: Row) -> float | None:
+    """How many times faster kvferry is on `row` (>1: kvferry ahead), whatever the unit."""
+    ratio = row.ratio
+    if ratio is None or ratio <= 0:
+        return None
+    return ratio if row.higher_is_better else 1.0 / ratio
+
+
+def save_plot(path: Path, rows: list[Row], serving: dict, title: str) -> bool:
+    """Offline speedups as bars, serving metrics vs rate as lines; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib missing: no plot")
+        return False
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
+    _offline_bars(axes[0], [r for r in rows if r.part == "offline"])
+    plotted = [m for m in SERVING_METRICS if m[0] in ("output_throughput", "mean_ttft_ms", "mean_tpot_ms")]
+    for ax, (key, name, unit, _) in zip(axes[1:], plotted):
+        _serving_lines(ax, serving, key, f"{name} ({unit})")
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def _offline_bars(ax, rows: list[Row]) -> None:
+    pairs = [(row.metric, kvferry_speedup(row)) for row in rows]
+    pairs = [(name, value) for name, value in pairs if value is not None]
+    names = [name.replace(" ", "\n", 1) for name, _ in pairs]
+    values = [value for _, value in pairs]
+    ax.bar(names, values, color=["#2a7" if v >= 1 else "#c55" for v in values])
+    ax.axhline(1.0, color="#444", linewidth=1)
+    ax.set_title("offline: kvferry speed / vLLM speed")
+    ax.set_ylabel(">1: kvferry ahead")
+    ax.tick_params(axis="x", labelsize=7)
+
+
+def _serving_lines(ax, serving: dict, key: str, label: str) -> None:
+    for engine, color in zip(ENGINES, ("C0", "C1")):
+        results = sorted(serving.get(engine) or [], key=lambda r: r["request_rate"])
+        points = [(r["request_rate"], r.get(key)) for r in results if r.get(key) is not None]
+        if points:
+            ax.plot(*zip(*points), "-o", label=engine, color=color)
+    ax.set_title(f"serving: {label}")
+    ax.set_xlabel("request rate (req/s)")
+    ax.grid(True, alpha=0.3)
+    if ax.lines:
+        ax.legend(fontsize="small")

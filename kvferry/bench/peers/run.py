@@ -1,0 +1,135 @@
+"""One ``kvferry bench peers`` invocation: install, convert, each part for each engine, report."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import subprocess
+from pathlib import Path
+
+from kvferry.bench.peers import command, offline, report, serving
+from kvferry.bench.peers.convert import hf_model_dir
+from kvferry.bench.peers.install import ensure_vllm
+from kvferry.bench.peers.setup import Setup, all_cores
+from kvferry.bench.results import host_facts, save_json
+from kvferry.entrypoints.disagg import LaunchError
+
+logger = logging.getLogger(__name__)
+
+PD_NOT_BUILT = {
+    "status": "not built",
+    "note": "P/D against vLLM's disaggregated serving is a later step; no figures are reported",
+}
+# What one engine's failure in a part looks like; the other engine and parts still run.
+ENGINE_FAILURES = (offline.DriverError, LaunchError, RuntimeError, subprocess.TimeoutExpired, OSError)
+
+
+def cpu_flags() -> dict:
+    """Whether the CPU has AVX-512 and AMX (vLLM's fast CPU kernels need them)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    flags = line.split(":", 1)[-1].split()
+    wide = sorted(f for f in flags if f.startswith(("avx512", "amx")))
+    return {"avx2": "avx2" in flags, "avx512": any(f.startswith("avx512") for f in wide), "wide_flags": wide}
+
+
+def make_setup(args: argparse.Namespace, model_dir: Path, vllm_venv: Path | None) -> Setup:
+    output = Path(args.output)
+    work_dir = Path(args.work_dir) if args.work_dir else output.with_name(output.stem + "-work")
+    work_dir.mkdir(parents=True, exist_ok=True)
+    return Setup(
+        model_dir=model_dir,
+        dtype=args.dtype,
+        work_dir=work_dir,
+        cores=args.cpu_cores or all_cores(),
+        max_model_len=command.max_model_len(command.offline_shape(args), command.serving_load(args)),
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_gib=args.kv_cache_gib,
+        seed=args.seed,
+        vllm_venv=vllm_venv,
+        kvferry_args=command.extra_args(args.kvferry_args),
+        vllm_serve_args=command.extra_args(args.vllm_serve_args),
+        timeout=args.timeout,
+    )
+
+
+def offline_part(setup: Setup, engines: list[str], shape: offline.OfflineShape) -> dict:
+    """Each engine's driver document (or its error) on the same workloads."""
+    from kvferry.model.resolve import resolve_model_config
+    from kvferry.model.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(resolve_model_config(str(setup.model_dir)))
+    spec = offline.write_spec(setup, offline.make_workloads(tokenizer, shape, setup.seed))
+    doc: dict = {"shape": vars(shape) | {}, "workloads_file": str(spec)}
+    for engine in engines:
+        try:
+            doc[engine] = offline.run_offline(engine, spec, setup)
+        except ENGINE_FAILURES as exc:
+            logger.error("offline %s failed: %s", engine, exc)
+            doc[engine] = {"error": str(exc)}
+    doc["same_first_tokens"] = _same_first_tokens(doc)
+    return doc
+
+
+def _same_first_tokens(doc: dict) -> bool | None:
+    """Whether both engines' first greedy tokens agree on the throughput prompts (None: one missing)."""
+    runs = [doc.get(e, {}).get("workloads", {}).get("throughput") for e in command.ENGINES]
+    if not all(runs):
+        return None
+    return runs[0]["first_tokens"] == runs[1]["first_tokens"]
+
+
+def serving_part(setup: Setup, engines: list[str], load: serving.Load) -> dict:
+    """Each engine's per-rate results (or its error) under vLLM's own serving client."""
+    doc: dict = {
+        "load": vars(load) | {"rates": list(load.rates)},
+        "client": "vllm bench serve --backend openai",
+    }
+    if setup.vllm_venv is None:
+        return doc | {"error": "the serving client is vLLM's: run with --engines including vllm"}
+    for engine in engines:
+        try:
+            doc[engine] = serving.bench_server(engine, setup, load)
+        except ENGINE_FAILURES as exc:
+            logger.error("serving %s failed: %s", engine, exc)
+            doc[engine + "_error"] = str(exc)
+    return doc
+
+
+def run_peers(args: argparse.Namespace) -> dict:
+    parts, engines = args.parts, args.engines
+    venv = ensure_vllm(Path(args.vllm_venv)).parent.parent if "vllm" in engines else None
+    model_dir = hf_model_dir(args.model, args.dtype, Path(args.model_cache))
+    setup = make_setup(args, model_dir, venv)
+    doc: dict = {"bench": "peers", "model": args.model, "model_dir": str(model_dir), "dtype": args.dtype}
+    doc |= {"engines": engines, "parts": parts, "cores": setup.cores, "max_model_len": setup.max_model_len}
+    doc |= {"max_num_seqs": setup.max_num_seqs, "kv_cache_gib": setup.kv_cache_gib}
+    doc |= {**host_facts(), "cpu": cpu_flags(), "work_dir": str(setup.work_dir)}
+    if "offline" in parts:
+        doc["offline"] = offline_part(setup, engines, command.offline_shape(args))
+    if "serve" in parts:
+        doc["serving"] = serving_part(setup, engines, command.serving_load(args))
+    if "pd" in parts:
+        doc["pd"] = PD_NOT_BUILT
+    return finish(doc, Path(args.output))
+
+
+def finish(doc: dict, output: Path) -> dict:
+    """Rows and ratios into `doc`; JSON, PNG and the printed table."""
+    rows = []
+    if "offline" in doc:
+        rows += report.offline_rows(doc["offline"], doc["offline"]["shape"])
+    serving_doc = doc.get("serving", {})
+    rows += report.serving_rows(serving_doc)
+    doc["comparison"] = [row.as_dict() for row in rows]
+    path = save_json(doc, output)
+    title = f"kvferry vs vLLM (CPU): {doc['model']} {doc['dtype']}, cores {doc['cores']}"
+    report.save_plot(path.with_suffix(".png"), rows, serving_doc, title)
+    print(report.format_table(rows))
+    if "pd" in doc:
+        print(f"pd: {doc['pd']['status']} ({doc['pd']['note']})")
+    logger.info("results: %s (plot %s); logs in %s", path, path.with_suffix(".png"), doc["work_dir"])
+    return doc

@@ -1,0 +1,115 @@
+"""Serving part of ``kvferry bench peers``: vLLM's own client against each engine's server.
+
+For each engine in turn: start its OpenAI server (``vllm serve`` / ``kvferry serve``) on the
+shared cores, wait for ``/health``, run ``vllm bench serve --backend openai`` (random dataset,
+exact lengths, ignore_eos) once per request rate, stop the server. Each client run saves
+vLLM's result JSON; ``parse_bench_serve`` keeps the figures the report compares.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvferry.bench.peers.setup import Setup
+from kvferry.entrypoints.disagg import Child, free_port, spawn, stop_all, wait_healthy
+
+logger = logging.getLogger(__name__)
+
+SERVED_NAME = "peers-bench"
+METRICS = ("ttft", "tpot", "itl", "e2el")
+# What vLLM's `bench serve` result JSON holds (keys as vLLM 0.32 writes them) that we keep.
+KEPT_KEYS = (
+    "request_rate",
+    "num_prompts",
+    "duration",
+    "completed",
+    "failed",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    *(f"{stat}_{m}_ms" for m in METRICS for stat in ("mean", "median", "p99")),
+)
+
+
+@dataclass(frozen=True)
+class Load:
+    input_len: int = 1000
+    output_len: int = 64
+    num_prompts: int = 16
+    rates: tuple[float, ...] = (0.05, 0.1, 0.2)
+
+
+def server_command(engine: str, setup: Setup, port: int) -> list[str]:
+    """`vllm serve` or `kvferry serve` of the setup's model, pinned to its cores."""
+    common = ["--port", str(port), "--served-model-name", SERVED_NAME, "--dtype", setup.dtype]
+    common += ["--max-model-len", str(setup.max_model_len), "--max-num-seqs", str(setup.max_num_seqs)]
+    common += ["--seed", str(setup.seed)]
+    model = str(setup.model_dir.absolute())
+    if engine == "vllm":
+        serve = [setup.vllm_bin("vllm"), "serve", model, *common, *setup.vllm_serve_args]
+        return [*setup.vllm_env_argv(), *setup.pin, *serve]
+    serve = [sys.executable, "-m", "kvferry.entrypoints.cli", "serve", model, *common]
+    return [*setup.pin, *serve, *setup.kvferry_engine_args()]
+
+
+def client_command(setup: Setup, url: str, load: Load, rate: float, out: Path) -> list[str]:
+    """`vllm bench serve` at one request rate, saving its result JSON as `out`."""
+    command = [setup.vllm_bin("vllm"), "bench", "serve", "--backend", "openai", "--base-url", url]
+    command += ["--endpoint", "/v1/completions", "--model", SERVED_NAME]
+    command += ["--tokenizer", str(setup.model_dir.absolute()), "--dataset-name", "random"]
+    command += ["--random-input-len", str(load.input_len), "--random-output-len", str(load.output_len)]
+    command += ["--random-range-ratio", "0", "--ignore-eos", "--num-prompts", str(load.num_prompts)]
+    command += ["--request-rate", _rate_arg(rate), "--seed", str(setup.seed), "--disable-tqdm"]
+    command += ["--percentile-metrics", ",".join(METRICS), "--metric-percentiles", "50,99"]
+    command += ["--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
+    return [*setup.vllm_env_argv(), *command]
+
+
+def _rate_arg(rate: float) -> str:
+    return "inf" if rate == float("inf") else f"{rate:g}"
+
+
+def parse_bench_serve(path: Path) -> dict:
+    """The kept figures of one `vllm bench serve` result JSON (missing keys are None)."""
+    raw = json.loads(path.read_text())
+    kept = {key: raw.get(key) for key in KEPT_KEYS}
+    kept["request_rate"] = float(kept["request_rate"]) if kept["request_rate"] is not None else None
+    return kept
+
+
+def run_client(setup: Setup, url: str, load: Load, rate: float, tag: str) -> dict:
+    out = setup.work_dir / f"serve-{tag}-rate{_rate_arg(rate)}.json"
+    log = out.with_suffix(".log")
+    out.unlink(missing_ok=True)
+    command = client_command(setup, url, load, rate, out)
+    logger.info("serving: %s at %s req/s (log %s)", tag, _rate_arg(rate), log)
+    with log.open("wb") as sink:
+        subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, timeout=setup.timeout, check=False)
+    if not out.is_file():
+        tail = log.read_bytes()[-3000:].decode("utf-8", "replace")
+        raise RuntimeError(f"vllm bench serve wrote no result; log {log}:\n{tail}")
+    return parse_bench_serve(out)
+
+
+def bench_server(engine: str, setup: Setup, load: Load, startup_timeout: float = 900.0) -> list[dict]:
+    """Start `engine`'s server, run the client at every rate, stop it; one result per rate."""
+    port = free_port()
+    log = setup.work_dir / f"server-{engine}.log"
+    child = Child(engine, server_command(engine, setup, port), f"http://127.0.0.1:{port}", log)
+    spawn(child)
+    try:
+        begin = time.monotonic()
+        wait_healthy([child], begin + startup_timeout, threading.Event())
+        logger.info("%s server ready in %.0f s", engine, time.monotonic() - begin)
+        return [run_client(setup, child.url, load, rate, engine) for rate in load.rates]
+    finally:
+        stop_all([child], grace=30.0)
