@@ -120,11 +120,20 @@ class KVTransferConfig:
 
 
 @dataclass(frozen=True)
+class CompilationConfig:
+    """The captured forward (kvferry.worker.capture): decode steps run as one compiled
+    program unless `enforce_eager` (--enforce-eager)."""
+
+    enforce_eager: bool = False
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    compilation: CompilationConfig = field(default_factory=CompilationConfig)
     device: str = "cpu"
     seed: int = 0

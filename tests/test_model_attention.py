@@ -6,8 +6,14 @@ import pytest
 import torch
 
 from kvferry.kv.spec import Layout
-from kvferry.model.forward_context import AttentionMetadata, ForwardContext, PrefillSpan
-from kvferry.model.layers.attention import PagedAttention, Workspace, gather_kv, write_kv
+from kvferry.model.forward_context import (
+    AttentionMetadata,
+    ForwardContext,
+    HookPlacement,
+    PrefillSpan,
+    Workspace,
+)
+from kvferry.model.layers.attention import PagedAttention, gather_kv, write_kv
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
 LAYER = "model.layers.0.self_attn.attn"
@@ -38,7 +44,13 @@ def _case(
     free = torch.randperm(num_blocks, generator=gen).tolist()
     shape = layout.shape(num_blocks, block_size, KV_HEADS, HEAD_DIM)
     cache = torch.randn(shape, generator=gen) * 5  # finite garbage outside the live slots
-    layer = PagedAttention(LAYER, HEADS, KV_HEADS, HEAD_DIM, scale=HEAD_DIM**-0.5, workspace=workspace)
+    layer = PagedAttention(
+        LAYER,
+        HEADS,
+        KV_HEADS,
+        HEAD_DIM,
+        scale=HEAD_DIM**-0.5,
+    )
     order = sorted(range(len(seqs)), key=lambda i: not seqs[i][2])
     qs, ks, vs, slots, spans, tables, lens, refs = [], [], [], [], [], [], [], []
     for i in order:
@@ -73,7 +85,9 @@ def _case(
         prefills=spans,
         block_size=block_size,
     )
-    ctx = ForwardContext(attn=(attn,), layer_group={LAYER: 0}, kv_caches={LAYER: cache}, layout=layout)
+    ctx = ForwardContext(
+        attn=(attn,), layer_group={LAYER: 0}, kv_caches={LAYER: cache}, layout=layout, workspace=workspace
+    )
     return layer, torch.cat(qs), torch.cat(ks), torch.cat(vs), ctx, torch.cat(refs)
 
 
@@ -158,13 +172,22 @@ class RecordingHooks:
         self.calls.append(("save", layer_name, self._written()))
 
 
+@pytest.mark.parametrize("placement", [HookPlacement.IN_GRAPH, HookPlacement.SPLIT])
 @pytest.mark.parametrize("layout", list(Layout))
-def test_hooks_wrap_the_cache_write(layout: Layout) -> None:
+def test_hooks_wrap_the_cache_write(layout: Layout, placement: HookPlacement) -> None:
     layer, q, k, v, ctx, _ = _case(5, layout, MIXES["mixed"], block_size=4)
     hooks = RecordingHooks(ctx.kv_caches[LAYER], ctx.attn[0].slot_mapping, layout, k)
     ctx.kv_hooks = hooks
+    layer.hooks = placement
     layer(q, k, v, ctx)
     assert hooks.calls == [("wait", LAYER, False), ("save", LAYER, True)]
+
+
+def test_no_hooks_called_when_the_connector_has_none() -> None:
+    layer, q, k, v, ctx, _ = _case(5, Layout.NHD, MIXES["mixed"], block_size=4)
+    ctx.kv_hooks = RecordingHooks(ctx.kv_caches[LAYER], ctx.attn[0].slot_mapping, Layout.NHD, k)
+    layer(q, k, v, ctx)  # HookPlacement.NONE: the connector declared no per-layer hooks
+    assert ctx.kv_hooks.calls == []
 
 
 def test_bfloat16_close_to_reference() -> None:

@@ -43,12 +43,11 @@ def test_split_batch_cuts_at_request_boundaries() -> None:
     assert len(parts[1].ctx.attn) == 2
 
 
-def test_decodes_split_evenly_and_small_or_hooked_batches_stay_whole() -> None:
+def test_decodes_split_evenly_and_small_batches_stay_whole() -> None:
     parts = MicroBatcher(2).split_batch(_ctx(_metadata(64, [])), 64)
     assert [(p.start, p.stop, p.ctx.attn[0].num_decodes) for p in parts] == [(0, 32, 32), (32, 64, 32)]
     assert len(MicroBatcher(2).split_batch(_ctx(_metadata(5, [])), 5)) == 1
     assert len(MicroBatcher(2).split_batch(_ctx(_metadata(0, [40])), 40)) == 1  # one request
-    assert len(MicroBatcher(2).split_batch(_ctx(_metadata(64, []), hooks=object()), 64)) == 1
     assert [(p.start, p.stop) for p in MicroBatcher(3).split_rows(13)] == [(0, 4), (4, 8), (8, 13)]
     assert [(p.start, p.stop) for p in MicroBatcher(3).split_rows(10)] == [(0, 5), (5, 10)]  # >= 4 rows each
 

@@ -50,10 +50,20 @@ class KVConnectorBase:
 
     # kv_role values this connector accepts ("producer", "consumer", "both").
     supported_roles: ClassVar[frozenset[str]] = frozenset({"producer", "consumer", "both"})
-    # Invariant 2: may the per-layer hooks be captured in a CUDA graph?
+    # Invariant 2: may the per-layer hooks be captured in a graph (compiled CPU, CUDA)?
     graph_safe: ClassVar[bool] = False
     # Invariant 5: layouts this connector can work with, in order of preference.
     supported_layouts: ClassVar[tuple[Layout, ...]] = (Layout.NHD, Layout.HND)
+    # Invariant 2: do the per-layer hooks (wait_for_layer_load, save_kv_layer) do anything?
+    # A connector whose hooks do nothing declares False and costs nothing per layer: no
+    # call, no graph operator. Undeclared, it is True exactly when the class overrides a hook.
+    has_layer_hooks: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "has_layer_hooks" not in cls.__dict__:
+            overrides = any(hook in cls.__dict__ for hook in ("wait_for_layer_load", "save_kv_layer"))
+            cls.has_layer_hooks = cls.has_layer_hooks or overrides
 
     def __init__(
         self,

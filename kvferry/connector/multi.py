@@ -84,6 +84,7 @@ class MultiConnector(KVConnectorBase):
             for cfg in child_engine_configs(engine_config)
         ]
         self.graph_safe = all(child.graph_safe for child in self.children)
+        self.has_layer_hooks = any(child.has_layer_hooks for child in self.children)
         self.supported_layouts = tuple(
             layout
             for layout in self.children[0].supported_layouts

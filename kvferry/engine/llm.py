@@ -6,7 +6,7 @@ import itertools
 import logging
 from collections.abc import Sequence
 
-from kvferry.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from kvferry.config import CacheConfig, CompilationConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from kvferry.engine.core import EngineCore, EngineStats
 from kvferry.engine.input_processor import InputProcessor
 from kvferry.engine.output_processor import OutputProcessor
@@ -50,6 +50,7 @@ class LLM:
         max_num_seqs: int = 128,
         max_num_batched_tokens: int = 2048,
         seed: int = 0,
+        enforce_eager: bool = False,
     ):
         model_config = resolve_model_config(model, dtype=dtype, max_model_len=max_model_len)
         config = EngineConfig(
@@ -57,6 +58,7 @@ class LLM:
             cache=CacheConfig(block_size, kv_cache_bytes, enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs),
             parallel=ParallelConfig(tensor_parallel_size),
+            compilation=CompilationConfig(enforce_eager=enforce_eager),
             seed=seed,
         )
         self.__init_from_config(config)

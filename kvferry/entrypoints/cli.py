@@ -44,6 +44,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run every forward eagerly (default: decode steps run as one compiled program)",
+    )
+    parser.add_argument(
         "--kv-transfer-config",
         default=None,
         help='JSON: {"kv_connector": ..., "kv_connector_module_path": ..., "kv_role": ..., '
@@ -69,7 +74,7 @@ def parse_kv_transfer_config(raw: str | None) -> KVTransferConfig:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    from kvferry.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+    from kvferry.config import CacheConfig, CompilationConfig, EngineConfig, ParallelConfig, SchedulerConfig
     from kvferry.model.resolve import resolve_model_config
     from kvferry.worker.cpu_placement import parse_core_list
 
@@ -99,6 +104,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             cpu_threads=args.cpu_threads,
         ),
         kv_transfer=kv_transfer,
+        compilation=CompilationConfig(enforce_eager=args.enforce_eager),
         seed=args.seed,
     )
 

@@ -3,14 +3,23 @@
 The model runner builds one ForwardContext per forward. Tokens are ordered decodes
 first (one query token each), then prefill spans (chunks of prompts, or prompts with a
 prefix hit), each span contiguous.
+
+The context is an opaque reference object for torch.compile: a captured graph takes it
+as an input and hands it, untouched, to the operators that need it (attention, connector
+hooks), so every execution of the graph reads the context of its own step.
 """
 
 from __future__ import annotations
 
+import enum
+import math
+import threading
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+from torch._library.opaque_object import register_opaque_type
+from torch._opaque_base import OpaqueBase
 
 from kvferry.kv.spec import Layout
 
@@ -43,13 +52,44 @@ class LayerKVHooks(Protocol):
     def save_kv_layer(self, layer_name: str, kv_cache: torch.Tensor, attn: AttentionMetadata) -> None: ...
 
 
+class HookPlacement(enum.Enum):
+    """How an attention layer calls the connector's per-layer hooks (invariant 2)."""
+
+    NONE = "none"  # no connector, or one whose per-layer hooks do nothing: no call at all
+    IN_GRAPH = "in_graph"  # graph-safe connector: custom operators inside the captured graph
+    SPLIT = "split"  # not graph-safe: called eagerly, the captured graph is split at each call
+
+
+class Workspace:
+    """Grow-only scratch memory shared by the attention layers of one model runner.
+
+    Gathering KV into freshly allocated memory costs page faults several times the copy
+    itself on CPU; the layers run one after another, so one buffer serves them all. Each
+    thread has its own buffer (micro-batch threads run forwards side by side).
+    """
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        nbytes = math.prod(shape) * dtype.itemsize
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.numel() < nbytes or buf.device != device:
+            buf = self._local.buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return buf[:nbytes].view(dtype).view(shape)
+
+
 @dataclass
-class ForwardContext:
+class ForwardContext(OpaqueBase):
     attn: tuple[AttentionMetadata, ...]  # one per KV cache group
     layer_group: dict[str, int]  # layer name -> KV cache group index
     kv_caches: dict[str, torch.Tensor]  # layer name -> its KV tensor (see Layout)
     layout: Layout = Layout.NHD
     kv_hooks: LayerKVHooks | None = None
+    workspace: Workspace | None = None  # scratch for gathered KV (None: fresh memory)
 
     def attn_for(self, layer_name: str) -> AttentionMetadata:
         return self.attn[self.layer_group[layer_name]]
+
+
+register_opaque_type(ForwardContext, typ="reference")

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from kvferry.errors import ModelLoadError
-from kvferry.model.forward_context import ForwardContext
+from kvferry.model.forward_context import ForwardContext, HookPlacement
 from kvferry.model.layers.activation import SiluAndMul
-from kvferry.model.layers.attention import PagedAttention, Workspace
+from kvferry.model.layers.attention import PagedAttention
 from kvferry.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvferry.model.layers.linear import (
     MergedColumnParallelLinear,
@@ -57,7 +57,6 @@ class LlamaAttention(nn.Module):
         tp: TPGroup,
         dtype: torch.dtype,
         flags: dict[str, bool],
-        workspace: Workspace,
     ):
         super().__init__()
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -83,7 +82,6 @@ class LlamaAttention(nn.Module):
             self.qkv_proj.num_kv_heads,
             head_dim,
             scale=head_dim**-0.5,
-            workspace=workspace,
         )
 
     def forward(self, rope: CosSin, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -117,11 +115,10 @@ class LlamaDecoderLayer(nn.Module):
         tp: TPGroup,
         dtype: torch.dtype,
         flags: dict[str, bool],
-        workspace: Workspace,
     ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, f"{prefix}.self_attn", tp, dtype, flags, workspace)
+        self.self_attn = LlamaAttention(config, f"{prefix}.self_attn", tp, dtype, flags)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, tp, dtype)
 
@@ -147,9 +144,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
         rope = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, rope_parameters(config))
         self.rotary_emb = rope
-        workspace = Workspace()  # one per model: every layer's attention shares it
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, f"model.layers.{i}", tp, dtype, flags, workspace)
+            LlamaDecoderLayer(config, f"model.layers.{i}", tp, dtype, flags)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -177,6 +173,7 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
         self.microbatcher: MicroBatcher | None = None  # see enable_microbatching
+        self.hook_placement = HookPlacement.NONE  # see set_hook_placement
 
     @staticmethod
     def flags(config: Any) -> dict[str, bool]:
@@ -193,7 +190,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Final hidden states [T, hidden] of a flat batch (decodes first, then prefill spans)."""
         mb = self.microbatcher
-        parts = mb.split_batch(ctx, input_ids.shape[0]) if mb is not None else []
+        splittable = mb is not None and self.hook_placement is HookPlacement.NONE  # hooks: once per layer
+        parts = mb.split_batch(ctx, input_ids.shape[0]) if splittable else []
         if len(parts) < 2:
             return self.model(input_ids, positions, ctx)
         outs = mb.map(
@@ -212,6 +210,12 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layer_names(self) -> list[str]:
         return [layer.self_attn.attn.layer_name for layer in self.model.layers]
+
+    def set_hook_placement(self, placement: HookPlacement) -> None:
+        """How every attention layer calls the connector's per-layer hooks (graph_ops)."""
+        self.hook_placement = placement
+        for layer in self.model.layers:
+            layer.self_attn.attn.hooks = placement
 
     @property
     def num_local_kv_heads(self) -> int:

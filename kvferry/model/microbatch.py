@@ -9,7 +9,8 @@ once, at the end. Rows are computed exactly as in the full batch (the same kerne
 the same rows), so the results are identical.
 
 Only for one process on its own (no tensor parallelism: collectives must be issued in
-one order) and without per-layer connector hooks (they are called once per layer).
+one order) and without per-layer connector hooks (they are called once per layer; a
+connector without them, like the NIXL one of a P/D decoder, does not stop it).
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ class MicroBatcher:
         """Parts cut at request boundaries, each with its own attention metadata; one part
         (the whole batch) when it cannot or should not be split."""
         whole = [Part(0, num_tokens, ctx)]
-        if ctx.kv_hooks is not None or num_tokens < 2 * MIN_TOKENS_PER_PART:
+        if num_tokens < 2 * MIN_TOKENS_PER_PART:
             return whole
         cuts = _cuts(ctx.attn[0], num_tokens, self.num_threads)
         if len(cuts) < 3:
@@ -122,7 +123,7 @@ def _cuts(attn: AttentionMetadata, num_tokens: int, parts: int) -> list[int]:
 
 def _sub_context(ctx: ForwardContext, start: int, stop: int) -> ForwardContext:
     attn = tuple(_sub_metadata(group, start, stop) for group in ctx.attn)
-    return ForwardContext(attn, ctx.layer_group, ctx.kv_caches, ctx.layout, kv_hooks=None)
+    return ForwardContext(attn, ctx.layer_group, ctx.kv_caches, ctx.layout, None, ctx.workspace)
 
 
 def _sub_metadata(attn: AttentionMetadata, start: int, stop: int) -> AttentionMetadata:

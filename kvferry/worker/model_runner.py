@@ -10,8 +10,9 @@ from kvferry.config import EngineConfig
 from kvferry.connector.base import KVConnectorBase
 from kvferry.connector.output import KVConnectorOutput, KVConnectorStats
 from kvferry.kv.spec import KVCacheConfig
-from kvferry.model.forward_context import ForwardContext
+from kvferry.model.forward_context import ForwardContext, Workspace
 from kvferry.scheduler.output import SchedulerOutput
+from kvferry.worker.capture import CapturedForward, hook_placement
 from kvferry.worker.connector_guard import ConnectorGuard
 from kvferry.worker.inputs import StepInputs, build_step_inputs
 from kvferry.worker.output import ModelRunnerOutput
@@ -32,6 +33,8 @@ class ModelRunner:
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.layer_group: dict[str, int] = {}
         self.connector: KVConnectorBase | None = None
+        self.workspace = Workspace()  # scratch for gathered KV, shared by every layer
+        self.forward: CapturedForward | None = None  # set with the KV caches
 
     def bind_kv_caches(
         self,
@@ -43,6 +46,9 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.layer_group = {name: kv_config.group_of(name) for name in kv_caches}
         self.connector = connector
+        placement = hook_placement(connector)
+        self.model.set_hook_placement(placement)
+        self.forward = CapturedForward(self.model, placement, self.config.compilation.enforce_eager)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -105,8 +111,9 @@ class ModelRunner:
             kv_caches=self.kv_caches,
             layout=self.kv_config.layout,
             kv_hooks=hooks,
+            workspace=self.workspace,
         )
-        return self.model(inputs.input_ids, inputs.positions, ctx)
+        return self.forward(inputs.input_ids, inputs.positions, ctx)
 
     def _sample(self, hidden: torch.Tensor, inputs: StepInputs) -> dict[str, tuple[list[int], object]]:
         if not inputs.sample_rows:

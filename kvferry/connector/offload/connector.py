@@ -22,7 +22,6 @@ if TYPE_CHECKING:
 
     from kvferry.config import EngineConfig
     from kvferry.kv.spec import KVCacheConfig
-    from kvferry.model.forward_context import AttentionMetadata
     from kvferry.scheduler.output import BlockIds, SchedulerOutput
     from kvferry.scheduler.request import Request
 
@@ -34,6 +33,7 @@ class OffloadConnector(KVConnectorBase):
     # whatever its P/D role (e.g. beside a NixlConnector in a MultiConnector).
     # No per-layer work: loads happen before the forward, saves after it.
     graph_safe: ClassVar[bool] = True
+    has_layer_hooks: ClassVar[bool] = False
     # The worker half's implementation (tests subclass it to inject failures).
     worker_class: ClassVar[type[OffloadWorker]] = OffloadWorker
 
@@ -99,9 +99,6 @@ class OffloadConnector(KVConnectorBase):
 
     def start_load_kv(self) -> None:
         self._work().start_load(self._meta())
-
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn: AttentionMetadata) -> None:
-        """Nothing per layer: the step's saves are queued once, after the forward."""
 
     def wait_for_save(self) -> None:
         self._work().submit_ops(self._meta())

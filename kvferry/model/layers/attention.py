@@ -12,15 +12,20 @@ are masked out, but NaN/inf garbage would still poison the weighted sum.
 from __future__ import annotations
 
 import logging
-import math
-import threading
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvferry.kv.spec import Layout
-from kvferry.model.forward_context import AttentionMetadata, ForwardContext, PrefillSpan
+from kvferry.model import graph_ops
+from kvferry.model.forward_context import (
+    AttentionMetadata,
+    ForwardContext,
+    HookPlacement,
+    PrefillSpan,
+    Workspace,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -38,25 +43,6 @@ def write_kv(
     blocks, offsets = slots // block_size, slots % block_size
     kv_cache[0][blocks, :, offsets] = k.to(kv_cache.dtype)
     kv_cache[1][blocks, :, offsets] = v.to(kv_cache.dtype)
-
-
-class Workspace:
-    """Grow-only scratch memory shared by the attention layers of one model.
-
-    Gathering KV into freshly allocated memory costs page faults several times the copy
-    itself on CPU; the layers run one after another, so one buffer serves them all. Each
-    thread has its own buffer (micro-batch threads run forwards side by side).
-    """
-
-    def __init__(self) -> None:
-        self._local = threading.local()
-
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        nbytes = math.prod(shape) * dtype.itemsize
-        buf = getattr(self._local, "buf", None)
-        if buf is None or buf.numel() < nbytes or buf.device != device:
-            buf = self._local.buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return buf[:nbytes].view(dtype).view(shape)
 
 
 def gather_kv(
@@ -106,27 +92,114 @@ def fresh_runs(spans: list[PrefillSpan]) -> list[list[PrefillSpan]]:
     return runs
 
 
-class PagedAttention(nn.Module):
-    """Attention of one layer over its paged KV cache; heads are this rank's heads."""
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    ctx: ForwardContext,
+    layer_name: str,
+    scale: float,
+) -> None:
+    """One layer's paged attention into `out`: q [T, heads, D], k and v [T, kv_heads, D].
 
-    def __init__(
-        self,
-        layer_name: str,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        scale: float,
-        workspace: Workspace | None = None,
-    ):
+    Writes this step's k/v into the layer's cache, then attends the decodes in one call and
+    each run of prefill spans. The body of the `kvferry::paged_attention` operator. Rows
+    past the step's tokens (a batch padded for a captured graph) are written as zeros.
+    """
+    attn = ctx.attn_for(layer_name)
+    kv_cache = ctx.kv_caches[layer_name]
+    num_tokens = attn.slot_mapping.numel()  # rows past it pad a captured batch: zeros out
+    if q.shape[0] > num_tokens:
+        out[num_tokens:].zero_()
+        k, v = k[:num_tokens], v[:num_tokens]
+    write_kv(kv_cache, ctx.layout, k, v, attn.slot_mapping)
+    if attn.num_decodes:
+        out[: attn.num_decodes] = _decode(q[: attn.num_decodes], kv_cache, ctx, attn, scale)
+    for run in fresh_runs(attn.prefills):
+        rows = slice(run[0].query_start, run[-1].query_start + run[-1].query_len)
+        if len(run) > 1:
+            out[rows] = _fresh_batch(q[rows], k[rows], v[rows], len(run), scale)
+        else:
+            out[rows] = _prefill(q[rows], k[rows], v[rows], kv_cache, ctx, run[0], scale)
+
+
+def _decode(
+    q: torch.Tensor, kv_cache: torch.Tensor, ctx: ForwardContext, attn: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """All decode tokens in one SDPA call; a query head group shares its KV head."""
+    batch, heads, head_dim = q.shape
+    kv = gather_kv(kv_cache, ctx.layout, attn.decode_block_table, ctx.workspace)  # [2, B, H, L, D]
+    kv = kv.to(q.dtype)
+    kv_heads, length = kv.shape[2], kv.shape[3]
+    visible = torch.arange(length, device=q.device) < attn.decode_seq_lens.unsqueeze(1)
+    mask = visible.view(batch, 1, 1, length)
+    # [B, heads, D] -> [B, kv_heads, group, D]: the group's queries attend the same KV
+    grouped = q.view(batch, kv_heads, heads // kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(grouped, kv[0], kv[1], attn_mask=mask, scale=scale)
+    return out.reshape(batch, heads, head_dim)
+
+
+def _fresh_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float) -> torch.Tensor:
+    """`count` adjacent equal-length spans without cached context, in one causal call."""
+
+    def batched(x: torch.Tensor) -> torch.Tensor:  # [count * L, H, D] -> [count, H, L, D]
+        return x.view(count, -1, *x.shape[1:]).transpose(1, 2)
+
+    gqa = q.shape[1] != k.shape[1]
+    out = F.scaled_dot_product_attention(
+        batched(q), batched(k), batched(v), is_causal=True, scale=scale, enable_gqa=gqa
+    )
+    return out.transpose(1, 2).flatten(0, 1)
+
+
+def _prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    ctx: ForwardContext,
+    span: PrefillSpan,
+    scale: float,
+) -> torch.Tensor:
+    """One span: causal over its own tokens, plus everything in its cached context."""
+    gqa = q.shape[1] != k.shape[1]
+    # 4-D [1, heads, L, D]: torch's CPU flash kernel only takes batched inputs; 3-D ones
+    # fall back to a path ~6x slower on a 1,500-token prompt.
+    q = q.transpose(0, 1).unsqueeze(0)
+    if span.context_len == 0:
+        keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+        out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
+        return out.squeeze(0).transpose(0, 1)
+    total = span.context_len + span.query_len
+    block_size = kv_cache.shape[2] if ctx.layout is Layout.NHD else kv_cache.shape[3]
+    table = span.block_table[: -(-total // block_size)]
+    kv = gather_kv(kv_cache, ctx.layout, table, ctx.workspace)[:, :, :total].to(q.dtype)  # [2, H, total, D]
+    query_pos = torch.arange(span.query_len, device=q.device).unsqueeze(1) + span.context_len
+    mask = torch.arange(total, device=q.device).unsqueeze(0) <= query_pos  # [Lq, total]
+    out = F.scaled_dot_product_attention(
+        q, kv[0].unsqueeze(0), kv[1].unsqueeze(0), attn_mask=mask, scale=scale, enable_gqa=gqa
+    )
+    return out.squeeze(0).transpose(0, 1)
+
+
+class PagedAttention(nn.Module):
+    """Attention of one layer over its paged KV cache; heads are this rank's heads.
+
+    The attention itself is the `kvferry::paged_attention` operator (kvferry.model.graph_ops):
+    a captured graph calls it on every execution with the step's context. Connector hooks
+    wrap it as `hooks` says (set by the model runner from the connector's declarations).
+    """
+
+    def __init__(self, layer_name: str, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__()
-        self.workspace = workspace
         assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
         self.layer_name = layer_name
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
-        self.group = num_heads // num_kv_heads
+        self.hooks = HookPlacement.NONE
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """q [T, heads*D] or [T, heads, D]; k, v likewise with kv_heads. Returns [T, heads*D]."""
@@ -134,82 +207,27 @@ class PagedAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        attn = ctx.attn_for(self.layer_name)
-        kv_cache = ctx.kv_caches[self.layer_name]
-        hooks = ctx.kv_hooks
-        if hooks is not None:
-            hooks.wait_for_layer_load(self.layer_name)
-        write_kv(kv_cache, ctx.layout, k, v, attn.slot_mapping)
         out = torch.empty_like(q)
-        if attn.num_decodes:
-            out[: attn.num_decodes] = self._decode(q[: attn.num_decodes], kv_cache, ctx.layout, attn)
-        for run in fresh_runs(attn.prefills):
-            rows = slice(run[0].query_start, run[-1].query_start + run[-1].query_len)
-            if len(run) > 1:
-                out[rows] = self._fresh_batch(q[rows], k[rows], v[rows], len(run))
-            else:
-                out[rows] = self._prefill(q[rows], k[rows], v[rows], kv_cache, ctx.layout, run[0])
-        if hooks is not None:
-            hooks.save_kv_layer(self.layer_name, kv_cache, attn)
+        graph_ops.before_attention(self.hooks, out, ctx, self.layer_name)
+        torch.ops.kvferry.paged_attention(q, k, v, out, ctx, self.layer_name, self.scale)
+        graph_ops.after_attention(self.hooks, out, ctx, self.layer_name)
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
-    def _decode(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, layout: Layout, attn: AttentionMetadata
-    ) -> torch.Tensor:
-        """All decode tokens in one SDPA call; a query head group shares its KV head."""
-        batch = q.shape[0]
-        kv = gather_kv(kv_cache, layout, attn.decode_block_table, self.workspace)  # [2, B, H, L, D]
-        kv = kv.to(q.dtype)
-        length = kv.shape[3]
-        visible = torch.arange(length, device=q.device) < attn.decode_seq_lens.unsqueeze(1)
-        mask = visible.view(batch, 1, 1, length)
-        # [B, heads, D] -> [B, kv_heads, group, D]: the group's queries attend the same KV
-        grouped = q.view(batch, self.num_kv_heads, self.group, self.head_dim)
-        out = F.scaled_dot_product_attention(grouped, kv[0], kv[1], attn_mask=mask, scale=self.scale)
-        return out.reshape(batch, self.num_heads, self.head_dim)
 
-    def _fresh_batch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int) -> torch.Tensor:
-        """`count` adjacent equal-length spans without cached context, in one causal call."""
+@torch.library.custom_op("kvferry::paged_attention", mutates_args=("out",))
+def paged_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    ctx: ForwardContext,
+    layer_name: str,
+    scale: float,
+) -> None:
+    """`attend` as an operator: a captured graph calls it with each step's own context."""
+    attend(q, k, v, out, ctx, layer_name, scale)
 
-        def batched(x: torch.Tensor) -> torch.Tensor:  # [count * L, H, D] -> [count, H, L, D]
-            return x.view(count, -1, *x.shape[1:]).transpose(1, 2)
 
-        out = F.scaled_dot_product_attention(
-            batched(q), batched(k), batched(v), is_causal=True, scale=self.scale, enable_gqa=self.group > 1
-        )
-        return out.transpose(1, 2).flatten(0, 1)
-
-    def _prefill(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        layout: Layout,
-        span: PrefillSpan,
-    ) -> torch.Tensor:
-        """One span: causal over its own tokens, plus everything in its cached context."""
-        # 4-D [1, heads, L, D]: torch's CPU flash kernel only takes batched inputs; 3-D ones
-        # fall back to a path ~6x slower on a 1,500-token prompt.
-        q = q.transpose(0, 1).unsqueeze(0)
-        if span.context_len == 0:
-            keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-            out = F.scaled_dot_product_attention(
-                q, keys, values, is_causal=True, scale=self.scale, enable_gqa=self.group > 1
-            )
-            return out.squeeze(0).transpose(0, 1)
-        total = span.context_len + span.query_len
-        block_size = kv_cache.shape[2] if layout is Layout.NHD else kv_cache.shape[3]
-        table = span.block_table[: -(-total // block_size)]
-        kv = gather_kv(kv_cache, layout, table, self.workspace)[:, :, :total].to(q.dtype)  # [2, H, total, D]
-        query_pos = torch.arange(span.query_len, device=q.device).unsqueeze(1) + span.context_len
-        mask = torch.arange(total, device=q.device).unsqueeze(0) <= query_pos  # [Lq, total]
-        out = F.scaled_dot_product_attention(
-            q,
-            kv[0].unsqueeze(0),
-            kv[1].unsqueeze(0),
-            attn_mask=mask,
-            scale=self.scale,
-            enable_gqa=self.group > 1,
-        )
-        return out.squeeze(0).transpose(0, 1)
+@paged_attention_op.register_fake
+def _(q, k, v, out, ctx, layer_name, scale) -> None:  # noqa: ANN001 - the operator's signature
+    return None

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvferry.errors import ModelLoadError
-from kvferry.model.layers.packed import can_pack, pack, packed_linear
+from kvferry.model.layers.packed import PackedWeight, can_pack, pack, packed_linear
 from kvferry.model.layers.parallel import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
 class PackableLinear(nn.Module):
     """A linear whose weight may be packed for the CPU GEMM once loaded (see layers.packed)."""
 
-    packed: torch.Tensor | None = None
+    packed: PackedWeight | None = None
 
     def pack_weight(self, keep_plain: bool = False) -> bool:
         """Pack the loaded weight; the plain one is released unless `keep_plain` (it is

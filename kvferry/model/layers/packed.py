@@ -6,11 +6,18 @@ packed once at load time skips that. Measured on a 2-core AVX2 EPYC (2 threads, 
 SmolLM2 shapes): at 64 rows 130 vs 100-118 for the layer matrices and 130 vs 75 for the
 LM head, at 8 rows 2-3.5x; at 2048 rows (prefill) ~7% below plain. One packed copy
 serves every row count, so the plain weight is released (memory stays flat).
+
+A packed weight is an opaque object to torch.compile and the GEMM the
+`kvferry::packed_linear` operator: a captured graph calls oneDNN on the packed weight as
+eager code does (the same numbers), and the compiler never copies the weight into the
+graph as a constant.
 """
 
 from __future__ import annotations
 
 import torch
+from torch._library.opaque_object import MemberType, register_opaque_type
+from torch._opaque_base import OpaqueBase
 
 BATCH_HINT = 64  # rows oneDNN tunes the layout for; measured as good from 1 to 2048 rows
 
@@ -22,11 +29,33 @@ def can_pack(weight: torch.Tensor) -> bool:
     )
 
 
-def pack(weight: torch.Tensor, batch_hint: int = BATCH_HINT) -> torch.Tensor:
-    """The [out, in] weight in oneDNN's blocked layout (an opaque mkldnn tensor)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+class PackedWeight(OpaqueBase):
+    """An [out, in] weight in oneDNN's blocked layout (the opaque mkldnn tensor inside)."""
+
+    def __init__(self, weight: torch.Tensor, batch_hint: int = BATCH_HINT):
+        self.tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+        self.out_features = int(weight.shape[0])
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+register_opaque_type(PackedWeight, typ="reference", members={"out_features": MemberType.USE_REAL})
+
+
+def pack(weight: torch.Tensor, batch_hint: int = BATCH_HINT) -> PackedWeight:
+    return PackedWeight(weight, batch_hint)
+
+
+def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + b with W packed by `pack`; x may have any leading dims, including 0 rows."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return torch.ops.kvferry.packed_linear(x, packed, bias, packed.out_features)
+
+
+@torch.library.custom_op("kvferry::packed_linear", mutates_args=())
+def packed_linear_op(
+    x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed.tensor, bias, "none", [], "")
+
+
+@packed_linear_op.register_fake
+def _(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)

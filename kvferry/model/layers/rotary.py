@@ -82,8 +82,10 @@ class RotaryEmbedding(nn.Module):
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half rope of x [T, heads, head_dim] into a new tensor (no temporaries)."""
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     x1, x2 = x.chunk(2, dim=-1)
+    if torch.compiler.is_compiling():  # one fused kernel: the compiler needs no out= views
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     out1, out2 = out.chunk(2, dim=-1)
     torch.mul(x1, cos, out=out1).addcmul_(x2, sin, value=-1)  # x1 cos - x2 sin
     torch.mul(x2, cos, out=out2).addcmul_(x1, sin)  # x2 cos + x1 sin

@@ -1,0 +1,70 @@
+"""The connector's per-layer hooks as operators a captured graph keeps (invariant 2).
+
+An attention layer calls the hooks as its `HookPlacement` says:
+- IN_GRAPH (graph-safe connector): `kvferry::wait_for_layer_load` before the layer's
+  attention, `kvferry::save_kv_layer` after it. They are registered custom operators, so
+  a compiled graph calls them on every execution; they take the step's ForwardContext
+  (a graph input) and so reach the metadata bound for that step. Each is declared to
+  mutate the layer's attention output buffer: that orders them around the attention
+  operator (which writes the buffer) and keeps the compiler from dropping them.
+- SPLIT (not graph-safe): plain Python calls the compiler may not trace
+  (`torch.compiler.disable`): the graph is split there and the hook runs eagerly
+  between compiled pieces.
+- NONE: nothing is called.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvferry.model.forward_context import ForwardContext, HookPlacement
+
+
+@torch.library.custom_op("kvferry::wait_for_layer_load", mutates_args=("order",))
+def wait_for_layer_load_op(order: torch.Tensor, ctx: ForwardContext, layer_name: str) -> None:
+    """The connector's wait_for_layer_load; `order` is the layer's attention output buffer."""
+    ctx.kv_hooks.wait_for_layer_load(layer_name)
+
+
+@torch.library.custom_op("kvferry::save_kv_layer", mutates_args=("order",))
+def save_kv_layer_op(order: torch.Tensor, ctx: ForwardContext, layer_name: str) -> None:
+    """The connector's save_kv_layer once the layer's KV is written (`order`: as above)."""
+    ctx.kv_hooks.save_kv_layer(layer_name, ctx.kv_caches[layer_name], ctx.attn_for(layer_name))
+
+
+@wait_for_layer_load_op.register_fake
+def _(order: torch.Tensor, ctx: ForwardContext, layer_name: str) -> None:
+    return None
+
+
+@save_kv_layer_op.register_fake
+def _(order: torch.Tensor, ctx: ForwardContext, layer_name: str) -> None:
+    return None
+
+
+@torch.compiler.disable
+def _wait_eagerly(ctx: ForwardContext, layer_name: str) -> None:
+    ctx.kv_hooks.wait_for_layer_load(layer_name)
+
+
+@torch.compiler.disable
+def _save_eagerly(ctx: ForwardContext, layer_name: str) -> None:
+    ctx.kv_hooks.save_kv_layer(layer_name, ctx.kv_caches[layer_name], ctx.attn_for(layer_name))
+
+
+def before_attention(
+    placement: HookPlacement, out: torch.Tensor, ctx: ForwardContext, layer_name: str
+) -> None:
+    if placement is HookPlacement.IN_GRAPH:
+        torch.ops.kvferry.wait_for_layer_load(out, ctx, layer_name)
+    elif placement is HookPlacement.SPLIT:
+        _wait_eagerly(ctx, layer_name)
+
+
+def after_attention(
+    placement: HookPlacement, out: torch.Tensor, ctx: ForwardContext, layer_name: str
+) -> None:
+    if placement is HookPlacement.IN_GRAPH:
+        torch.ops.kvferry.save_kv_layer(out, ctx, layer_name)
+    elif placement is HookPlacement.SPLIT:
+        _save_eagerly(ctx, layer_name)

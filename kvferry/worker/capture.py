@@ -1,0 +1,120 @@
+"""The captured forward: decode steps run as one compiled program.
+
+The model's forward is compiled with torch.compile (inductor; dynamic token count, so one
+program serves every decode batch size; a batch of one is padded to two). Attention is the
+`kvferry::paged_attention` operator and the connector's per-layer hooks are operators too
+(kvferry.model.graph_ops), so the compiled program calls them on every execution with the
+step's own ForwardContext. Steps that carry prefill tokens stay eager: their time is in
+the GEMMs and attention, which compiling leaves as they are.
+
+How the hooks are captured is decided here, from what the connector declares:
+- no per-layer hooks (`has_layer_hooks` False, or no connector): none in the graph;
+- `graph_safe`: the hook operators sit inside one full graph (`fullgraph=True`, so a
+  break is an error, never a silent fallback);
+- otherwise the graph is split at every hook, which runs eagerly between compiled pieces.
+
+A compile failure (an unsupported op, no C++ compiler) falls back to eager with one
+warning naming the cause.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvferry.connector.base import KVConnectorBase
+from kvferry.model.forward_context import ForwardContext, HookPlacement
+
+logger = logging.getLogger(__name__)
+
+# The compiler specializes a batch of one token; decode batches are padded to two so
+# that one dynamic-size program serves them all (one compile, not two).
+MIN_CAPTURED_TOKENS = 2
+
+
+def hook_placement(connector: KVConnectorBase | None) -> HookPlacement:
+    """Where the connector's per-layer hooks go (invariant 2)."""
+    if connector is None or not connector.has_layer_hooks:
+        return HookPlacement.NONE
+    return HookPlacement.IN_GRAPH if connector.graph_safe else HookPlacement.SPLIT
+
+
+def is_decode_only(ctx: ForwardContext) -> bool:
+    return all(not group.prefills for group in ctx.attn)
+
+
+def pad_batch(
+    input_ids: torch.Tensor, positions: torch.Tensor, min_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """At least `min_tokens` rows, the last token repeated; attention zeroes the extra rows
+    (they are past the metadata's tokens) and every other layer computes rows apart."""
+    missing = min_tokens - input_ids.numel()
+    if missing <= 0:
+        return input_ids, positions
+    return (
+        torch.cat((input_ids, input_ids[-1:].expand(missing))),
+        torch.cat((positions, positions[-1:].expand(missing))),
+    )
+
+
+@dataclass
+class CaptureStats:
+    compiled_steps: int = 0  # forwards run by the compiled program
+    eager_steps: int = 0  # forwards run eagerly (prefill, eager mode, or after a fallback)
+    compile_seconds: float = 0.0  # time spent in first calls of the compiled program (compiling)
+
+
+class CapturedForward:
+    """Runs a step's forward compiled (decode-only steps) or eagerly (everything else)."""
+
+    def __init__(self, model: torch.nn.Module, placement: HookPlacement, enforce_eager: bool):
+        self.model = model
+        self.placement = placement
+        self.stats = CaptureStats()
+        self.fallback_reason: str | None = None
+        self._compiled = None if enforce_eager else self._compile(model, placement)
+        self._compiled_once = False
+
+    @staticmethod
+    def _compile(model: torch.nn.Module, placement: HookPlacement):  # noqa: ANN205 - torch's callable
+        fullgraph = placement is not HookPlacement.SPLIT
+        return torch.compile(model.model, fullgraph=fullgraph, dynamic=True)
+
+    @property
+    def enabled(self) -> bool:
+        return self._compiled is not None
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        num_tokens = input_ids.numel()
+        if self._compiled is not None and num_tokens and is_decode_only(ctx):
+            hidden = self._run_compiled(*pad_batch(input_ids, positions, MIN_CAPTURED_TOKENS), ctx)
+            if hidden is not None:
+                return hidden[:num_tokens]
+        self.stats.eager_steps += 1
+        return self.model(input_ids, positions, ctx)
+
+    def _run_compiled(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor | None:
+        first = not self._compiled_once
+        start = time.perf_counter()
+        try:
+            hidden = self._compiled(input_ids, positions, ctx)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back, say why
+            if not first:
+                raise
+            self._fall_back(exc)
+            return None
+        if first:
+            self._compiled_once = True
+            self.stats.compile_seconds += time.perf_counter() - start
+        self.stats.compiled_steps += 1
+        return hidden
+
+    def _fall_back(self, exc: Exception) -> None:
+        self.fallback_reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
+        logger.warning("captured forward unavailable, running eagerly: %s", self.fallback_reason)
+        self._compiled = None
