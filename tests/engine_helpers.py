@@ -7,7 +7,14 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kvferry.config import CacheConfig, EngineConfig, KVTransferConfig, ParallelConfig, SchedulerConfig
+from kvferry.config import (
+    CacheConfig,
+    CompilationConfig,
+    EngineConfig,
+    KVTransferConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from kvferry.engine.llm import LLM
 from kvferry.model.resolve import resolve_model_config
 
@@ -40,6 +47,7 @@ def make_llm(
     kv_transfer: KVTransferConfig | None = None,
     tp: int = 1,
     executor: str = "uniproc",
+    enforce_eager: bool = False,
 ) -> LLM:
     model = resolve_model_config(str(model_dir), dtype="float32", max_model_len=max_model_len)
     config = EngineConfig(
@@ -53,6 +61,7 @@ def make_llm(
         scheduler=SchedulerConfig(budget, max_num_seqs, chunked),
         parallel=ParallelConfig(tensor_parallel_size=tp, executor=executor),
         kv_transfer=kv_transfer or KVTransferConfig(),
+        compilation=CompilationConfig(enforce_eager=enforce_eager),
         seed=seed,
     )
     return LLM.from_config(config)

@@ -13,6 +13,7 @@ from kvferry.connector.aggregator import KVOutputAggregator
 from kvferry.connector.factory import resolve_connector_class
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.scheduler.output import SchedulerOutput
+from kvferry.worker.capture import CaptureStats
 from kvferry.worker.output import ModelRunnerOutput
 
 
@@ -33,6 +34,10 @@ class Executor(ABC):
     @abstractmethod
     def execute_on_workers(self, scheduler_output: SchedulerOutput) -> list[ModelRunnerOutput]:
         """Every worker's output, rank 0 first."""
+
+    @abstractmethod
+    def capture_stats(self) -> list[CaptureStats]:
+        """Each rank's captured-forward counters (kvferry.worker.capture), rank 0 first."""
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         outputs = self.execute_on_workers(scheduler_output)

@@ -21,6 +21,7 @@ from kvferry.executor.base import Executor
 from kvferry.kv.allocate import with_num_blocks
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.scheduler.output import SchedulerOutput
+from kvferry.worker.capture import CaptureStats
 from kvferry.worker.output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -155,6 +156,9 @@ class MultiprocExecutor(Executor):
 
     def execute_on_workers(self, scheduler_output: SchedulerOutput) -> list[ModelRunnerOutput]:
         return self.collective_rpc("execute_model", scheduler_output)
+
+    def capture_stats(self) -> list[CaptureStats]:
+        return self.collective_rpc("capture_stats")
 
     def shutdown(self) -> None:
         try:

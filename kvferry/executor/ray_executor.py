@@ -17,6 +17,7 @@ from kvferry.executor.base import Executor
 from kvferry.executor.multiproc import free_port, init_distributed
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.scheduler.output import SchedulerOutput
+from kvferry.worker.capture import CaptureStats
 from kvferry.worker.output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,9 @@ class RayWorker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
+
+    def capture_stats(self) -> CaptureStats:
+        return self.worker.capture_stats()
 
     def shutdown(self) -> None:
         self.worker.shutdown()
@@ -86,6 +90,9 @@ class RayExecutor(Executor):
 
     def execute_on_workers(self, scheduler_output: SchedulerOutput) -> list[ModelRunnerOutput]:
         return self._all("execute_model", scheduler_output)
+
+    def capture_stats(self) -> list[CaptureStats]:
+        return self._all("capture_stats")
 
     def shutdown(self) -> None:
         try:

@@ -6,6 +6,7 @@ from kvferry.config import EngineConfig
 from kvferry.executor.base import Executor
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.scheduler.output import SchedulerOutput
+from kvferry.worker.capture import CaptureStats
 from kvferry.worker.output import ModelRunnerOutput
 from kvferry.worker.worker import Worker
 
@@ -23,6 +24,9 @@ class UniprocExecutor(Executor):
 
     def execute_on_workers(self, scheduler_output: SchedulerOutput) -> list[ModelRunnerOutput]:
         return [self.worker.execute_model(scheduler_output)]
+
+    def capture_stats(self) -> list[CaptureStats]:
+        return [self.worker.capture_stats()]
 
     def shutdown(self) -> None:
         self.worker.shutdown()

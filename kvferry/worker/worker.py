@@ -14,6 +14,7 @@ from kvferry.kv.spec import KVCacheConfig
 from kvferry.model.layers.parallel import TPGroup
 from kvferry.model.loader import load_model
 from kvferry.scheduler.output import SchedulerOutput
+from kvferry.worker.capture import CaptureStats
 from kvferry.worker.cpu_placement import place_rank
 from kvferry.worker.model_runner import ModelRunner
 from kvferry.worker.output import ModelRunnerOutput
@@ -49,6 +50,9 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+    def capture_stats(self) -> CaptureStats:
+        return self.runner.forward.stats
 
     def shutdown(self) -> None:
         if self.runner.connector is not None:

@@ -1,0 +1,172 @@
+"""The captured forward (kvferry.worker.capture): decode steps run compiled, with every
+connector hook still called, and the same greedy tokens as the eager forward."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvferry.config import KVTransferConfig
+from kvferry.connector.base import KVConnectorBase
+from kvferry.connector.recording import RecordingConnector
+from kvferry.model.forward_context import HookPlacement
+from kvferry.sampling_params import SamplingParams
+from kvferry.worker.capture import CaptureStats, hook_placement
+from tests.engine_helpers import PROMPT_TEXTS, assert_pool_full, make_llm, tokenize_all
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+def _tokens(llm, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+
+def _stats(llm) -> CaptureStats:
+    (stats,) = llm.engine.executor.capture_stats()
+    return stats
+
+
+@pytest.mark.parametrize("batch", [1, 3, 10])
+def test_captured_greedy_equals_eager(tiny_model: Path, batch: int) -> None:
+    """Batches of 1 (padded to 2), 3 and 10 decodes; prompts of different lengths."""
+    prompts = tokenize_all(tiny_model, PROMPT_TEXTS[:batch])
+    eager = _tokens(make_llm(tiny_model, enforce_eager=True), prompts)
+    llm = make_llm(tiny_model)
+    before = _stats(llm).compiled_steps
+    assert _tokens(llm, prompts) == eager
+    stats = _stats(llm)
+    assert stats.compiled_steps - before == GREEDY.max_tokens - 1  # every decode step ran compiled
+    assert_pool_full(llm)
+
+
+def test_enforce_eager_compiles_nothing(tiny_llama: Path) -> None:
+    llm = make_llm(tiny_llama, enforce_eager=True)
+    _tokens(llm, tokenize_all(tiny_llama, PROMPT_TEXTS[:2]))
+    assert _stats(llm).compiled_steps == 0 and _stats(llm).eager_steps > 0
+
+
+def test_captured_equals_eager_with_chunked_prefill_and_preemption(tiny_llama: Path) -> None:
+    """A 24-token budget chunks prompts into mixed prefill/decode steps (eager) between
+    decode-only steps (compiled); 24 blocks of 4 tokens force preemptions."""
+    prompts = tokenize_all(tiny_llama, PROMPT_TEXTS)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    kwargs = {"budget": 24, "block_size": 4, "num_blocks": 24, "max_num_seqs": 8}
+    eager_llm = make_llm(tiny_llama, enforce_eager=True, **kwargs)
+    eager = _tokens(eager_llm, prompts, params)
+    llm = make_llm(tiny_llama, **kwargs)
+    assert _tokens(llm, prompts, params) == eager
+    assert llm.stats().num_preemptions > 0 and eager_llm.stats().num_preemptions > 0
+    assert _stats(llm).compiled_steps > 0
+    assert_pool_full(llm)
+
+
+def test_captured_sampling_and_logprobs_match_eager(tiny_qwen2: Path) -> None:
+    """Seeded sampling, penalties and logprobs through the compiled decode steps."""
+    prompts = tokenize_all(tiny_qwen2, PROMPT_TEXTS[:6])
+    params = SamplingParams(
+        max_tokens=8, temperature=0.8, top_p=0.9, seed=7, presence_penalty=0.5, logprobs=3, ignore_eos=True
+    )
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    eager = make_llm(tiny_qwen2, enforce_eager=True).generate(requests, params)
+    captured = make_llm(tiny_qwen2).generate(requests, params)
+    for a, b in zip(eager, captured, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert la.sampled == pytest.approx(lb.sampled, abs=1e-4)
+            assert [t for t, _ in la.top] == [t for t, _ in lb.top]
+            assert [p for _, p in la.top] == pytest.approx([p for _, p in lb.top], abs=1e-4)
+
+
+def test_tensor_parallel_captured_equals_eager(tiny_llama: Path) -> None:
+    """TP=2 (one process per rank): the all-reduces run inside each rank's compiled graph."""
+    prompts = tokenize_all(tiny_llama, PROMPT_TEXTS[:4])
+    eager_llm = make_llm(tiny_llama, tp=2, enforce_eager=True)
+    eager = _tokens(eager_llm, prompts)
+    eager_llm.engine.shutdown()
+    llm = make_llm(tiny_llama, tp=2)
+    try:
+        assert _tokens(llm, prompts) == eager
+        ranks = llm.engine.executor.capture_stats()
+        assert len(ranks) == 2 and all(r.compiled_steps >= GREEDY.max_tokens - 1 for r in ranks)
+    finally:
+        llm.engine.shutdown()
+
+
+class SplitRecordingConnector(RecordingConnector):
+    """The recording connector, declared not graph-safe: its hooks split the graph."""
+
+    graph_safe = False
+
+
+def _record(tmp_path: Path, model: Path, connector: str) -> tuple[list[dict], object]:
+    path = tmp_path / "hooks.jsonl"
+    transfer = KVTransferConfig(
+        connector, kv_connector_module_path=__name__, kv_connector_extra_config={"record_path": str(path)}
+    )
+    torch._dynamo.utils.counters.clear()  # graph breaks are counted when the forward is compiled
+    llm = make_llm(model, kv_transfer=transfer)
+    _tokens(llm, tokenize_all(model, PROMPT_TEXTS[:3]), SamplingParams(max_tokens=4, temperature=0.0))
+    assert_pool_full(llm)
+    return [json.loads(line) for line in path.read_text().splitlines()], llm
+
+
+def _decode_steps_saw_every_layer(records: list[dict], num_layers: int) -> int:
+    """Per worker step (from its bind): the layer hooks carry that step's own counter, once
+    per layer each; returns how many single-token-per-request (decode) steps there were."""
+    steps: dict[int, list[dict]] = {}
+    for rec in records:
+        if rec["role"] == "worker" and "step" in rec:
+            steps.setdefault(rec["step"], []).append(rec)
+    decodes = 0
+    for step, recs in steps.items():
+        waits = [r["layer"] for r in recs if r["hook"] == "wait_for_layer_load"]
+        saves = [r for r in recs if r["hook"] == "save_kv_layer"]
+        if not saves:
+            continue  # an empty step: no forward
+        assert len(waits) == len(saves) == num_layers, f"step {step}"
+        assert waits == [r["layer"] for r in saves]  # in layer order, each wait before its save
+        decodes += all(r["tokens"] == saves[0]["tokens"] for r in saves) and saves[0]["tokens"] <= 3
+    return decodes
+
+
+@pytest.mark.parametrize(
+    ("connector", "placement"),
+    [("RecordingConnector", HookPlacement.IN_GRAPH), ("SplitRecordingConnector", HookPlacement.SPLIT)],
+)
+def test_connector_hooks_run_inside_the_captured_forward(
+    tmp_path: Path, tiny_llama: Path, connector: str, placement: HookPlacement
+) -> None:
+    """Graph-safe: the hooks are operators of one full graph (no graph break); not
+    graph-safe: the graph is split at each hook. Either way every replayed decode step
+    calls both hooks for every layer with its own bound metadata."""
+    records, llm = _record(tmp_path, tiny_llama, connector)
+    runner = llm.engine.executor.worker.runner
+    assert runner.forward.placement is placement
+    assert _decode_steps_saw_every_layer(records, llm.config.model.num_layers) >= 3
+    assert _stats(llm).compiled_steps >= 3
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    if placement is HookPlacement.IN_GRAPH:
+        assert breaks == 0
+    else:
+        assert breaks > 0  # the compiled forward really was cut at the hooks
+
+
+def test_placement_follows_the_connector_declarations() -> None:
+    class NoLayerHooks(RecordingConnector):
+        has_layer_hooks = False
+
+    class Overrides(KVConnectorBase):
+        def save_kv_layer(self, layer_name, kv_layer, attn):  # noqa: ANN001
+            pass
+
+    def placed(cls: type) -> HookPlacement:
+        return hook_placement(cls.__new__(cls))
+
+    assert placed(RecordingConnector) is HookPlacement.IN_GRAPH
+    assert placed(SplitRecordingConnector) is HookPlacement.SPLIT
+    assert placed(NoLayerHooks) is HookPlacement.NONE
+    assert placed(Overrides) is HookPlacement.SPLIT  # undeclared: overriding a hook counts
+    assert hook_placement(None) is HookPlacement.NONE
