@@ -235,6 +235,7 @@ def test_server_and_client_commands_share_model_cores_and_limits(tmp_path: Path)
     assert flags["--backend"] == "openai" and flags["--dataset-name"] == "random"
     assert flags["--random-input-len"] == "900" and flags["--random-output-len"] == "32"
     assert flags["--num-prompts"] == "5" and flags["--request-rate"] == "0.25"
+    assert flags["--temperature"] == "0" and flags["--tokenizer"] == str(setup.model_dir.absolute())
     assert flags["--result-filename"] == "r.json" and "--ignore-eos" in client and "--save-result" in client
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -55,12 +56,16 @@ def run_workloads(spec: dict, extra: list[str]) -> dict:
     start = time.perf_counter()
     llm = LLM.from_config(engine_config(spec, extra))
     load_s = time.perf_counter() - start
-    results = {w["name"]: time_workload(llm, w) for w in spec["workloads"]}
+    results = {}
+    for workload in spec["workloads"]:
+        results[workload["name"]] = time_workload(llm, workload)
+        print(f"kvferry {workload['name']}: {results[workload['name']]['seconds']:.3f} s", file=sys.stderr)
     return {"engine": "kvferry", "version": version("kvferry"), "load_s": load_s, "workloads": results}
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     spec = json.loads(Path(argv[0]).read_text())
     Path(argv[1]).write_text(json.dumps(run_workloads(spec, argv[2:]), indent=2))
 

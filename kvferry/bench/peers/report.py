@@ -4,6 +4,7 @@ ratios, the printed table and the PNG."""
 from __future__ import annotations
 
 import logging
+import textwrap
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -146,7 +147,7 @@ def save_plot(path: Path, rows: list[Row], serving: dict, title: str) -> bool:
 def _offline_bars(ax, rows: list[Row]) -> None:
     pairs = [(row.metric, kvferry_speedup(row)) for row in rows]
     pairs = [(name, value) for name, value in pairs if value is not None]
-    names = [name.replace(" ", "\n", 1) for name, _ in pairs]
+    names = [textwrap.fill(name, 16) for name, _ in pairs]
     values = [value for _, value in pairs]
     ax.bar(names, values, color=["#2a7" if v >= 1 else "#c55" for v in values])
     ax.axhline(1.0, color="#444", linewidth=1)
@@ -156,11 +157,14 @@ def _offline_bars(ax, rows: list[Row]) -> None:
 
 
 def _serving_lines(ax, serving: dict, key: str, label: str) -> None:
+    """One line per engine; request rates as evenly spaced categories ('inf' has no place on a scale)."""
+    rates = sorted({r["request_rate"] for e in ENGINES for r in serving.get(e) or []})
     for engine, color in zip(ENGINES, ("C0", "C1")):
         results = sorted(serving.get(engine) or [], key=lambda r: r["request_rate"])
-        points = [(r["request_rate"], r.get(key)) for r in results if r.get(key) is not None]
+        points = [(rates.index(r["request_rate"]), r.get(key)) for r in results if r.get(key) is not None]
         if points:
             ax.plot(*zip(*points), "-o", label=engine, color=color)
+    ax.set_xticks(range(len(rates)), [f"{rate:g}" for rate in rates])
     ax.set_title(f"serving: {label}")
     ax.set_xlabel("request rate (req/s)")
     ax.grid(True, alpha=0.3)

@@ -101,6 +101,7 @@ def serving_part(setup: Setup, engines: list[str], load: serving.Load) -> dict:
 
 def run_peers(args: argparse.Namespace) -> dict:
     parts, engines = args.parts, args.engines
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # the health polls
     venv = ensure_vllm(Path(args.vllm_venv)).parent.parent if "vllm" in engines else None
     model_dir = hf_model_dir(args.model, args.dtype, Path(args.model_cache))
     setup = make_setup(args, model_dir, venv)

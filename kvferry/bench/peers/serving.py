@@ -2,7 +2,7 @@
 
 For each engine in turn: start its OpenAI server (``vllm serve`` / ``kvferry serve``) on the
 shared cores, wait for ``/health``, run ``vllm bench serve --backend openai`` (random dataset,
-exact lengths, ignore_eos) once per request rate, stop the server. Each client run saves
+exact lengths, ignore_eos, greedy) once per request rate, stop the server. Each client run saves
 vLLM's result JSON; ``parse_bench_serve`` keeps the figures the report compares.
 """
 
@@ -68,6 +68,7 @@ def client_command(setup: Setup, url: str, load: Load, rate: float, out: Path) -
     command += ["--tokenizer", str(setup.model_dir.absolute()), "--dataset-name", "random"]
     command += ["--random-input-len", str(load.input_len), "--random-output-len", str(load.output_len)]
     command += ["--random-range-ratio", "0", "--ignore-eos", "--num-prompts", str(load.num_prompts)]
+    command += ["--temperature", "0"]  # greedy: vLLM's client no longer sends it by default
     command += ["--request-rate", _rate_arg(rate), "--seed", str(setup.seed), "--disable-tqdm"]
     command += ["--percentile-metrics", ",".join(METRICS), "--metric-percentiles", "50,99"]
     command += ["--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]

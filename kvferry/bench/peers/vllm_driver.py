@@ -51,7 +51,10 @@ def main(workloads_path: str, result_path: str) -> None:
         **spec.get("vllm_kwargs", {}),
     )
     load_s = time.perf_counter() - start
-    results = {w["name"]: time_workload(llm, w) for w in spec["workloads"]}
+    results = {}
+    for workload in spec["workloads"]:
+        results[workload["name"]] = time_workload(llm, workload)
+        print(f"vllm {workload['name']}: {results[workload['name']]['seconds']:.3f} s", file=sys.stderr)
     doc = {"engine": "vllm", "version": vllm.__version__, "load_s": load_s, "workloads": results}
     with open(result_path, "w") as sink:
         json.dump(doc, sink, indent=2)
