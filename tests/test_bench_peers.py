@@ -98,6 +98,7 @@ def test_workloads_are_exact_lengths_and_warmups_differ(tiny_llama: Path) -> Non
     assert [len(p) for p in workloads["throughput"]["prompts"]] == [12] * 5
     assert [len(p) for p in workloads["prefill"]["prompts"]] == [60]
     assert [w["max_tokens"] for w in workloads.values()] == [7, 9, 1]
+    assert [len(w["warmup"]) for w in workloads.values()] == [5, 1, 1]
     for w in workloads.values():
         assert not set(map(tuple, w["prompts"])) & set(map(tuple, w["warmup"]))
     assert make_workloads(tokenizer, OfflineShape(5, 12, 7, 9, 60)) == list(workloads.values())

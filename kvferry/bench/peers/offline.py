@@ -1,7 +1,8 @@
 """Offline part of ``kvferry bench peers``: the same token ids through each engine's driver.
 
-Three workloads, each timed after a warm-up on other prompts of the same shape (so that
-no prefix cache hit helps the timed run):
+Three workloads, each timed after a warm-up on as many other prompts of the same shape (so
+that no prefix cache hit helps the timed run, and what an engine compiles per batch size is
+compiled before it):
 
 - ``throughput``: N prompts x M generated tokens, all submitted at once;
 - ``decode_b1``: one prompt, D generated tokens (batch-1 decode);
@@ -53,7 +54,7 @@ def make_workloads(tokenizer, shape: OfflineShape, seed: int = 0) -> list[dict]:
         {
             "name": "throughput",
             "prompts": ids(shape.num_prompts, shape.input_len, 1),
-            "warmup": ids(2, shape.input_len, 2),
+            "warmup": ids(shape.num_prompts, shape.input_len, 2),  # same batch: compiled for it
             "max_tokens": shape.output_len,
         },
         {
