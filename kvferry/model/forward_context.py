@@ -91,5 +91,10 @@ class ForwardContext(OpaqueBase):
     def attn_for(self, layer_name: str) -> AttentionMetadata:
         return self.attn[self.layer_group[layer_name]]
 
+    def __reduce__(self) -> tuple[type, tuple[str]]:
+        """What the compiler's cache key sees: a graph input of this type, not its contents
+        (pickling the KV caches it refers to would copy gigabytes on every compile)."""
+        return str, (type(self).__qualname__,)
+
 
 register_opaque_type(ForwardContext, typ="reference")
