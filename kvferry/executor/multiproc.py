@@ -26,7 +26,9 @@ from kvferry.worker.output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
-WORKER_METHODS = frozenset({"determine_kv_cache_config", "initialize_kv_cache", "execute_model", "shutdown"})
+WORKER_METHODS = frozenset(
+    {"determine_kv_cache_config", "initialize_kv_cache", "execute_model", "capture_stats", "shutdown"}
+)
 STARTUP_TIMEOUT_S = 600
 
 
