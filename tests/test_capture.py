@@ -4,6 +4,9 @@ connector hook still called, and the same greedy tokens as the eager forward."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -170,3 +173,24 @@ def test_placement_follows_the_connector_declarations() -> None:
     assert placed(NoLayerHooks) is HookPlacement.NONE
     assert placed(Overrides) is HookPlacement.SPLIT  # undeclared: overriding a hook counts
     assert hook_placement(None) is HookPlacement.NONE
+
+
+def _generate(model: Path, tmp_path: Path, *extra: str, env: dict[str, str] | None = None):
+    cmd = [sys.executable, "-m", "kvferry.entrypoints.cli", "generate", str(model), "the cat sees", "--raw"]
+    cmd += ["--max-tokens", "8", "--max-model-len", "256", "--kv-cache-memory", "0.0625", *extra]
+    cache = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **cache, **(env or {})}
+    )
+
+
+def test_a_missing_compiler_falls_back_to_eager_with_one_warning(tiny_llama: Path, tmp_path: Path) -> None:
+    """No C++ compiler for inductor: the engine starts, warns once naming the cause, and
+    answers exactly as --enforce-eager does."""
+    eager = _generate(tiny_llama, tmp_path, "--enforce-eager")
+    assert eager.returncode == 0, eager.stderr
+    broken = _generate(tiny_llama, tmp_path, env={"CXX": "/nonexistent/g++"})
+    assert broken.returncode == 0, broken.stderr
+    warnings = [line for line in broken.stderr.splitlines() if "captured forward unavailable" in line]
+    assert len(warnings) == 1 and "g++" in warnings[0], broken.stderr[-2000:]
+    assert broken.stdout == eager.stdout and eager.stdout.strip()

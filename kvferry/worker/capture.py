@@ -15,6 +15,11 @@ How the hooks are captured is decided here, from what the connector declares:
 
 A compile failure (an unsupported op, no C++ compiler) falls back to eager with one
 warning naming the cause.
+
+Micro-batching (kvferry.model.microbatch) stays with the eager steps: the compiled
+program runs on the whole batch with the OpenMP team. Measured on a 2-core AVX2 EPYC
+(SmolLM2 fp32, 64 x 64 tokens): compiled 182 tok/s, compiled per micro-batch thread 151,
+eager micro-batched 169.
 """
 
 from __future__ import annotations
@@ -111,6 +116,11 @@ class CapturedForward:
         if first:
             self._compiled_once = True
             self.stats.compile_seconds += time.perf_counter() - start
+            logger.info(
+                "captured forward: decode steps compiled in %.1fs (connector hooks: %s)",
+                self.stats.compile_seconds,
+                self.placement.value,
+            )
         self.stats.compiled_steps += 1
         return hidden
 
