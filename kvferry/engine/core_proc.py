@@ -101,11 +101,12 @@ def run_core_process(
     codec = CoreCodec()
     linger_ms = 1000  # let the last outputs reach the front end
     try:
-        core = _build_core(core_factory, config, out_sock, codec)
-        if core is None:
+        built = _build_core(core_factory, config, out_sock, codec)
+        if built is None:
             return
+        core, wake_fd = built
         try:
-            loop = CoreLoop(core, in_sock, out_sock, codec, parent_sentinel, _wake_fd_on_sigterm())
+            loop = CoreLoop(core, in_sock, out_sock, codec, parent_sentinel, wake_fd)
             loop.run()
         finally:
             core.shutdown()
@@ -141,7 +142,10 @@ def _wake_fd_on_sigterm() -> int:
 
 def _build_core(
     factory: CoreFactory, config: EngineConfig, out_sock: zmq.Socket, codec: CoreCodec
-) -> CoreLike | None:
+) -> tuple[CoreLike, int] | None:
+    """The core and the fd SIGTERM wakes from now on (set before Ready is sent: a SIGTERM
+    that follows Ready stops the loop between steps, never the load handler); None if the
+    start-up failed (reported)."""
     try:
         core = factory(config)
         stats = stats_to_wire(core.stats())
@@ -153,8 +157,9 @@ def _build_core(
         msg = StartupFailed(type(exc).__name__, str(exc), traceback.format_exc())
         out_sock.send(codec.encode(msg))
         return None
+    wake_fd = _wake_fd_on_sigterm()
     out_sock.send(codec.encode(Ready(stats)))
-    return core
+    return core, wake_fd
 
 
 def _remove_ipc_dir(addr: str) -> None:
