@@ -48,6 +48,7 @@ def make_llm(
     tp: int = 1,
     executor: str = "uniproc",
     enforce_eager: bool = False,
+    device: str = "cpu",
 ) -> LLM:
     model = resolve_model_config(str(model_dir), dtype="float32", max_model_len=max_model_len)
     config = EngineConfig(
@@ -62,6 +63,7 @@ def make_llm(
         parallel=ParallelConfig(tensor_parallel_size=tp, executor=executor),
         kv_transfer=kv_transfer or KVTransferConfig(),
         compilation=CompilationConfig(enforce_eager=enforce_eager),
+        device=device,
         seed=seed,
     )
     return LLM.from_config(config)

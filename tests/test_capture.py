@@ -17,7 +17,7 @@ from kvferry.connector.base import KVConnectorBase
 from kvferry.connector.recording import RecordingConnector
 from kvferry.model.forward_context import HookPlacement
 from kvferry.sampling_params import SamplingParams
-from kvferry.worker.capture import CaptureStats, hook_placement
+from kvferry.worker.capture import CaptureStats, cuda_graph_size, hook_placement
 from tests.engine_helpers import PROMPT_TEXTS, assert_pool_full, make_llm, tokenize_all
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -194,3 +194,16 @@ def test_a_missing_compiler_falls_back_to_eager_with_one_warning(tiny_llama: Pat
     warnings = [line for line in broken.stderr.splitlines() if "captured forward unavailable" in line]
     assert len(warnings) == 1 and "g++" in warnings[0], broken.stderr[-2000:]
     assert broken.stdout == eager.stdout and eager.stdout.strip()
+
+
+def test_cuda_graph_sizes_are_powers_of_two() -> None:
+    assert [cuda_graph_size(n) for n in (1, 2, 3, 5, 8, 9, 64, 65)] == [2, 2, 4, 8, 8, 16, 64, 128]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graphs_greedy_equals_eager(tiny_llama: Path) -> None:
+    prompts = tokenize_all(tiny_llama, PROMPT_TEXTS[:5])
+    eager = _tokens(make_llm(tiny_llama, enforce_eager=True, device="cuda"), prompts)
+    llm = make_llm(tiny_llama, device="cuda")
+    assert _tokens(llm, prompts) == eager
+    assert _stats(llm).compiled_steps >= GREEDY.max_tokens - 1

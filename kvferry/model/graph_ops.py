@@ -11,6 +11,11 @@ An attention layer calls the hooks as its `HookPlacement` says:
   (`torch.compiler.disable`): the graph is split there and the hook runs eagerly
   between compiled pieces.
 - NONE: nothing is called.
+
+On CUDA the captured program replays CUDA graphs between these operators: they are
+tagged `cudagraph_unsafe` (Python that reads the step's context cannot be replayed), so
+inductor partitions the graph around them. A connector whose hooks could be replayed
+would have to provide them as device kernels reading static buffers; none does yet.
 """
 
 from __future__ import annotations
@@ -20,13 +25,17 @@ import torch
 from kvferry.model.forward_context import ForwardContext, HookPlacement
 
 
-@torch.library.custom_op("kvferry::wait_for_layer_load", mutates_args=("order",))
+@torch.library.custom_op(
+    "kvferry::wait_for_layer_load", mutates_args=("order",), tags=(torch.Tag.cudagraph_unsafe,)
+)
 def wait_for_layer_load_op(order: torch.Tensor, ctx: ForwardContext, layer_name: str) -> None:
     """The connector's wait_for_layer_load; `order` is the layer's attention output buffer."""
     ctx.kv_hooks.wait_for_layer_load(layer_name)
 
 
-@torch.library.custom_op("kvferry::save_kv_layer", mutates_args=("order",))
+@torch.library.custom_op(
+    "kvferry::save_kv_layer", mutates_args=("order",), tags=(torch.Tag.cudagraph_unsafe,)
+)
 def save_kv_layer_op(order: torch.Tensor, ctx: ForwardContext, layer_name: str) -> None:
     """The connector's save_kv_layer once the layer's KV is written (`order`: as above)."""
     ctx.kv_hooks.save_kv_layer(layer_name, ctx.kv_caches[layer_name], ctx.attn_for(layer_name))

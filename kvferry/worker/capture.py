@@ -13,6 +13,11 @@ How the hooks are captured is decided here, from what the connector declares:
   break is an error, never a silent fallback);
 - otherwise the graph is split at every hook, which runs eagerly between compiled pieces.
 
+On CUDA the program runs under CUDA graphs (`mode="reduce-overhead"`): decode batches
+are padded to powers of two (static shapes, one recorded graph per size), and the graph
+is cut around the Python operators (tagged `cudagraph_unsafe`). Nothing here has run
+on a GPU: its test skips without one.
+
 A compile failure (an unsupported op, no C++ compiler) falls back to eager with one
 warning naming the cause.
 
@@ -65,6 +70,12 @@ def pad_batch(
     )
 
 
+def cuda_graph_size(num_tokens: int) -> int:
+    """The captured CUDA-graph size a decode batch is padded to: the next power of two
+    (a bounded set of recorded graphs: static shapes, like static input buffers)."""
+    return max(MIN_CAPTURED_TOKENS, 1 << (num_tokens - 1).bit_length())
+
+
 @dataclass
 class CaptureStats:
     compiled_steps: int = 0  # forwards run by the compiled program
@@ -75,18 +86,24 @@ class CaptureStats:
 class CapturedForward:
     """Runs a step's forward compiled (decode-only steps) or eagerly (everything else)."""
 
-    def __init__(self, model: torch.nn.Module, placement: HookPlacement, enforce_eager: bool):
+    def __init__(
+        self, model: torch.nn.Module, placement: HookPlacement, enforce_eager: bool, device: torch.device
+    ):
         self.model = model
         self.placement = placement
+        self.cuda_graphs = device.type == "cuda"
         self.stats = CaptureStats()
         self.fallback_reason: str | None = None
-        self._compiled = None if enforce_eager else self._compile(model, placement)
+        self._compiled = None if enforce_eager else self._compile(model, placement, self.cuda_graphs)
         self._compiled_once = False
 
     @staticmethod
-    def _compile(model: torch.nn.Module, placement: HookPlacement):  # noqa: ANN205 - torch's callable
+    def _compile(model: torch.nn.Module, placement: HookPlacement, cuda_graphs: bool):  # noqa: ANN205
+        """CPU: one inductor program. CUDA: the same, replayed as CUDA graphs between the
+        operators tagged `cudagraph_unsafe` (attention, hooks); one graph per padded size."""
         fullgraph = placement is not HookPlacement.SPLIT
-        return torch.compile(model.model, fullgraph=fullgraph, dynamic=True)
+        mode = "reduce-overhead" if cuda_graphs else None
+        return torch.compile(model.model, fullgraph=fullgraph, dynamic=not cuda_graphs, mode=mode)
 
     @property
     def enabled(self) -> bool:
@@ -95,7 +112,8 @@ class CapturedForward:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         num_tokens = input_ids.numel()
         if self._compiled is not None and num_tokens and is_decode_only(ctx):
-            hidden = self._run_compiled(*pad_batch(input_ids, positions, MIN_CAPTURED_TOKENS), ctx)
+            padded = cuda_graph_size(num_tokens) if self.cuda_graphs else MIN_CAPTURED_TOKENS
+            hidden = self._run_compiled(*pad_batch(input_ids, positions, padded), ctx)
             if hidden is not None:
                 return hidden[:num_tokens]
         self.stats.eager_steps += 1

@@ -48,7 +48,9 @@ class ModelRunner:
         self.connector = connector
         placement = hook_placement(connector)
         self.model.set_hook_placement(placement)
-        self.forward = CapturedForward(self.model, placement, self.config.compilation.enforce_eager)
+        self.forward = CapturedForward(
+            self.model, placement, self.config.compilation.enforce_eager, self.device
+        )
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -214,7 +214,10 @@ class PagedAttention(nn.Module):
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
 
-@torch.library.custom_op("kvferry::paged_attention", mutates_args=("out",))
+# Python reading the step's context: never replayed from a CUDA graph (the graph is cut here).
+@torch.library.custom_op(
+    "kvferry::paged_attention", mutates_args=("out",), tags=(torch.Tag.cudagraph_unsafe,)
+)
 def paged_attention_op(
     q: torch.Tensor,
     k: torch.Tensor,
