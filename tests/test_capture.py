@@ -131,7 +131,7 @@ def _decode_steps_saw_every_layer(records: list[dict], num_layers: int) -> int:
             continue  # an empty step: no forward
         assert len(waits) == len(saves) == num_layers, f"step {step}"
         assert waits == [r["layer"] for r in saves]  # in layer order, each wait before its save
-        decodes += all(r["tokens"] == saves[0]["tokens"] for r in saves) and saves[0]["tokens"] <= 3
+        decodes += saves[0]["tokens"] <= 3  # a decode step: at most one token per prompt
     return decodes
 
 

@@ -34,13 +34,8 @@ def save_panels(
     logx: bool = False,
 ) -> bool:
     """Draw ``panels`` side by side (two per row) into ``path``; False if matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib missing: no plot")
+    plt = pyplot()
+    if plt is None:
         return False
     cols = min(2, len(panels))
     rows = -(-len(panels) // cols)
@@ -49,12 +44,32 @@ def save_panels(
         _draw(ax, panel, xlabel, xticks, logx)
     for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
+    save_figure(fig, path, title)
+    return True
+
+
+def pyplot():  # noqa: ANN201 - matplotlib.pyplot, imported only when a plot is drawn
+    """matplotlib's pyplot on the file-only backend; None (with a warning) if it is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib missing: no plot")
+        return None
+    return plt
+
+
+def save_figure(fig, path: Path, title: str) -> None:  # noqa: ANN001 - a matplotlib Figure
+    """Title, lay out and write ``fig`` to ``path`` (its folder made), then release it."""
+    import matplotlib.pyplot as plt
+
     fig.suptitle(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
-    return True
 
 
 def _draw(ax, panel: Panel, xlabel: str, xticks: tuple[list[float], list[str]] | None, logx: bool) -> None:

@@ -25,12 +25,20 @@ import torch
 from kvferry.model.forward_context import ForwardContext, HookPlacement
 
 
+def _wait(ctx: ForwardContext, layer_name: str) -> None:
+    ctx.kv_hooks.wait_for_layer_load(layer_name)
+
+
+def _save(ctx: ForwardContext, layer_name: str) -> None:
+    ctx.kv_hooks.save_kv_layer(layer_name, ctx.kv_caches[layer_name], ctx.attn_for(layer_name))
+
+
 @torch.library.custom_op(
     "kvferry::wait_for_layer_load", mutates_args=("order",), tags=(torch.Tag.cudagraph_unsafe,)
 )
 def wait_for_layer_load_op(order: torch.Tensor, ctx: ForwardContext, layer_name: str) -> None:
     """The connector's wait_for_layer_load; `order` is the layer's attention output buffer."""
-    ctx.kv_hooks.wait_for_layer_load(layer_name)
+    _wait(ctx, layer_name)
 
 
 @torch.library.custom_op(
@@ -38,27 +46,17 @@ def wait_for_layer_load_op(order: torch.Tensor, ctx: ForwardContext, layer_name:
 )
 def save_kv_layer_op(order: torch.Tensor, ctx: ForwardContext, layer_name: str) -> None:
     """The connector's save_kv_layer once the layer's KV is written (`order`: as above)."""
-    ctx.kv_hooks.save_kv_layer(layer_name, ctx.kv_caches[layer_name], ctx.attn_for(layer_name))
+    _save(ctx, layer_name)
 
 
 @wait_for_layer_load_op.register_fake
-def _(order: torch.Tensor, ctx: ForwardContext, layer_name: str) -> None:
-    return None
-
-
 @save_kv_layer_op.register_fake
 def _(order: torch.Tensor, ctx: ForwardContext, layer_name: str) -> None:
     return None
 
 
-@torch.compiler.disable
-def _wait_eagerly(ctx: ForwardContext, layer_name: str) -> None:
-    ctx.kv_hooks.wait_for_layer_load(layer_name)
-
-
-@torch.compiler.disable
-def _save_eagerly(ctx: ForwardContext, layer_name: str) -> None:
-    ctx.kv_hooks.save_kv_layer(layer_name, ctx.kv_caches[layer_name], ctx.attn_for(layer_name))
+_wait_eagerly = torch.compiler.disable(_wait)  # SPLIT: the compiled graph is cut at the call
+_save_eagerly = torch.compiler.disable(_save)
 
 
 def before_attention(

@@ -3,12 +3,11 @@ ratios, the printed table and the PNG."""
 
 from __future__ import annotations
 
-import logging
 import textwrap
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-logger = logging.getLogger(__name__)
+from kvferry.bench.plot import pyplot, save_figure
 
 ENGINES = ("kvferry", "vllm")
 EVEN = 0.02  # within 2%: neither is ahead
@@ -123,24 +122,15 @@ def kvferry_speedup(row: Row) -> float | None:
 
 def save_plot(path: Path, rows: list[Row], serving: dict, title: str) -> bool:
     """Offline speedups as bars, serving metrics vs rate as lines; False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib missing: no plot")
+    plt = pyplot()
+    if plt is None:
         return False
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
     _offline_bars(axes[0], [r for r in rows if r.part == "offline"])
     plotted = [m for m in SERVING_METRICS if m[0] in ("output_throughput", "mean_ttft_ms", "mean_tpot_ms")]
     for ax, (key, name, unit, _) in zip(axes[1:], plotted):
         _serving_lines(ax, serving, key, f"{name} ({unit})")
-    fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
+    save_figure(fig, path, title)
     return True
 
 

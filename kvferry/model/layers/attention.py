@@ -92,6 +92,10 @@ def fresh_runs(spans: list[PrefillSpan]) -> list[list[PrefillSpan]]:
     return runs
 
 
+# Python reading the step's context: never replayed from a CUDA graph (the graph is cut here).
+@torch.library.custom_op(
+    "kvferry::paged_attention", mutates_args=("out",), tags=(torch.Tag.cudagraph_unsafe,)
+)
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -104,7 +108,8 @@ def attend(
     """One layer's paged attention into `out`: q [T, heads, D], k and v [T, kv_heads, D].
 
     Writes this step's k/v into the layer's cache, then attends the decodes in one call and
-    each run of prefill spans. The body of the `kvferry::paged_attention` operator. Rows
+    each run of prefill spans. This is the `kvferry::paged_attention` operator: a captured
+    graph calls it with each step's own context. Rows
     past the step's tokens (a batch padded for a captured graph) are written as zeros.
     """
     attn = ctx.attn_for(layer_name)
@@ -214,23 +219,6 @@ class PagedAttention(nn.Module):
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
 
-# Python reading the step's context: never replayed from a CUDA graph (the graph is cut here).
-@torch.library.custom_op(
-    "kvferry::paged_attention", mutates_args=("out",), tags=(torch.Tag.cudagraph_unsafe,)
-)
-def paged_attention_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    ctx: ForwardContext,
-    layer_name: str,
-    scale: float,
-) -> None:
-    """`attend` as an operator: a captured graph calls it with each step's own context."""
-    attend(q, k, v, out, ctx, layer_name, scale)
-
-
-@paged_attention_op.register_fake
+@attend.register_fake
 def _(q, k, v, out, ctx, layer_name, scale) -> None:  # noqa: ANN001 - the operator's signature
     return None
