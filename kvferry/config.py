@@ -43,14 +43,29 @@ class ModelConfig:
     local_dir: str | None = None  # directory holding config/tokenizer/weights
 
 
+# Share of the memory left after weights and the measured activation peak that the KV
+# cache takes when no size is asked for: small, because CPU hosts are shared.
+DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.1
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
-    # Bytes of KV cache to allocate. None: derive from kv_cache_memory_fraction.
+    # Bytes of KV cache per rank (--kv-cache-memory). None: kv_cache_memory_fraction of
+    # the memory available after weights and the profiled activation peak.
     kv_cache_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
     layout: str = "NHD"
+    kv_cache_memory_fraction: float = DEFAULT_KV_CACHE_MEMORY_FRACTION
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ConfigError(
+                f"kv_cache_memory_fraction must be in (0, 1], not {self.kv_cache_memory_fraction}"
+            )
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ConfigError(f"the KV cache size must be positive, not {self.kv_cache_bytes} bytes")
 
 
 @dataclass(frozen=True)

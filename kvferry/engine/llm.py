@@ -6,7 +6,14 @@ import itertools
 import logging
 from collections.abc import Sequence
 
-from kvferry.config import CacheConfig, CompilationConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from kvferry.config import (
+    DEFAULT_KV_CACHE_MEMORY_FRACTION,
+    CacheConfig,
+    CompilationConfig,
+    EngineConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from kvferry.engine.core import EngineCore, EngineStats
 from kvferry.engine.input_processor import InputProcessor
 from kvferry.engine.output_processor import OutputProcessor
@@ -46,6 +53,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         block_size: int = 16,
         kv_cache_bytes: int | None = None,
+        kv_cache_memory_fraction: float = DEFAULT_KV_CACHE_MEMORY_FRACTION,
         enable_prefix_caching: bool = True,
         max_num_seqs: int = 128,
         max_num_batched_tokens: int = 2048,
@@ -55,7 +63,12 @@ class LLM:
         model_config = resolve_model_config(model, dtype=dtype, max_model_len=max_model_len)
         config = EngineConfig(
             model=model_config,
-            cache=CacheConfig(block_size, kv_cache_bytes, enable_prefix_caching=enable_prefix_caching),
+            cache=CacheConfig(
+                block_size,
+                kv_cache_bytes,
+                enable_prefix_caching=enable_prefix_caching,
+                kv_cache_memory_fraction=kv_cache_memory_fraction,
+            ),
             scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs),
             parallel=ParallelConfig(tensor_parallel_size),
             compilation=CompilationConfig(enforce_eager=enforce_eager),

