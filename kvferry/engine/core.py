@@ -10,6 +10,7 @@ from kvferry.config import EngineConfig
 from kvferry.connector.base import KVConnectorRole
 from kvferry.connector.factory import create_connector, prepare_engine_config
 from kvferry.connector.output import KVConnectorOutput
+from kvferry.engine.profile_run import size_kv_cache
 from kvferry.engine.types import EngineCoreOutput, EngineCoreRequest
 from kvferry.engine.warmup import warmup_steps
 from kvferry.errors import ConfigError
@@ -62,7 +63,7 @@ class EngineCore:
         self._connector_totals: dict[str, float] = {}
         start = time.perf_counter()
         self.executor = make_executor(config)
-        kv_config = self.executor.determine_kv_cache_config()
+        self.kv_budget, kv_config = size_kv_cache(self.executor, config)
         self.executor.initialize_kv_cache(kv_config)
         self.connector = create_connector(config, KVConnectorRole.SCHEDULER, kv_config)
         self.scheduler = Scheduler(

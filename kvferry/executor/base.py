@@ -14,6 +14,7 @@ from kvferry.connector.factory import resolve_connector_class
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.scheduler.output import SchedulerOutput
 from kvferry.worker.capture import CaptureStats
+from kvferry.worker.memory_profile import MemoryProfile
 from kvferry.worker.output import ModelRunnerOutput
 
 
@@ -26,7 +27,18 @@ class Executor(ABC):
         self.aggregator = KVOutputAggregator(expected)
 
     @abstractmethod
-    def determine_kv_cache_config(self) -> KVCacheConfig: ...
+    def prepare_memory_profile(self, num_blocks: int) -> KVCacheConfig:
+        """Every rank binds a provisional KV cache of `num_blocks` blocks and starts measuring
+        memory (kvferry.engine.profile_run drives it); rank 0's config comes back."""
+
+    @abstractmethod
+    def finish_memory_profile(self) -> list[MemoryProfile]:
+        """Each rank's measurement of the profiling step, rank 0 first; caches released."""
+
+    @abstractmethod
+    def determine_kv_cache_config(self, budget_bytes: int) -> KVCacheConfig:
+        """The scheduler's KV cache: rank 0's specs, the fewest blocks `budget_bytes` buys
+        on any rank (ranks may hold different numbers of KV heads)."""
 
     @abstractmethod
     def initialize_kv_cache(self, kv_config: KVCacheConfig) -> None: ...

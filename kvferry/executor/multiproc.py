@@ -22,12 +22,21 @@ from kvferry.kv.allocate import with_num_blocks
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.scheduler.output import SchedulerOutput
 from kvferry.worker.capture import CaptureStats
+from kvferry.worker.memory_profile import MemoryProfile
 from kvferry.worker.output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
 WORKER_METHODS = frozenset(
-    {"determine_kv_cache_config", "initialize_kv_cache", "execute_model", "capture_stats", "shutdown"}
+    {
+        "prepare_memory_profile",
+        "finish_memory_profile",
+        "determine_kv_cache_config",
+        "initialize_kv_cache",
+        "execute_model",
+        "capture_stats",
+        "shutdown",
+    }
 )
 STARTUP_TIMEOUT_S = 600
 
@@ -144,13 +153,19 @@ class MultiprocExecutor(Executor):
             conn.send(call)
         return self._gather()
 
-    def determine_kv_cache_config(self) -> KVCacheConfig:
+    def prepare_memory_profile(self, num_blocks: int) -> KVCacheConfig:
+        return self.collective_rpc("prepare_memory_profile", num_blocks)[0]
+
+    def finish_memory_profile(self) -> list[MemoryProfile]:
+        return self.collective_rpc("finish_memory_profile")
+
+    def determine_kv_cache_config(self, budget_bytes: int) -> KVCacheConfig:
         """Rank 0's specs (the scheduler's view) with the smallest block count of any rank.
 
         Ranks may cache different numbers of KV heads (uneven head split), so their specs
         differ; each worker allocates with its own specs and this block count.
         """
-        configs = self.collective_rpc("determine_kv_cache_config")
+        configs = self.collective_rpc("determine_kv_cache_config", budget_bytes)
         return with_num_blocks(configs[0], min(c.num_blocks for c in configs))
 
     def initialize_kv_cache(self, kv_config: KVCacheConfig) -> None:

@@ -15,9 +15,11 @@ from kvferry.config import EngineConfig
 from kvferry.errors import ConfigError
 from kvferry.executor.base import Executor
 from kvferry.executor.multiproc import free_port, init_distributed
+from kvferry.kv.allocate import with_num_blocks
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.scheduler.output import SchedulerOutput
 from kvferry.worker.capture import CaptureStats
+from kvferry.worker.memory_profile import MemoryProfile
 from kvferry.worker.output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -32,8 +34,14 @@ class RayWorker:
         tp = init_distributed(rank, world_size, port, config.device)
         self.worker = Worker(config, tp)
 
-    def determine_kv_cache_config(self) -> KVCacheConfig:
-        return self.worker.determine_kv_cache_config()
+    def prepare_memory_profile(self, num_blocks: int) -> KVCacheConfig:
+        return self.worker.prepare_memory_profile(num_blocks)
+
+    def finish_memory_profile(self) -> MemoryProfile:
+        return self.worker.finish_memory_profile()
+
+    def determine_kv_cache_config(self, budget_bytes: int) -> KVCacheConfig:
+        return self.worker.determine_kv_cache_config(budget_bytes)
 
     def initialize_kv_cache(self, kv_config: KVCacheConfig) -> None:
         self.worker.initialize_kv_cache(kv_config)
@@ -82,8 +90,15 @@ class RayExecutor(Executor):
     def _all(self, method: str, *args: Any) -> list[Any]:
         return self.ray.get([getattr(a, method).remote(*args) for a in self.actors])
 
-    def determine_kv_cache_config(self) -> KVCacheConfig:
-        return min(self._all("determine_kv_cache_config"), key=lambda c: c.num_blocks)
+    def prepare_memory_profile(self, num_blocks: int) -> KVCacheConfig:
+        return self._all("prepare_memory_profile", num_blocks)[0]
+
+    def finish_memory_profile(self) -> list[MemoryProfile]:
+        return self._all("finish_memory_profile")
+
+    def determine_kv_cache_config(self, budget_bytes: int) -> KVCacheConfig:
+        configs = self._all("determine_kv_cache_config", budget_bytes)
+        return with_num_blocks(configs[0], min(c.num_blocks for c in configs))
 
     def initialize_kv_cache(self, kv_config: KVCacheConfig) -> None:
         self._all("initialize_kv_cache", kv_config)

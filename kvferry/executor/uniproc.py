@@ -7,6 +7,7 @@ from kvferry.executor.base import Executor
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.scheduler.output import SchedulerOutput
 from kvferry.worker.capture import CaptureStats
+from kvferry.worker.memory_profile import MemoryProfile
 from kvferry.worker.output import ModelRunnerOutput
 from kvferry.worker.worker import Worker
 
@@ -16,8 +17,14 @@ class UniprocExecutor(Executor):
         super().__init__(config)
         self.worker = Worker(config)
 
-    def determine_kv_cache_config(self) -> KVCacheConfig:
-        return self.worker.determine_kv_cache_config()
+    def prepare_memory_profile(self, num_blocks: int) -> KVCacheConfig:
+        return self.worker.prepare_memory_profile(num_blocks)
+
+    def finish_memory_profile(self) -> list[MemoryProfile]:
+        return [self.worker.finish_memory_profile()]
+
+    def determine_kv_cache_config(self, budget_bytes: int) -> KVCacheConfig:
+        return self.worker.determine_kv_cache_config(budget_bytes)
 
     def initialize_kv_cache(self, kv_config: KVCacheConfig) -> None:
         self.worker.initialize_kv_cache(kv_config)

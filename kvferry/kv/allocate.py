@@ -39,11 +39,8 @@ def build_kv_cache_config(
     num_blocks = cache_config.num_gpu_blocks_override or budget_bytes // (
         spec.page_size_bytes * len(layer_names)
     )
-    min_blocks = spec.max_blocks_needed(model_config.max_model_len)
     if num_blocks < 2:
         raise ConfigError(f"KV cache budget of {budget_bytes} bytes holds fewer than 2 blocks")
-    if num_blocks < min_blocks:
-        logger.warning("KV cache holds %d blocks; one max-length request needs %d", num_blocks, min_blocks)
     tensors = tuple(KVCacheTensor(spec.page_size_bytes * num_blocks, (name,)) for name in layer_names)
     return KVCacheConfig(
         groups=(KVCacheGroup(spec, tuple(layer_names)),),

@@ -81,10 +81,17 @@ class KVBudget:
 
 
 def plan_kv_budget(
-    asked_bytes: int | None, fraction: float, available_bytes: int, activation_peak_bytes: int
+    asked_bytes: int | None,
+    fraction: float,
+    available_bytes: int,
+    activation_peak_bytes: int,
+    fixed_blocks: int | None = None,
 ) -> KVBudget:
     """The KV bytes for one rank. `available_bytes` is its share of memory left after the
-    weights and the activation peak; asking for more than that is an error naming both."""
+    weights and the activation peak; asking for more than that is an error naming both.
+    A fixed block count (num_gpu_blocks_override) needs no bytes: kv_bytes is then 0."""
+    if fixed_blocks is not None:
+        return KVBudget(0, BudgetSource.BLOCKS, available_bytes, activation_peak_bytes, fraction)
     if asked_bytes is not None and asked_bytes > available_bytes:
         raise ConfigError(
             f"--kv-cache-memory asks for {format_bytes(asked_bytes)} per rank, but only "

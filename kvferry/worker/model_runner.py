@@ -52,6 +52,12 @@ class ModelRunner:
             self.model, placement, self.config.compilation.enforce_eager, self.device
         )
 
+    def unbind_kv_caches(self) -> None:
+        """Drop the KV tensors (the profiling step's provisional cache) and every request."""
+        self.kv_config, self.kv_caches, self.layer_group = None, {}, {}
+        self.connector, self.forward = None, None
+        self.states.clear()
+
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)

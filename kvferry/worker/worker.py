@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import gc
 import logging
+from dataclasses import replace
 
 import torch
 
-from kvferry.config import EngineConfig
+from kvferry.config import CacheConfig, EngineConfig
 from kvferry.connector.base import KVConnectorRole
 from kvferry.connector.factory import create_connector
-from kvferry.kv.allocate import allocate_kv_caches, build_kv_cache_config, with_num_blocks
+from kvferry.kv.allocate import allocate_kv_caches, build_kv_cache_config
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.model.layers.parallel import TPGroup
 from kvferry.model.loader import load_model
 from kvferry.scheduler.output import SchedulerOutput
 from kvferry.worker.capture import CaptureStats
 from kvferry.worker.cpu_placement import place_rank
+from kvferry.worker.memory_profile import MemoryProbe, MemoryProfile, memory_probe
 from kvferry.worker.model_runner import ModelRunner
 from kvferry.worker.output import ModelRunnerOutput
 
@@ -31,20 +34,43 @@ class Worker:
             place_rank(config.parallel, self.tp.rank, self.tp.size)
         model = load_model(config.model, self.tp, self.device)
         self.runner = ModelRunner(config, model, self.device)
+        self._memory_probe: MemoryProbe | None = None
 
-    def determine_kv_cache_config(self) -> KVCacheConfig:
-        """This rank's KV cache: its own specs (its KV heads) and the blocks its budget holds."""
+    def prepare_memory_profile(self, num_blocks: int) -> KVCacheConfig:
+        """Bind a provisional KV cache of `num_blocks` blocks (no connector: it registers the
+        final tensors) and start measuring; the engine then runs the profiling step."""
+        provisional_cache = replace(self.config.cache, num_gpu_blocks_override=num_blocks)
+        provisional = self._kv_cache_config(provisional_cache, budget_bytes=0)
+        self.runner.bind_kv_caches(provisional, allocate_kv_caches(provisional, self.device))
+        ranks_on_host = self.tp.size if self.device.type == "cpu" else 1
+        self._memory_probe = memory_probe(self.device, ranks_on_host)
+        self._memory_probe.start(released_after_bytes=sum(t.size_bytes for t in provisional.tensors))
+        return provisional
+
+    def finish_memory_profile(self) -> MemoryProfile:
+        """What the profiling step measured; the provisional KV cache is released."""
+        if self._memory_probe is None:
+            raise RuntimeError("finish_memory_profile without prepare_memory_profile")
+        profile = self._memory_probe.finish()
+        self._memory_probe = None
+        self.runner.unbind_kv_caches()
+        gc.collect()
+        return profile
+
+    def determine_kv_cache_config(self, budget_bytes: int) -> KVCacheConfig:
+        """This rank's KV cache: its own specs (its KV heads) and the blocks `budget_bytes` holds."""
+        return self._kv_cache_config(self.config.cache, budget_bytes)
+
+    def _kv_cache_config(self, cache: CacheConfig, budget_bytes: int) -> KVCacheConfig:
         model = self.runner.model
         names = model.attention_layer_names()
-        budget = self.config.cache.kv_cache_bytes or 2 << 30
-        return build_kv_cache_config(
-            self.config.model, self.config.cache, names, model.num_local_kv_heads, budget
-        )
+        return build_kv_cache_config(self.config.model, cache, names, model.num_local_kv_heads, budget_bytes)
 
     def initialize_kv_cache(self, kv_config: KVCacheConfig) -> None:
         """Allocate with this rank's own specs and the block count the ranks agreed on
         (`kv_config` is the scheduler's: rank 0's specs)."""
-        kv_config = with_num_blocks(self.determine_kv_cache_config(), kv_config.num_blocks)
+        agreed = replace(self.config.cache, num_gpu_blocks_override=kv_config.num_blocks)
+        kv_config = self._kv_cache_config(agreed, budget_bytes=0)
         kv_caches = allocate_kv_caches(kv_config, self.device)
         connector = create_connector(self.config, KVConnectorRole.WORKER, kv_config, self.tp.rank)
         if connector is not None:

@@ -1,0 +1,101 @@
+"""The memory-profiling run: size the KV cache from what one full step really uses.
+
+Every rank binds a provisional KV cache just large enough for the profiling step, runs one
+dummy prefill at the step's maximum token budget through `Executor.execute_model` (the path
+of real steps), and reports its activation peak and free memory (kvferry.worker.
+memory_profile). The budget follows (kvferry.kv.budget); the provisional cache is released
+before the real one is allocated. The profiling step runs before any connector exists: a
+connector registers the final KV tensors, so it is created with them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvferry.config import EngineConfig
+from kvferry.executor.base import Executor
+from kvferry.kv.budget import KVBudget, plan_kv_budget
+from kvferry.kv.spec import KVCacheConfig
+from kvferry.sampling_params import SamplingParams
+from kvferry.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+PROFILE_REQ_PREFIX = "__kvferry_profile_"
+FIRST_PROFILE_BLOCK = 1  # block 0 is the null block
+
+
+def profile_prompt_lengths(config: EngineConfig) -> list[int]:
+    """Prompts that fill one step's token budget: as few as the model length allows."""
+    budget = config.scheduler.max_num_batched_tokens
+    longest = config.model.max_model_len - 1  # a prompt leaves room for one generated token
+    lengths: list[int] = []
+    while budget > 0 and len(lengths) < config.scheduler.max_num_seqs:
+        lengths.append(min(budget, longest))
+        budget -= lengths[-1]
+    return lengths
+
+
+def _blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-(num_tokens + 1) // block_size)
+
+
+def profile_num_blocks(lengths: list[int], block_size: int) -> int:
+    """Blocks the provisional KV cache needs: the null block and each prompt's own."""
+    return FIRST_PROFILE_BLOCK + sum(_blocks_for(n, block_size) for n in lengths)
+
+
+def profile_steps(lengths: list[int], kv_config: KVCacheConfig) -> list[SchedulerOutput]:
+    """One prefill of every profiling prompt, then a step that drops them."""
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    requests, next_block = [], FIRST_PROFILE_BLOCK
+    for index, length in enumerate(lengths):
+        count = _blocks_for(length, kv_config.block_size)
+        blocks = tuple(list(range(next_block, next_block + count)) for _ in kv_config.groups)
+        next_block += count
+        requests.append(
+            NewRequestData(f"{PROFILE_REQ_PREFIX}{index}", [0] * length, length, params, blocks, 0)
+        )
+    scheduled = {r.req_id: r.num_prompt_tokens for r in requests}
+    return [
+        SchedulerOutput(requests, CachedRequestData(), scheduled, sum(lengths), set(), set()),
+        SchedulerOutput([], CachedRequestData(), {}, 0, set(scheduled), set()),
+    ]
+
+
+def size_kv_cache(executor: Executor, config: EngineConfig) -> tuple[KVBudget, KVCacheConfig]:
+    """Run the profiling step, plan the budget, and return the scheduler's KV cache config."""
+    lengths = profile_prompt_lengths(config)
+    provisional = executor.prepare_memory_profile(profile_num_blocks(lengths, config.cache.block_size))
+    for step in profile_steps(lengths, provisional):
+        executor.execute_model(step)
+    profiles = executor.finish_memory_profile()
+    budget = plan_kv_budget(
+        config.cache.kv_cache_bytes,
+        config.cache.kv_cache_memory_fraction,
+        available_bytes=min(p.room_bytes for p in profiles),
+        activation_peak_bytes=max(p.activation_peak_bytes for p in profiles),
+        fixed_blocks=config.cache.num_gpu_blocks_override,
+    )
+    kv_config = executor.determine_kv_cache_config(budget.kv_bytes)
+    logger.info(
+        "KV cache: %s; %d blocks of %d tokens (profiling step: %d tokens, %d prompt(s))",
+        budget.describe(),
+        kv_config.num_blocks,
+        kv_config.block_size,
+        sum(lengths),
+        len(lengths),
+    )
+    _warn_if_short(kv_config, config.model.max_model_len)
+    return budget, kv_config
+
+
+def _warn_if_short(kv_config: KVCacheConfig, max_model_len: int) -> None:
+    needed = -(-max_model_len // kv_config.block_size)
+    if kv_config.num_blocks < needed:
+        logger.warning(
+            "the KV cache holds %d blocks; one request of max_model_len %d needs %d",
+            kv_config.num_blocks,
+            max_model_len,
+            needed,
+        )
