@@ -46,6 +46,7 @@ from kvferry.engine.core_protocol import (
     stats_to_wire,
 )
 from kvferry.engine.types import EngineCoreOutput, EngineCoreRequest, FinishReason
+from kvferry.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ def _build_core(
     except BaseException as exc:  # report everything, also SystemExit/KeyboardInterrupt from a loader
         if isinstance(exc, SystemExit):
             logger.warning("engine core start-up abandoned: %s", exc)
-        else:
+        elif not isinstance(exc, ConfigError):  # a user's configuration: its message says it all
             logger.exception("engine core failed to start")
         msg = StartupFailed(type(exc).__name__, str(exc), traceback.format_exc())
         out_sock.send(codec.encode(msg))
