@@ -1,4 +1,6 @@
-"""The Llama family: Llama 2/3 (and SmolLM2), Qwen2 (qkv bias), Qwen3 (per-head q/k norm).
+"""The Llama family: Llama 2/3 (and SmolLM2), Qwen2 (qkv bias), Qwen3 (per-head q/k norm),
+Mistral; sliding-window layers where the config has them (Mistral's `sliding_window`,
+Qwen2/3's `use_sliding_window` with `layer_types`).
 
 Module names mirror transformers' so checkpoint names map one to one, except the fused
 `qkv_proj` (q/k/v_proj) and `gate_up_proj` (gate/up_proj).
@@ -7,14 +9,13 @@ Module names mirror transformers' so checkpoint names map one to one, except the
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-from kvferry.errors import ModelLoadError
-from kvferry.model.forward_context import ForwardContext, HookPlacement
+from kvferry.model.causal_lm import CausalLM, head_dim_of, layer_windows
+from kvferry.model.forward_context import ForwardContext
 from kvferry.model.layers.activation import SiluAndMul
 from kvferry.model.layers.attention import PagedAttention
 from kvferry.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -22,31 +23,14 @@ from kvferry.model.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
-    copy_checked,
 )
 from kvferry.model.layers.norm import RMSNorm
 from kvferry.model.layers.parallel import TPGroup
 from kvferry.model.layers.rotary import RotaryEmbedding, apply_rope, rope_parameters
-from kvferry.model.microbatch import MicroBatcher
 
 logger = logging.getLogger(__name__)
 
 CosSin = tuple[torch.Tensor, torch.Tensor]  # rope at this forward's positions
-
-# checkpoint projection -> (fused parameter, shard id)
-STACKED = (
-    ("q_proj", "qkv_proj", "q"),
-    ("k_proj", "qkv_proj", "k"),
-    ("v_proj", "qkv_proj", "v"),
-    ("gate_proj", "gate_up_proj", 0),
-    ("up_proj", "gate_up_proj", 1),
-)
-# checkpoint entries that are not parameters here
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
-
-
-def head_dim_of(config: Any) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 class LlamaAttention(nn.Module):
@@ -57,6 +41,7 @@ class LlamaAttention(nn.Module):
         tp: TPGroup,
         dtype: torch.dtype,
         flags: dict[str, bool],
+        sliding_window: int | None = None,
     ):
         super().__init__()
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -82,6 +67,7 @@ class LlamaAttention(nn.Module):
             self.qkv_proj.num_kv_heads,
             head_dim,
             scale=head_dim**-0.5,
+            sliding_window=sliding_window,
         )
 
     def forward(self, rope: CosSin, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -115,10 +101,11 @@ class LlamaDecoderLayer(nn.Module):
         tp: TPGroup,
         dtype: torch.dtype,
         flags: dict[str, bool],
+        sliding_window: int | None = None,
     ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, f"{prefix}.self_attn", tp, dtype, flags)
+        self.self_attn = LlamaAttention(config, f"{prefix}.self_attn", tp, dtype, flags, sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, tp, dtype)
 
@@ -145,8 +132,8 @@ class LlamaModel(nn.Module):
         rope = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, rope_parameters(config))
         self.rotary_emb = rope
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, f"model.layers.{i}", tp, dtype, flags)
-            for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, f"model.layers.{i}", tp, dtype, flags, window)
+            for i, window in enumerate(layer_windows(config))
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -160,7 +147,7 @@ class LlamaModel(nn.Module):
         return hidden
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """Causal LM of the Llama family. See kvferry.model.registry for the names it serves."""
 
     def __init__(self, config: Any, tp: TPGroup | None = None, dtype: torch.dtype = torch.float32):
@@ -172,89 +159,11 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype)
         if self.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
-        self.microbatcher: MicroBatcher | None = None  # see enable_microbatching
-        self.hook_placement = HookPlacement.NONE  # see set_hook_placement
 
     @staticmethod
     def flags(config: Any) -> dict[str, bool]:
         bias = bool(getattr(config, "attention_bias", False))
         return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False}
-
-    def enable_microbatching(self, num_threads: int) -> None:
-        """Split batches over `num_threads` CPU threads (kvferry.model.microbatch); a single
-        process only: with tensor parallelism every rank must issue collectives in order."""
-        assert self.model.embed_tokens.tp.size == 1, "micro-batching needs a single rank"
-        self.microbatcher = MicroBatcher(num_threads) if num_threads > 1 else None
-
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """Final hidden states [T, hidden] of a flat batch (decodes first, then prefill spans)."""
-        mb = self.microbatcher
-        splittable = mb is not None and self.hook_placement is HookPlacement.NONE  # hooks: once per layer
-        parts = mb.split_batch(ctx, input_ids.shape[0]) if splittable else []
-        if len(parts) < 2:
-            return self.model(input_ids, positions, ctx)
-        outs = mb.map(
-            lambda p: self.model(input_ids[p.start : p.stop], positions[p.start : p.stop], p.ctx), parts
-        )
-        return torch.cat(outs)
-
-    @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary float32 logits [N, vocab] for the selected hidden states [N, hidden]."""
-        mb = self.microbatcher
-        parts = mb.split_rows(hidden.shape[0]) if mb is not None else []
-        if len(parts) < 2:
-            return self.lm_head(hidden).float()
-        return torch.cat(mb.map(lambda p: self.lm_head(hidden[p.start : p.stop]).float(), parts))
-
-    def attention_layer_names(self) -> list[str]:
-        return [layer.self_attn.attn.layer_name for layer in self.model.layers]
-
-    def set_hook_placement(self, placement: HookPlacement) -> None:
-        """How every attention layer calls the connector's per-layer hooks (graph_ops)."""
-        self.hook_placement = placement
-        for layer in self.model.layers:
-            layer.self_attn.attn.hooks = placement
-
-    @property
-    def num_local_kv_heads(self) -> int:
-        """KV heads this tensor-parallel rank caches (ranks may differ)."""
-        return self.model.layers[0].self_attn.attn.num_kv_heads
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors (HF names, unsharded) in; returns the parameter names set."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            target, shard_id = self._target(name)
-            if target is None:
-                continue
-            if target not in params:
-                logger.warning("checkpoint tensor %s has no matching parameter; skipped", name)
-                continue
-            param = params[target]
-            loader = getattr(param, "weight_loader", None)
-            if loader is None:
-                copy_checked(param.data, tensor, target)
-            else:
-                loader(param, tensor, shard_id)
-            loaded.add(target)
-        missing = set(params) - loaded
-        if missing:
-            raise ModelLoadError(f"checkpoint lacks weights for: {', '.join(sorted(missing)[:8])}")
-        return loaded
-
-    def _target(self, name: str) -> tuple[str | None, object]:
-        """The parameter (and shard) a checkpoint name loads into; None to skip it."""
-        if name.endswith(IGNORED_SUFFIXES):
-            return None, None
-        if name == "lm_head.weight" and self.tie_word_embeddings:
-            return None, None
-        for ckpt, fused, shard_id in STACKED:
-            if f".{ckpt}." in name:
-                return name.replace(f".{ckpt}.", f".{fused}."), shard_id
-        return name, None
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
@@ -268,3 +177,7 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     def flags(config: Any) -> dict[str, bool]:
         bias = bool(getattr(config, "attention_bias", False))
         return {"qkv_bias": bias, "o_bias": bias, "qk_norm": True}
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Llama with a sliding window on every layer when the config sets `sliding_window`."""

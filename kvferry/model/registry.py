@@ -16,12 +16,20 @@ ARCHITECTURES = MappingProxyType(
         "LlamaForCausalLM": ("kvferry.model.llama", "LlamaForCausalLM"),
         "Qwen2ForCausalLM": ("kvferry.model.llama", "Qwen2ForCausalLM"),
         "Qwen3ForCausalLM": ("kvferry.model.llama", "Qwen3ForCausalLM"),
+        "MistralForCausalLM": ("kvferry.model.llama", "MistralForCausalLM"),
+        "Gemma3ForCausalLM": ("kvferry.model.gemma3", "Gemma3ForCausalLM"),
     }
 )
 
 # HF `model_type` -> architecture name, for configs that do not list `architectures`
 MODEL_TYPES = MappingProxyType(
-    {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+    {
+        "llama": "LlamaForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+        "mistral": "MistralForCausalLM",
+        "gemma3_text": "Gemma3ForCausalLM",
+    }
 )
 
 

@@ -5,6 +5,11 @@ tokens in one batched op over their gathered blocks, then each prefill span (cau
 offset by its context length). Connector hooks wrap the layer: `wait_for_layer_load`
 before touching the cache, `save_kv_layer` once the new k/v are written.
 
+A sliding-window layer (`window` W > 0) lets the token at position p see positions
+p - W + 1 .. p only (transformers' convention); prefill spans gather only the blocks
+their window reaches, and blocks older than that may be the null block (the window's
+KV cache group frees them).
+
 The cache must hold finite values everywhere (allocate it zeroed): padded decode slots
 are masked out, but NaN/inf garbage would still poison the weighted sum.
 """
@@ -12,6 +17,7 @@ are masked out, but NaN/inf garbage would still poison the weighted sum.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -104,8 +110,11 @@ def attend(
     ctx: ForwardContext,
     layer_name: str,
     scale: float,
+    window: int,
 ) -> None:
     """One layer's paged attention into `out`: q [T, heads, D], k and v [T, kv_heads, D].
+
+    `window` > 0: a sliding window of that many positions (0: full attention).
 
     Writes this step's k/v into the layer's cache, then attends the decodes in one call and
     each run of prefill spans. This is the `kvferry::paged_attention` operator: a captured
@@ -119,42 +128,74 @@ def attend(
         out[num_tokens:].zero_()
         k, v = k[:num_tokens], v[:num_tokens]
     write_kv(kv_cache, ctx.layout, k, v, attn.slot_mapping)
+    score = Scores(scale, window)
     if attn.num_decodes:
-        out[: attn.num_decodes] = _decode(q[: attn.num_decodes], kv_cache, ctx, attn, scale)
+        out[: attn.num_decodes] = _decode(q[: attn.num_decodes], kv_cache, ctx, attn, score)
     for run in fresh_runs(attn.prefills):
         rows = slice(run[0].query_start, run[-1].query_start + run[-1].query_len)
         if len(run) > 1:
-            out[rows] = _fresh_batch(q[rows], k[rows], v[rows], len(run), scale)
+            out[rows] = _fresh_batch(q[rows], k[rows], v[rows], len(run), score)
         else:
-            out[rows] = _prefill(q[rows], k[rows], v[rows], kv_cache, ctx, run[0], scale)
+            out[rows] = _prefill(q[rows], k[rows], v[rows], kv_cache, ctx, run[0], score)
+
+
+@dataclass(frozen=True)
+class Scores:
+    """How a layer turns q.k into weights: scale, and the sliding window (0: none)."""
+
+    scale: float
+    window: int = 0
+
+    def mask(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+        """Bool [..., Lq, Lk]: key visible to query (causal, and inside the window)."""
+        diff = query_pos.unsqueeze(-1) - key_pos.unsqueeze(-2)
+        visible = diff >= 0
+        return visible & (diff < self.window) if self.window else visible
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """q [B, Hq, Lq, D] over k, v [B, Hkv, Lk, D] (Hq a multiple of Hkv); mask None: causal."""
+        gqa = q.shape[-3] != k.shape[-3]
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=gqa
+        )
+
+    def fresh_mask(self, length: int, device: torch.device) -> torch.Tensor | None:
+        """Mask of a span with no cached context: None (plain causal) unless the window cuts it."""
+        if not self.window or self.window >= length:
+            return None
+        pos = torch.arange(length, device=device)
+        return self.mask(pos, pos)
 
 
 def _decode(
-    q: torch.Tensor, kv_cache: torch.Tensor, ctx: ForwardContext, attn: AttentionMetadata, scale: float
+    q: torch.Tensor, kv_cache: torch.Tensor, ctx: ForwardContext, attn: AttentionMetadata, score: Scores
 ) -> torch.Tensor:
     """All decode tokens in one SDPA call; a query head group shares its KV head."""
     batch, heads, head_dim = q.shape
     kv = gather_kv(kv_cache, ctx.layout, attn.decode_block_table, ctx.workspace)  # [2, B, H, L, D]
     kv = kv.to(q.dtype)
     kv_heads, length = kv.shape[2], kv.shape[3]
-    visible = torch.arange(length, device=q.device) < attn.decode_seq_lens.unsqueeze(1)
-    mask = visible.view(batch, 1, 1, length)
+    key_pos = torch.arange(length, device=q.device)  # [L]
+    query_pos = (attn.decode_seq_lens - 1).view(batch, 1)  # [B, 1]: one query each
+    mask = score.mask(query_pos, key_pos).view(batch, 1, 1, length)
     # [B, heads, D] -> [B, kv_heads, group, D]: the group's queries attend the same KV
     grouped = q.view(batch, kv_heads, heads // kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(grouped, kv[0], kv[1], attn_mask=mask, scale=scale)
+    out = F.scaled_dot_product_attention(grouped, kv[0], kv[1], attn_mask=mask, scale=score.scale)
     return out.reshape(batch, heads, head_dim)
 
 
-def _fresh_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float) -> torch.Tensor:
+def _fresh_batch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, score: Scores
+) -> torch.Tensor:
     """`count` adjacent equal-length spans without cached context, in one causal call."""
 
     def batched(x: torch.Tensor) -> torch.Tensor:  # [count * L, H, D] -> [count, H, L, D]
         return x.view(count, -1, *x.shape[1:]).transpose(1, 2)
 
-    gqa = q.shape[1] != k.shape[1]
-    out = F.scaled_dot_product_attention(
-        batched(q), batched(k), batched(v), is_causal=True, scale=scale, enable_gqa=gqa
-    )
+    mask = score.fresh_mask(q.shape[0] // count, q.device)
+    out = score.attend(batched(q), batched(k), batched(v), mask)
     return out.transpose(1, 2).flatten(0, 1)
 
 
@@ -165,27 +206,33 @@ def _prefill(
     kv_cache: torch.Tensor,
     ctx: ForwardContext,
     span: PrefillSpan,
-    scale: float,
+    score: Scores,
 ) -> torch.Tensor:
-    """One span: causal over its own tokens, plus everything in its cached context."""
-    gqa = q.shape[1] != k.shape[1]
+    """One span: causal over its own tokens, plus what it sees of its cached context."""
     # 4-D [1, heads, L, D]: torch's CPU flash kernel only takes batched inputs; 3-D ones
     # fall back to a path ~6x slower on a 1,500-token prompt.
     q = q.transpose(0, 1).unsqueeze(0)
     if span.context_len == 0:
         keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-        out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
+        out = score.attend(q, keys, values, score.fresh_mask(span.query_len, q.device))
         return out.squeeze(0).transpose(0, 1)
     total = span.context_len + span.query_len
     block_size = kv_cache.shape[2] if ctx.layout is Layout.NHD else kv_cache.shape[3]
-    table = span.block_table[: -(-total // block_size)]
-    kv = gather_kv(kv_cache, ctx.layout, table, ctx.workspace)[:, :, :total].to(q.dtype)  # [2, H, total, D]
-    query_pos = torch.arange(span.query_len, device=q.device).unsqueeze(1) + span.context_len
-    mask = torch.arange(total, device=q.device).unsqueeze(0) <= query_pos  # [Lq, total]
-    out = F.scaled_dot_product_attention(
-        q, kv[0].unsqueeze(0), kv[1].unsqueeze(0), attn_mask=mask, scale=scale, enable_gqa=gqa
-    )
+    first = _first_visible_block(span.context_len, score.window, block_size)
+    table = span.block_table[first : -(-total // block_size)]
+    start = first * block_size  # position of the first gathered key
+    kv = gather_kv(kv_cache, ctx.layout, table, ctx.workspace)[:, :, : total - start].to(q.dtype)
+    query_pos = torch.arange(span.query_len, device=q.device) + span.context_len
+    mask = score.mask(query_pos, torch.arange(start, total, device=q.device))  # [Lq, total - start]
+    out = score.attend(q, kv[0].unsqueeze(0), kv[1].unsqueeze(0), mask)
     return out.squeeze(0).transpose(0, 1)
+
+
+def _first_visible_block(first_query_pos: int, window: int, block_size: int) -> int:
+    """The first block a query at `first_query_pos` (or later) can see through `window`."""
+    if not window:
+        return 0
+    return max(0, first_query_pos - window + 1) // block_size
 
 
 class PagedAttention(nn.Module):
@@ -196,14 +243,24 @@ class PagedAttention(nn.Module):
     wrap it as `hooks` says (set by the model runner from the connector's declarations).
     """
 
-    def __init__(self, layer_name: str, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(
+        self,
+        layer_name: str,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+    ):
         super().__init__()
         assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
+        assert sliding_window is None or sliding_window > 0
         self.layer_name = layer_name
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window  # None: full attention
         self.hooks = HookPlacement.NONE
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -214,11 +271,12 @@ class PagedAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         out = torch.empty_like(q)
         graph_ops.before_attention(self.hooks, out, ctx, self.layer_name)
-        torch.ops.kvferry.paged_attention(q, k, v, out, ctx, self.layer_name, self.scale)
+        window = self.sliding_window or 0
+        torch.ops.kvferry.paged_attention(q, k, v, out, ctx, self.layer_name, self.scale, window)
         graph_ops.after_attention(self.hooks, out, ctx, self.layer_name)
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
 
 @attend.register_fake
-def _(q, k, v, out, ctx, layer_name, scale) -> None:  # noqa: ANN001 - the operator's signature
+def _(q, k, v, out, ctx, layer_name, scale, window) -> None:  # noqa: ANN001 - the operator's signature
     return None

@@ -1,4 +1,4 @@
-"""RMSNorm, with an optional fused residual add."""
+"""RMSNorm, with an optional fused residual add; Gemma's (1 + w) RMSNorm."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kvferry.model.layers.linear import copy_checked
 
 logger = logging.getLogger(__name__)
 
@@ -36,3 +38,25 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: y = x / rms(x) * (1 + w), in float32, cast back to x's dtype.
+
+    The checkpoint stores w; the parameter holds 1 + w in float32 (added at load, as the
+    reference adds it in float32 on every call).
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=torch.float32), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    @staticmethod
+    def weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        copy_checked(param.data, 1.0 + loaded.float(), "Gemma RMSNorm weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps)
+        return normed.to(x.dtype)

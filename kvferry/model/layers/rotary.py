@@ -17,16 +17,28 @@ from kvferry.errors import ModelLoadError
 logger = logging.getLogger(__name__)
 
 
-def rope_parameters(hf_config: Any) -> dict[str, Any]:
-    """The config's rope parameters (transformers 5 `rope_parameters`, or legacy fields)."""
+def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
+    """The config's rope parameters (transformers 5 `rope_parameters`, or legacy fields).
+
+    Models whose layer types differ in rope (Gemma 3: `sliding_attention` layers use the
+    local base frequency) key `rope_parameters` by layer type: pass the layer's type.
+    """
     params = getattr(hf_config, "rope_parameters", None)
-    if params:
+    if params and _is_per_layer_type(params):
+        if layer_type not in params:
+            raise ModelLoadError(f"rope_parameters has no entry for layer type {layer_type!r}")
+        params = dict(params[layer_type])
+    elif params:
         params = dict(params)
     else:
         params = dict(getattr(hf_config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
     return params
+
+
+def _is_per_layer_type(params: dict[str, Any]) -> bool:
+    return any(isinstance(value, dict) for value in params.values())
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:

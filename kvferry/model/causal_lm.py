@@ -1,0 +1,153 @@
+"""What every causal LM here shares: the forward over a flat batch (micro-batched on CPU),
+logits, the attention layers' names and hooks, and loading checkpoint tensors by HF name.
+
+An architecture builds `self.model` (the decoder: `forward(input_ids, positions, ctx)`,
+compiled by the captured forward), `self.lm_head`, and lists its attention layers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvferry.errors import ModelLoadError
+from kvferry.model.forward_context import ForwardContext, HookPlacement
+from kvferry.model.layers.attention import PagedAttention
+from kvferry.model.layers.linear import copy_checked
+from kvferry.model.microbatch import MicroBatcher
+
+logger = logging.getLogger(__name__)
+
+# checkpoint projection -> (fused parameter, shard id)
+STACKED = (
+    ("q_proj", "qkv_proj", "q"),
+    ("k_proj", "qkv_proj", "k"),
+    ("v_proj", "qkv_proj", "v"),
+    ("gate_proj", "gate_up_proj", 0),
+    ("up_proj", "gate_up_proj", 1),
+)
+# checkpoint entries that are not parameters here
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def layer_windows(config: Any) -> list[int | None]:
+    """Each layer's sliding window (None: full attention), as transformers reads the config:
+    `layer_types` when the config has them (Gemma 3, Qwen2/3 with use_sliding_window),
+    otherwise `sliding_window` on every layer (Mistral)."""
+    window = getattr(config, "sliding_window", None)
+    num_layers = config.num_hidden_layers
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return [window] * num_layers
+    unknown = set(types) - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise ModelLoadError(f"unsupported attention layer types: {', '.join(sorted(unknown))}")
+    if len(types) != num_layers:
+        raise ModelLoadError(f"config lists {len(types)} layer types for {num_layers} layers")
+    return [window if t == "sliding_attention" and window else None for t in types]
+
+
+class CausalLM(nn.Module):
+    """Base of the causal LMs. Subclasses set config, model, lm_head, tie_word_embeddings."""
+
+    config: Any
+    model: nn.Module
+    lm_head: nn.Module
+    tie_word_embeddings: bool = False
+    final_logit_softcapping: float | None = None
+    microbatcher: MicroBatcher | None = None  # see enable_microbatching
+    hook_placement = HookPlacement.NONE  # see set_hook_placement
+
+    def enable_microbatching(self, num_threads: int) -> None:
+        """Split batches over `num_threads` CPU threads (kvferry.model.microbatch); a single
+        process only: with tensor parallelism every rank must issue collectives in order."""
+        assert self.model.embed_tokens.tp.size == 1, "micro-batching needs a single rank"
+        self.microbatcher = MicroBatcher(num_threads) if num_threads > 1 else None
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Final hidden states [T, hidden] of a flat batch (decodes first, then prefill spans)."""
+        mb = self.microbatcher
+        splittable = mb is not None and self.hook_placement is HookPlacement.NONE  # hooks: once per layer
+        parts = mb.split_batch(ctx, input_ids.shape[0]) if splittable else []
+        if len(parts) < 2:
+            return self.model(input_ids, positions, ctx)
+        outs = mb.map(
+            lambda p: self.model(input_ids[p.start : p.stop], positions[p.start : p.stop], p.ctx), parts
+        )
+        return torch.cat(outs)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary float32 logits [N, vocab] for the selected hidden states [N, hidden]."""
+        mb = self.microbatcher
+        parts = mb.split_rows(hidden.shape[0]) if mb is not None else []
+        if len(parts) < 2:
+            return self._logits(hidden)
+        return torch.cat(mb.map(lambda p: self._logits(hidden[p.start : p.stop]), parts))
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        cap = self.final_logit_softcapping
+        if cap:  # in the model's dtype, as the reference does
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [module for module in self.modules() if isinstance(module, PagedAttention)]
+
+    def attention_layer_names(self) -> list[str]:
+        return [attn.layer_name for attn in self.attention_layers()]
+
+    def set_hook_placement(self, placement: HookPlacement) -> None:
+        """How every attention layer calls the connector's per-layer hooks (graph_ops)."""
+        self.hook_placement = placement
+        for attn in self.attention_layers():
+            attn.hooks = placement
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads this tensor-parallel rank caches (ranks may differ)."""
+        return self.attention_layers()[0].num_kv_heads
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors (HF names, unsharded) in; returns the parameter names set."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            target, shard_id = self._target(name)
+            if target is None:
+                continue
+            if target not in params:
+                logger.warning("checkpoint tensor %s has no matching parameter; skipped", name)
+                continue
+            param = params[target]
+            loader = getattr(param, "weight_loader", None)
+            if loader is None:
+                copy_checked(param.data, tensor, target)
+            else:
+                loader(param, tensor, shard_id)
+            loaded.add(target)
+        missing = set(params) - loaded
+        if missing:
+            raise ModelLoadError(f"checkpoint lacks weights for: {', '.join(sorted(missing)[:8])}")
+        return loaded
+
+    def _target(self, name: str) -> tuple[str | None, object]:
+        """The parameter (and shard) a checkpoint name loads into; None to skip it."""
+        if name.endswith(IGNORED_SUFFIXES):
+            return None, None
+        if name == "lm_head.weight" and self.tie_word_embeddings:
+            return None, None
+        for ckpt, fused, shard_id in STACKED:
+            if f".{ckpt}." in name:
+                return name.replace(f".{ckpt}.", f".{fused}."), shard_id
+        return name, None
