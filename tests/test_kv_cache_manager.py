@@ -205,17 +205,19 @@ def test_one_pool_serves_full_and_sliding_window_groups():
     kv = make_manager(32, specs=(full, window))
     assert kv.num_blocks == 31  # block 0 is the null block
     a = make_request(kv, "a", list(range(20)))
-    assert kv.allocate_slots(a, 20) == ([1, 2, 3, 4, 5], [6, 7, 8, 9, 10])
+    # A hit at token 16 sees 11 on: the window group gets no blocks before block 2 (the
+    # chunk's own keys come from the step; its positions 0..7 go to the null block).
+    assert kv.allocate_slots(a, 20) == ([1, 2, 3, 4, 5], [0, 0, 6, 7, 8])
     a.num_computed_tokens = 20
     kv.cache_blocks(a, 20)
-    assert kv.allocate_slots(a, 1) == ([11], [12])
-    # Token 20 attends to 15..20: window blocks 0..2 are replaced by the null block.
+    assert kv.allocate_slots(a, 1) == ([9], [10])
+    # Token 20 attends to 15..20: window block 2 is replaced by the null block.
     full_ids, window_ids = kv.get_block_ids("a")
-    assert full_ids == [1, 2, 3, 4, 5, 11] and window_ids == [0, 0, 0, 9, 10, 12]
+    assert full_ids == [1, 2, 3, 4, 5, 9] and window_ids == [0, 0, 0, 7, 8, 10]
     b = make_request(kv, "b", list(range(20)) + [7])
     hits, num_hit = kv.get_computed_blocks(b)
     assert num_hit == 20
-    assert [blk.block_id for blk in hits[1]] == [0, 0, 0, 9, 10]  # only the window is needed
+    assert [blk.block_id for blk in hits[1]] == [0, 0, 0, 7, 8]  # only the window is needed
     assert kv.allocate_slots(b, 1, hits) is not None
     kv.free(a)
     kv.free(b)
@@ -225,3 +227,24 @@ def test_one_pool_serves_full_and_sliding_window_groups():
 def test_can_fit():
     kv = make_manager(4)
     assert kv.can_fit(16) and not kv.can_fit(17)
+
+
+def test_a_sliding_window_group_holds_two_windows_however_long_the_chunked_prompt():
+    full = FullAttentionSpec(BLOCK, 2, 8, torch.float32)
+    window = SlidingWindowSpec(BLOCK, 2, 8, torch.float32, sliding_window=10)
+    kv = make_manager(128, specs=(full, window))
+    a = make_request(kv, "a", list(range(200)))
+    held_window = []
+    while a.num_computed_tokens < 200:
+        num = min(32, 200 - a.num_computed_tokens)
+        assert kv.allocate_slots(a, num) is not None
+        a.num_computed_tokens += num
+        kv.cache_blocks(a, a.num_computed_tokens)
+        full_ids, window_ids = kv.get_block_ids("a")
+        assert len(full_ids) == len(window_ids) == -(-a.num_computed_tokens // BLOCK)
+        held_window.append(sum(1 for b in window_ids if b != 0))
+    # chunks of 32 with a 10-token window: at most the window before a chunk and after it
+    assert max(held_window) <= 2 * (-(-9 // BLOCK)) + 3 and held_window[-1] <= 5
+    assert kv.num_free_blocks == kv.num_blocks - 50 - held_window[-1]  # freed during the request
+    kv.free(a)
+    assert kv.num_free_blocks == kv.num_blocks

@@ -28,14 +28,15 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, w
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def _case(layout: Layout, seqs: list[tuple[int, int]], block_size: int, window: int):
-    """seqs: (context_len, query_len); query_len 1 with context is a decode."""
+def _case(layout: Layout, seqs: list[tuple[int, int]], block_size: int, window: int, trim: bool = False):
+    """seqs: (context_len, query_len); query_len 1 with context is a decode. `trim`: decode
+    tables start at the first block the window sees (as the runner builds them)."""
     gen = torch.Generator().manual_seed(3)
     free = torch.randperm(95, generator=gen).add(1).tolist()  # block 0: the garbage block
     cache = torch.randn(layout.shape(96, block_size, KV_HEADS, HEAD_DIM), generator=gen) * 5
     layer = PagedAttention(LAYER, HEADS, KV_HEADS, HEAD_DIM, scale=HEAD_DIM**-0.5, sliding_window=window)
     order = sorted(range(len(seqs)), key=lambda i: not (seqs[i][1] == 1 and seqs[i][0] > 0))
-    qs, ks, vs, slots, spans, tables, lens, refs = [], [], [], [], [], [], [], []
+    qs, ks, vs, slots, spans, tables, lens, refs, starts = [], [], [], [], [], [], [], [], []
     for i in order:
         ctx_len, q_len = seqs[i]
         total = ctx_len + q_len
@@ -49,8 +50,10 @@ def _case(layout: Layout, seqs: list[tuple[int, int]], block_size: int, window: 
         seen_from = max(0, ctx_len - window + 1) // block_size  # blocks before it: freed
         blocks = [GARBAGE_BLOCK] * seen_from + blocks[seen_from:]
         if q_len == 1 and ctx_len:
-            tables.append(blocks)
+            first = max(0, total - window) // block_size if trim else 0
+            tables.append(blocks[first:])
             lens.append(total)
+            starts.append(first * block_size)
         else:
             spans.append(PrefillSpan(sum(len(x) for x in qs), q_len, ctx_len, torch.tensor(blocks)))
         for out, src in ((qs, q), (ks, k), (vs, v)):
@@ -66,6 +69,7 @@ def _case(layout: Layout, seqs: list[tuple[int, int]], block_size: int, window: 
         decode_seq_lens=torch.tensor(lens, dtype=torch.int64),
         prefills=spans,
         block_size=block_size,
+        decode_start_pos=torch.tensor(starts, dtype=torch.int64) if trim else None,
     )
     ctx = ForwardContext(attn=(attn,), layer_group={LAYER: 0}, kv_caches={LAYER: cache}, layout=layout)
     return layer, torch.cat(qs), torch.cat(ks), torch.cat(vs), ctx, torch.cat(refs)
@@ -83,8 +87,11 @@ MIXES = {
 @pytest.mark.parametrize("layout", list(Layout))
 @pytest.mark.parametrize("mix", list(MIXES))
 @pytest.mark.parametrize(("block_size", "window"), [(4, 6), (4, 8), (16, 5)])
-def test_windowed_paged_matches_reference(layout: Layout, mix: str, block_size: int, window: int) -> None:
-    layer, q, k, v, ctx, ref = _case(layout, MIXES[mix], block_size, window)
+@pytest.mark.parametrize("trim", [False, True])
+def test_windowed_paged_matches_reference(
+    layout: Layout, mix: str, block_size: int, window: int, trim: bool
+) -> None:
+    layer, q, k, v, ctx, ref = _case(layout, MIXES[mix], block_size, window, trim)
     out = layer(q.flatten(1), k.flatten(1), v.flatten(1), ctx)
     torch.testing.assert_close(out.view_as(q).double(), ref, atol=1e-5, rtol=1e-5)
 

@@ -97,7 +97,7 @@ def test_prefix_cache_second_pass_matches_hf(hybrid, arch: str) -> None:
 
 def test_preemption_with_tiny_kv_budget_matches_hf(hybrid) -> None:
     model_dir, prompts, expected = hybrid("gemma3")
-    llm = make_llm(model_dir, block_size=4, num_blocks=24, prefix_caching=False, enforce_eager=True)
+    llm = make_llm(model_dir, block_size=4, num_blocks=40, prefix_caching=False, enforce_eager=True)
     assert _tokens(llm.generate(prompts, GREEDY)) == expected
     assert llm.stats().num_preemptions > 0
     assert_pool_full(llm)

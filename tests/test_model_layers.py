@@ -129,11 +129,15 @@ def test_kv_cache_config_per_rank_heads_and_agreed_blocks() -> None:
 
     from kvferry.config import CacheConfig
     from kvferry.kv.allocate import allocate_kv_caches, build_kv_cache_config, with_num_blocks
+    from kvferry.kv.spec import AttentionLayerKV
 
     model = SimpleNamespace(num_kv_heads=3, head_dim=8, dtype=torch.float32, max_model_len=64)
     cache = CacheConfig(block_size=4, kv_cache_bytes=1 << 16)
-    names = ["a", "b"]
-    rank0, rank1 = (build_kv_cache_config(model, cache, names, heads, 1 << 16) for heads in (2, 1))
+
+    def layers(heads: int) -> list[AttentionLayerKV]:
+        return [AttentionLayerKV(name, heads, 8) for name in ("a", "b")]
+
+    rank0, rank1 = (build_kv_cache_config(model, cache, layers(heads), 1 << 16) for heads in (2, 1))
     assert rank1.num_blocks == 2 * rank0.num_blocks  # fewer heads: the same bytes hold more
     agreed = with_num_blocks(rank1, rank0.num_blocks)
     assert agreed.groups == rank1.groups and agreed.num_blocks == rank0.num_blocks
@@ -142,7 +146,7 @@ def test_kv_cache_config_per_rank_heads_and_agreed_blocks() -> None:
     with pytest.raises(ConfigError):
         with_num_blocks(rank0, rank1.num_blocks)
     with pytest.raises(ConfigError):
-        build_kv_cache_config(model, cache, names, 4, 1 << 16)
+        build_kv_cache_config(model, cache, layers(0), 1 << 16)
 
 
 @pytest.mark.parametrize("size", [1, 2, 3])

@@ -1,15 +1,31 @@
-"""Build the KVCacheConfig for a model and allocate its tensors (eager allocator)."""
+"""Build the KVCacheConfig for a model and allocate its tensors (eager allocator).
+
+Groups come from the layers' specs, as the model states them (`AttentionLayerKV`):
+layers with equal specs form a group. When specs differ (Gemma 3's sliding and full
+layers), the allocation is hybrid: every group gets the same number of layers (a spec
+with more layers is split into several groups), and tensor i is shared by layer i of
+every group. One block id then means the same bytes in every group, and one block pool
+hands ids out to all groups, so they never collide. A block holds `group_size` pages.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
 
 from kvferry.config import CacheConfig, ModelConfig
 from kvferry.errors import ConfigError
-from kvferry.kv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, KVCacheTensor, Layout
+from kvferry.kv.spec import (
+    AttentionLayerKV,
+    KVCacheConfig,
+    KVCacheGroup,
+    KVCacheSpec,
+    KVCacheTensor,
+    Layout,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -17,38 +33,79 @@ logger = logging.getLogger(__name__)
 def build_kv_cache_config(
     model_config: ModelConfig,
     cache_config: CacheConfig,
-    layer_names: list[str],
-    num_kv_heads: int | None,
+    layers: Sequence[AttentionLayerKV],
     budget_bytes: int,
 ) -> KVCacheConfig:
-    """One full-attention group over all layers, one tensor per layer, holding the blocks
-    `budget_bytes` pays for (kvferry.kv.budget), or `num_gpu_blocks_override` blocks.
-
-    `num_kv_heads` is this rank's share (tensor parallelism may give ranks different
-    counts); the model's total when None.
-    """
-    num_kv_heads = model_config.num_kv_heads if num_kv_heads is None else num_kv_heads
-    if not 0 < num_kv_heads <= model_config.num_kv_heads:
-        raise ConfigError(f"{num_kv_heads} KV heads per rank for a model with {model_config.num_kv_heads}")
-    spec = FullAttentionSpec(
-        block_size=cache_config.block_size,
-        num_kv_heads=num_kv_heads,
-        head_size=model_config.head_dim,
-        dtype=model_config.dtype,
-    )
-    num_blocks = cache_config.num_gpu_blocks_override or budget_bytes // (
-        spec.page_size_bytes * len(layer_names)
-    )
+    """Groups and tensors for `layers` (this rank's heads; tensor parallelism may give ranks
+    different counts), holding the blocks `budget_bytes` pays for (kvferry.kv.budget), or
+    `num_gpu_blocks_override` blocks. The KV cache takes the checkpoint's dtype."""
+    specs = {layer.name: _spec(layer, cache_config.block_size, model_config.dtype) for layer in layers}
+    groups = group_layers(specs)
+    page_size = _uniform_page_size(groups)
+    group_size = len(groups[0].layer_names)
+    num_blocks = cache_config.num_gpu_blocks_override or budget_bytes // (page_size * group_size)
     if num_blocks < 2:
         raise ConfigError(f"KV cache budget of {budget_bytes} bytes holds fewer than 2 blocks")
-    tensors = tuple(KVCacheTensor(spec.page_size_bytes * num_blocks, (name,)) for name in layer_names)
-    return KVCacheConfig(
-        groups=(KVCacheGroup(spec, tuple(layer_names)),),
+    tensors = tuple(
+        KVCacheTensor(
+            page_size * num_blocks, tuple(g.layer_names[i] for g in groups if i < len(g.layer_names))
+        )
+        for i in range(group_size)
+    )
+    config = KVCacheConfig(
+        groups=groups,
         tensors=tensors,
         layout=Layout(cache_config.layout),
         num_blocks=int(num_blocks),
         virtual_num_blocks=int(num_blocks),
     )
+    logger.info("KV cache: %s", describe(config))
+    return config
+
+
+def _spec(layer: AttentionLayerKV, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+    if layer.num_kv_heads <= 0 or layer.head_size <= 0:
+        raise ConfigError(
+            f"layer {layer.name!r} states {layer.num_kv_heads} KV heads of size {layer.head_size}"
+        )
+    return layer.spec(block_size, dtype)
+
+
+def group_layers(specs: dict[str, KVCacheSpec]) -> tuple[KVCacheGroup, ...]:
+    """Layers with equal specs, in order of first appearance, split into groups of equal
+    size: the smallest spec's layer count (the last group of a spec may hold fewer)."""
+    by_spec: dict[KVCacheSpec, list[str]] = {}
+    for name, spec in specs.items():
+        by_spec.setdefault(spec, []).append(name)
+    if not by_spec:
+        raise ConfigError("the model states no attention layers")
+    size = min(len(names) for names in by_spec.values())
+    return tuple(
+        KVCacheGroup(spec, tuple(names[start : start + size]))
+        for spec, names in by_spec.items()
+        for start in range(0, len(names), size)
+    )
+
+
+def _uniform_page_size(groups: tuple[KVCacheGroup, ...]) -> int:
+    sizes = {g.spec.page_size_bytes for g in groups}
+    if len(sizes) > 1:
+        raise ConfigError(
+            "KV cache groups with different page sizes (layers with other KV heads or head "
+            f"sizes) are not supported yet: {sorted(sizes)} bytes per block"
+        )
+    return sizes.pop()
+
+
+def describe(config: KVCacheConfig) -> str:
+    """One line: blocks, groups (spec and layer count), tensors."""
+    groups = ", ".join(f"{_spec_name(g.spec)} x{len(g.layer_names)}" for g in config.groups)
+    return f"{config.num_blocks} blocks of {config.block_size} tokens; groups: {groups}; {len(config.tensors)} tensors"
+
+
+def _spec_name(spec: KVCacheSpec) -> str:
+    window = getattr(spec, "sliding_window", 0)
+    return f"window {window}" if window else "full"
 
 
 def with_num_blocks(config: KVCacheConfig, num_blocks: int) -> KVCacheConfig:
@@ -66,13 +123,22 @@ def with_num_blocks(config: KVCacheConfig, num_blocks: int) -> KVCacheConfig:
 
 
 def allocate_kv_caches(config: KVCacheConfig, device: torch.device | str) -> dict[str, torch.Tensor]:
-    """Zero-filled (hence pre-touched) tensors, one per KVCacheTensor, viewed per layer."""
+    """Zero-filled (hence pre-touched) tensors, one per KVCacheTensor, viewed per layer.
+
+    Layers sharing a tensor (one of each group) see the same memory: their groups' block
+    ids never collide."""
     caches: dict[str, torch.Tensor] = {}
     for tensor_spec in config.tensors:
+        shapes = {_shape(config, name) for name in tensor_spec.shared_by}
+        assert len(shapes) == 1, f"layers sharing a tensor differ in shape: {shapes}"
         spec = config.groups[config.group_of(tensor_spec.shared_by[0])].spec
-        shape = config.layout.shape(config.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
-        tensor = torch.zeros(shape, dtype=spec.dtype, device=device)
+        tensor = torch.zeros(shapes.pop(), dtype=spec.dtype, device=device)
         assert tensor.numel() * tensor.element_size() == tensor_spec.size_bytes
         for layer_name in tensor_spec.shared_by:
             caches[layer_name] = tensor
     return caches
+
+
+def _shape(config: KVCacheConfig, layer_name: str) -> tuple[int, ...]:
+    spec = config.groups[config.group_of(layer_name)].spec
+    return config.layout.shape(config.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)

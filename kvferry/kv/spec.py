@@ -50,6 +50,25 @@ class SlidingWindowSpec(KVCacheSpec):
 
 
 @dataclass(frozen=True)
+class AttentionLayerKV:
+    """What one attention layer keeps in the KV cache, as its model states it.
+
+    `num_kv_heads` is this tensor-parallel rank's share; `sliding_window` None is full
+    attention. The allocator turns it into the layer's KVCacheSpec.
+    """
+
+    name: str
+    num_kv_heads: int
+    head_size: int
+    sliding_window: int | None = None
+
+    def spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        if self.sliding_window is None:
+            return FullAttentionSpec(block_size, self.num_kv_heads, self.head_size, dtype)
+        return SlidingWindowSpec(block_size, self.num_kv_heads, self.head_size, dtype, self.sliding_window)
+
+
+@dataclass(frozen=True)
 class KVCacheGroup:
     """Layers with equal specs; a request holds one block table per group."""
 
@@ -59,7 +78,11 @@ class KVCacheGroup:
 
 @dataclass(frozen=True)
 class KVCacheTensor:
-    """One allocated tensor and the layers that share it (KV sharing, hybrid allocation)."""
+    """One allocated tensor and the layers that share it (KV sharing, hybrid allocation).
+
+    Hybrid allocation: the sharing layers belong to different groups; block ids come from
+    one pool, so each block of the tensor holds the KV of exactly one of them at a time.
+    """
 
     size_bytes: int
     shared_by: tuple[str, ...]

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from kvferry.errors import ModelLoadError
+from kvferry.kv.spec import AttentionLayerKV
 from kvferry.model.forward_context import ForwardContext, HookPlacement
 from kvferry.model.layers.attention import PagedAttention
 from kvferry.model.layers.linear import copy_checked
@@ -106,6 +107,13 @@ class CausalLM(nn.Module):
 
     def attention_layer_names(self) -> list[str]:
         return [attn.layer_name for attn in self.attention_layers()]
+
+    def kv_layers(self) -> list[AttentionLayerKV]:
+        """What each attention layer caches on this rank (kvferry.kv.allocate groups them)."""
+        return [
+            AttentionLayerKV(attn.layer_name, attn.num_kv_heads, attn.head_dim, attn.sliding_window)
+            for attn in self.attention_layers()
+        ]
 
     def set_hook_placement(self, placement: HookPlacement) -> None:
         """How every attention layer calls the connector's per-layer hooks (graph_ops)."""

@@ -42,6 +42,9 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor  # int64 [num_decodes]: tokens visible incl. the new one
     prefills: list[PrefillSpan] = field(default_factory=list)
     block_size: int = 16
+    # int64 [num_decodes]: position of each decode table's first key. Set for sliding-window
+    # groups, whose decode tables start at the first block the window sees; None: 0.
+    decode_start_pos: torch.Tensor | None = None
 
 
 class LayerKVHooks(Protocol):

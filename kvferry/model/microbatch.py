@@ -131,7 +131,8 @@ def _sub_metadata(attn: AttentionMetadata, start: int, stop: int) -> AttentionMe
     lo, hi = min(start, attn.num_decodes), min(stop, attn.num_decodes)
     seq_lens = attn.decode_seq_lens[lo:hi]
     table = attn.decode_block_table[lo:hi]
-    if hi > lo:  # only the blocks this part's longest sequence needs (less to gather)
+    if hi > lo:  # only the blocks this part's longest sequence needs (less to gather; with
+        # decode_start_pos, tables start later: this keeps more columns than needed, masked)
         table = table[:, : -(-int(seq_lens.max()) // attn.block_size)]
     spans = [
         replace(span, query_start=span.query_start - start)
@@ -145,4 +146,5 @@ def _sub_metadata(attn: AttentionMetadata, start: int, stop: int) -> AttentionMe
         decode_seq_lens=seq_lens,
         prefills=spans,
         block_size=attn.block_size,
+        decode_start_pos=None if attn.decode_start_pos is None else attn.decode_start_pos[lo:hi],
     )

@@ -123,7 +123,14 @@ class FullAttentionManager(SingleTypeManager):
 
 
 class SlidingWindowManager(SingleTypeManager):
-    """Each token attends to the last `sliding_window` positions; older blocks become null."""
+    """Each token attends to the last `sliding_window` positions; older blocks become null.
+
+    A block is only ever allocated for positions a later token (or a prefix hit at the
+    step's last block boundary) can see: earlier positions of a step's chunk get the null
+    block (their KV is written there and never read: attention takes a chunk's own keys
+    from the step, not from the cache). So a request holds about two windows' worth of
+    blocks, however long its prompt chunks.
+    """
 
     def __init__(self, spec: KVCacheSpec, pool: BlockPool, group_id: int, hasher: BlockHasher | None):
         super().__init__(spec, pool, group_id, hasher)
@@ -133,6 +140,7 @@ class SlidingWindowManager(SingleTypeManager):
         self.null_block = pool.null_block
         # Cached blocks that must precede the first computed token for a hit to be usable.
         self.num_window_blocks = cdiv(self.window - 1, self.block_size)
+        self.num_skipped: dict[str, int] = {}  # leading table entries already null
 
     def find_longest_cache_hit(self, request: Request, max_num_blocks: int) -> list[KVCacheBlock]:
         limit = min(max_num_blocks, len(request.block_hashes))
@@ -150,20 +158,53 @@ class SlidingWindowManager(SingleTypeManager):
         return hits[:run]  # a run starting at block 0 is usable whatever its length
 
     def max_blocks_needed(self, num_tokens: int) -> int:
-        return min(cdiv(num_tokens, self.block_size), self.num_window_blocks + 1)
+        """The window its context needs, and the window a step's new tokens leave behind."""
+        return min(cdiv(num_tokens, self.block_size), 2 * self.num_window_blocks + 3)
+
+    def _first_real_block(self, num_tokens: int) -> int:
+        """The first block that a token after the first `num_tokens`, or a prefix hit at the
+        last block boundary before the last of them (the same prompt again), can see."""
+        boundary = (num_tokens - 1) // self.block_size * self.block_size
+        return max(0, boundary - self.window + 1) // self.block_size
+
+    def num_blocks_to_allocate(
+        self, req_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock]
+    ) -> int:
+        held = len(self.req_to_blocks.get(req_id, ())) + len(new_computed_blocks)
+        start = max(held, self._first_real_block(num_tokens))
+        num_new = max(0, cdiv(num_tokens, self.block_size) - start)
+        num_evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
+        return num_new + num_evictable
+
+    def allocate_new_blocks(self, req_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        """New table entries up to `num_tokens`: null ones for positions no later token sees."""
+        held = self.req_to_blocks.setdefault(req_id, [])
+        total = cdiv(num_tokens, self.block_size)
+        if total <= len(held):
+            return []
+        start = max(len(held), self._first_real_block(num_tokens))
+        new_blocks = [self.null_block] * (start - len(held)) + self.pool.get_new_blocks(total - start)
+        held.extend(new_blocks)
+        return new_blocks
 
     def remove_skipped_blocks(self, req_id: str, num_computed_tokens: int) -> None:
+        """Free the blocks before the first one the next token sees (tail first). Entries
+        past the last freed one may be null too (chunk positions never allocated)."""
         held = self.req_to_blocks.get(req_id)
         if not held:
             return
-        first_needed = max(0, num_computed_tokens - self.window + 1) // self.block_size
-        dropped = []
-        for index in range(min(first_needed, len(held)) - 1, -1, -1):
-            if held[index].is_null:
-                break  # everything before is null already
-            dropped.append(held[index])
-            held[index] = self.null_block
-        self.pool.free_blocks(dropped)
+        start = self.num_skipped.get(req_id, 0)
+        first_needed = min(max(0, num_computed_tokens - self.window + 1) // self.block_size, len(held))
+        if first_needed <= start:
+            return
+        dropped = [held[i] for i in range(start, first_needed) if not held[i].is_null]
+        held[start:first_needed] = [self.null_block] * (first_needed - start)
+        self.num_skipped[req_id] = first_needed
+        self.pool.free_blocks(reversed(dropped))
+
+    def free(self, req_id: str) -> None:
+        self.num_skipped.pop(req_id, None)
+        super().free(req_id)
 
 
 def make_manager(

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvferry.kv.spec import KVCacheConfig
+from kvferry.kv.spec import KVCacheConfig, SlidingWindowSpec
 from kvferry.model.forward_context import AttentionMetadata, PrefillSpan
 from kvferry.worker.request_state import RequestState
 
@@ -62,10 +62,13 @@ def build_step_inputs(
 def _group_metadata(
     spans: list[_Span], positions: np.ndarray, gid: int, kv_config: KVCacheConfig, device: torch.device
 ) -> AttentionMetadata:
-    block_size = kv_config.groups[gid].spec.block_size
+    spec = kv_config.groups[gid].spec
+    block_size = spec.block_size
+    window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else 0
     slots: list[np.ndarray] = []
     decode_tables: list[list[int]] = []
     decode_lens: list[int] = []
+    decode_starts: list[int] = []  # first block a decode's window sees (0: full attention)
     prefills: list[PrefillSpan] = []
     offset = 0
     for span in spans:
@@ -75,8 +78,10 @@ def _group_metadata(
         seq_len = span.start + span.length
         needed = blocks[: -(-seq_len // block_size)]
         if span.length == 1:
-            decode_tables.append(needed.tolist())
+            first = max(0, seq_len - window) // block_size if window else 0
+            decode_tables.append(needed[first:].tolist())
             decode_lens.append(seq_len)
+            decode_starts.append(first * block_size)
         else:
             table = torch.from_numpy(needed.copy()).to(device)
             prefills.append(PrefillSpan(offset, span.length, span.start, table))
@@ -90,4 +95,5 @@ def _group_metadata(
         decode_seq_lens=torch.tensor(decode_lens, dtype=torch.int64, device=device),
         prefills=prefills,
         block_size=block_size,
+        decode_start_pos=torch.tensor(decode_starts, dtype=torch.int64, device=device) if window else None,
     )

@@ -7,8 +7,9 @@ before touching the cache, `save_kv_layer` once the new k/v are written.
 
 A sliding-window layer (`window` W > 0) lets the token at position p see positions
 p - W + 1 .. p only (transformers' convention); prefill spans gather only the blocks
-their window reaches, and blocks older than that may be the null block (the window's
-KV cache group frees them).
+their window reaches (a span's own keys come from the step, not the cache), so blocks
+older than that, and positions of a chunk no later token sees, may be the null block
+(the window's KV cache group frees them or never allocates them).
 
 The cache must hold finite values everywhere (allocate it zeroed): padded decode slots
 are masked out, but NaN/inf garbage would still poison the weighted sum.
@@ -177,7 +178,9 @@ def _decode(
     kv = gather_kv(kv_cache, ctx.layout, attn.decode_block_table, ctx.workspace)  # [2, B, H, L, D]
     kv = kv.to(q.dtype)
     kv_heads, length = kv.shape[2], kv.shape[3]
-    key_pos = torch.arange(length, device=q.device)  # [L]
+    key_pos = torch.arange(length, device=q.device)  # [L], or [B, L] from each table's start
+    if attn.decode_start_pos is not None:
+        key_pos = key_pos + attn.decode_start_pos.unsqueeze(1)
     query_pos = (attn.decode_seq_lens - 1).view(batch, 1)  # [B, 1]: one query each
     mask = score.mask(query_pos, key_pos).view(batch, 1, 1, length)
     # [B, heads, D] -> [B, kv_heads, group, D]: the group's queries attend the same KV
@@ -208,23 +211,27 @@ def _prefill(
     span: PrefillSpan,
     score: Scores,
 ) -> torch.Tensor:
-    """One span: causal over its own tokens, plus what it sees of its cached context."""
+    """One span: causal over its own tokens (this step's k, v), plus what it sees of its
+    cached context (gathered from the blocks its window reaches)."""
     # 4-D [1, heads, L, D]: torch's CPU flash kernel only takes batched inputs; 3-D ones
     # fall back to a path ~6x slower on a 1,500-token prompt.
     q = q.transpose(0, 1).unsqueeze(0)
+    keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, Lq, D]
     if span.context_len == 0:
-        keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-        out = score.attend(q, keys, values, score.fresh_mask(span.query_len, q.device))
+        out = score.attend(
+            q, keys.unsqueeze(0), values.unsqueeze(0), score.fresh_mask(span.query_len, q.device)
+        )
         return out.squeeze(0).transpose(0, 1)
-    total = span.context_len + span.query_len
+    context, total = span.context_len, span.context_len + span.query_len
     block_size = kv_cache.shape[2] if ctx.layout is Layout.NHD else kv_cache.shape[3]
-    first = _first_visible_block(span.context_len, score.window, block_size)
-    table = span.block_table[first : -(-total // block_size)]
+    first = _first_visible_block(context, score.window, block_size)
+    table = span.block_table[first : -(-context // block_size)]
     start = first * block_size  # position of the first gathered key
-    kv = gather_kv(kv_cache, ctx.layout, table, ctx.workspace)[:, :, : total - start].to(q.dtype)
-    query_pos = torch.arange(span.query_len, device=q.device) + span.context_len
+    cached = gather_kv(kv_cache, ctx.layout, table, ctx.workspace)[:, :, : context - start].to(q.dtype)
+    keys, values = torch.cat((cached[0], keys), dim=1), torch.cat((cached[1], values), dim=1)
+    query_pos = torch.arange(span.query_len, device=q.device) + context
     mask = score.mask(query_pos, torch.arange(start, total, device=q.device))  # [Lq, total - start]
-    out = score.attend(q, kv[0].unsqueeze(0), kv[1].unsqueeze(0), mask)
+    out = score.attend(q, keys.unsqueeze(0), values.unsqueeze(0), mask)
     return out.squeeze(0).transpose(0, 1)
 
 

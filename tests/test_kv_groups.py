@@ -1,0 +1,120 @@
+"""KV cache groups from the layers' own specs: Gemma 3's sliding and full layers share
+tensors (hybrid allocation), block ids never collide across groups, a sliding-window
+group holds only what its window sees, and the same KV memory admits more concurrent
+long requests than the same model forced to full attention (counted by the scheduler)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvferry.config import CacheConfig, SchedulerConfig
+from kvferry.engine.types import EngineCoreRequest
+from kvferry.errors import ConfigError
+from kvferry.kv.allocate import allocate_kv_caches, build_kv_cache_config
+from kvferry.kv.spec import AttentionLayerKV, FullAttentionSpec, SlidingWindowSpec
+from kvferry.model.gemma3 import Gemma3ForCausalLM
+from kvferry.sampling_params import SamplingParams
+from kvferry.scheduler.scheduler import Scheduler
+from kvferry.worker.output import ModelRunnerOutput
+from tests.fixtures.tiny_hybrid import WINDOW, hybrid_config
+
+BLOCK = 4
+MODEL = SimpleNamespace(dtype=torch.float32)  # what build_kv_cache_config reads of a ModelConfig
+
+
+def gemma3_layers(full_attention: bool = False) -> list[AttentionLayerKV]:
+    """The tiny Gemma 3's layers as the model states them (no weights needed)."""
+    config = hybrid_config("gemma3", vocab_size=64, eos_id=0)
+    if full_attention:
+        config.layer_types = ["full_attention"] * config.num_hidden_layers
+    return Gemma3ForCausalLM(config).kv_layers()
+
+
+def kv_config(layers: list[AttentionLayerKV], budget_bytes: int = 1 << 20, num_blocks: int | None = None):
+    cache = CacheConfig(block_size=BLOCK, num_gpu_blocks_override=num_blocks, enable_prefix_caching=False)
+    return build_kv_cache_config(MODEL, cache, layers, budget_bytes)
+
+
+def test_gemma3_groups_share_tensors_one_layer_of_each_group() -> None:
+    config = kv_config(gemma3_layers())
+    specs = [type(g.spec) for g in config.groups]
+    assert specs == [SlidingWindowSpec, SlidingWindowSpec, FullAttentionSpec]
+    assert all(len(g.layer_names) == 2 for g in config.groups)
+    assert config.groups[0].spec.sliding_window == WINDOW
+    # 6 layers in 2 tensors, each shared by one layer of every group
+    assert len(config.tensors) == 2
+    assert [len(t.shared_by) for t in config.tensors] == [3, 3]
+    for tensor in config.tensors:
+        assert sorted(config.group_of(name) for name in tensor.shared_by) == [0, 1, 2]
+    caches = allocate_kv_caches(config, "cpu")
+    assert len(caches) == 6 and len({t.data_ptr() for t in caches.values()}) == len(config.tensors)
+
+
+def test_full_attention_keeps_one_group_and_one_tensor_per_layer() -> None:
+    budget = 100 * 6 * 1024  # 100 blocks of 6 layers' 1 KiB pages
+    config = kv_config(gemma3_layers(full_attention=True), budget)
+    assert len(config.groups) == 1 and len(config.tensors) == 6 and config.num_blocks == 100
+    hybrid = kv_config(gemma3_layers(), budget)
+    assert hybrid.num_blocks == 3 * config.num_blocks  # a block spans 2 layers, not 6
+
+
+def test_layers_with_other_page_sizes_are_refused_with_the_sizes() -> None:
+    layers = [AttentionLayerKV("a", 2, 16), AttentionLayerKV("b", 2, 32, sliding_window=8)]
+    with pytest.raises(ConfigError, match="page sizes"):
+        kv_config(layers)
+
+
+def _request(req_id: str, num_prompt: int, max_tokens: int) -> EngineCoreRequest:
+    prompt = [(7 * i + len(req_id)) % 50 + 1 for i in range(num_prompt)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return EngineCoreRequest(req_id, prompt, params, 0.0)
+
+
+def peak_running(layers: list[AttentionLayerKV], budget_bytes: int) -> tuple[int, int]:
+    """Run 8 long requests (160 prompt tokens, chunked by 32, 64 generated) to the end
+    under one KV budget; the most requests the scheduler ran at once, and its preemptions."""
+    config = kv_config(layers, budget_bytes)
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=64, enable_chunked_prefill=True),
+        CacheConfig(block_size=BLOCK, enable_prefix_caching=False),
+        config,
+        512,
+    )
+    for i in range(8):
+        sched.add_request(_request(f"r{i}", 160, 64), [0])
+    peak = 0
+    for _ in range(5000):
+        if not sched.has_unfinished_requests():
+            break
+        so = sched.schedule()
+        peak = max(peak, len(sched.running))
+        sched.update_from_output(so, _run(sched, so))
+    assert not sched.has_unfinished_requests()
+    kv = sched.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks
+    return peak, sched.num_preemptions
+
+
+def _run(sched: Scheduler, so) -> ModelRunnerOutput:  # noqa: ANN001 - a SchedulerOutput
+    """A model that samples token 1 whenever a request reaches the end of what it knows."""
+    out = ModelRunnerOutput()
+    for req_id in so.num_scheduled_tokens:
+        request = sched.requests[req_id]
+        done = request.num_computed_tokens >= request.num_tokens  # advanced by schedule()
+        out.req_ids.append(req_id)
+        out.sampled_token_ids.append([1] if done else [])
+        out.logprobs.append(None)
+    return out
+
+
+def test_sliding_windows_admit_more_concurrent_long_requests_in_the_same_memory() -> None:
+    budget = 1200 << 10  # 200 blocks of 6 full layers, 600 blocks of 2 layers
+    hybrid_peak, hybrid_preemptions = peak_running(gemma3_layers(), budget)
+    full_peak, full_preemptions = peak_running(gemma3_layers(full_attention=True), budget)
+    # 224 tokens: 56 blocks of 6 layers (336 KiB) with full attention; with windows, 56
+    # blocks for the full layers and about 7 per sliding group, of 2 layers (~140 KiB)
+    assert hybrid_peak == 8 and full_peak <= 5
+    assert full_preemptions > hybrid_preemptions
