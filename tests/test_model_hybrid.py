@@ -4,12 +4,15 @@ chunked prefill, a prefix-cache second pass and preemption."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from kvferry.engine.llm import LLM
+from kvferry.kv.spec import Layout
 from kvferry.sampling_params import SamplingParams
 from tests.engine_helpers import PROMPT_TEXTS, assert_pool_full, make_llm, tokenize_all
 from tests.fixtures.tiny_hybrid import WINDOW, build_hybrid_model
@@ -117,3 +120,20 @@ def test_gemma3_final_logit_softcapping_matches_hf_logprobs(tmp_path: Path) -> N
     for n, out in enumerate(outs):
         for token, logprob in out.outputs[0].logprobs[0].top:
             assert logprob == pytest.approx(reference[n, token].item(), abs=1e-4)
+
+
+def test_tensor_parallel_and_hnd_layout_match_hf(hybrid) -> None:
+    """Two ranks with one KV head each (their own specs, one agreed block count), chunked;
+    then the HND layout on one rank."""
+    model_dir, prompts, expected = hybrid("gemma3")
+    llm = make_llm(model_dir, tp=2, budget=16, block_size=8, enforce_eager=True)
+    try:
+        assert _tokens(llm.generate(prompts, GREEDY)) == expected
+        assert_pool_full(llm)
+    finally:
+        llm.engine.shutdown()
+    engine_config = replace(llm.config, parallel=replace(llm.config.parallel, tensor_parallel_size=1))
+    hnd = LLM.from_config(replace(engine_config, cache=replace(engine_config.cache, layout="HND")))
+    assert hnd.engine.scheduler.kv_cache_manager.config.layout is Layout.HND
+    assert _tokens(hnd.generate(prompts, GREEDY)) == expected
+    assert_pool_full(hnd)
