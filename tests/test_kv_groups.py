@@ -118,3 +118,23 @@ def test_sliding_windows_admit_more_concurrent_long_requests_in_the_same_memory(
     # blocks for the full layers and about 7 per sliding group, of 2 layers (~140 KiB)
     assert hybrid_peak == 8 and full_peak <= 5
     assert full_preemptions > hybrid_preemptions
+
+
+def test_a_gemma3_shaped_model_lives_in_four_tensors() -> None:
+    """26 layers, every sixth full (22 sliding, 4 full): groups of 4 layers, 4 tensors."""
+    config = hybrid_config("gemma3", vocab_size=64, eos_id=0)
+    config.num_hidden_layers = 26
+    config.layer_types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(26)]
+    kv = kv_config(Gemma3ForCausalLM(config).kv_layers())
+    assert [len(g.layer_names) for g in kv.groups] == [4, 4, 4, 4, 4, 2, 4]
+    assert isinstance(kv.groups[-1].spec, FullAttentionSpec) and len(kv.tensors) == 4
+    assert sorted(len(t.shared_by) for t in kv.tensors) == [6, 6, 7, 7]
+
+
+def test_an_unknown_layer_type_is_refused_by_name() -> None:
+    from kvferry.errors import ModelLoadError
+
+    config = hybrid_config("gemma3", vocab_size=64, eos_id=0)
+    config.layer_types = ["chunked_attention"] + config.layer_types[1:]
+    with pytest.raises(ModelLoadError, match="chunked_attention"):
+        Gemma3ForCausalLM(config)
