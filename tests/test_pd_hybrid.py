@@ -1,0 +1,118 @@
+"""P/D over NIXL with the tiny Gemma 3 (sliding and full layers in shared tensors): outputs
+equal a colocated engine's for prefill/decode TP (1,1), (1,2), (2,1), (2,2), the TP=2
+decoder converting NHD to HND on receive; the bytes read are exactly the blocks each
+group's window sees; every pool ends all free."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from kvferry.engine.llm import LLM
+from kvferry.sampling_params import SamplingParams
+from tests.fixtures.tiny_hybrid import build_hybrid_model
+from tests.test_pd_support import (
+    Server,
+    decode,
+    nixl,
+    prefill,
+    prompt_set,
+    start_server,
+    stop,
+    wait_healthy,
+    wait_idle,
+)
+
+MAX_TOKENS = 12
+CHUNK = ("--max-num-batched-tokens", "64")
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_hybrid_model("gemma3", tmp_path_factory.mktemp("tiny_gemma3_pd"))
+
+
+@pytest.fixture(scope="module")
+def servers(gemma3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
+    logs = tmp_path_factory.mktemp("pd_hybrid")
+    started = {
+        "p1": start_server(gemma3, logs, "p1", nixl("producer"), args=CHUNK),
+        "p2": start_server(gemma3, logs, "p2", nixl("producer"), tp=2, args=CHUNK),
+        "d1": start_server(gemma3, logs, "d1", nixl("consumer"), args=CHUNK),
+        "d2": start_server(gemma3, logs, "d2", nixl("consumer"), tp=2, layout="HND", args=CHUNK),
+    }
+    try:
+        wait_healthy(list(started.values()))
+        yield started
+    finally:
+        codes = stop(list(started.values()))
+    assert codes == [0, 0, 0, 0], {s.name: s.tail() for s in started.values()}
+
+
+@pytest.fixture(scope="module")
+def prompts(gemma3: Path) -> list[str | list[int]]:
+    return prompt_set(AutoTokenizer.from_pretrained(gemma3))
+
+
+@pytest.fixture(scope="module")
+def reference(gemma3: Path, prompts: list) -> list[str]:
+    llm = LLM(str(gemma3), kv_cache_bytes=5 << 20, max_num_batched_tokens=64)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    return [o.outputs[0].text for o in outs]
+
+
+BLOCK = 16  # kvferry serve's default block size
+PAGE = BLOCK * 2 * 16 * 4 * 2  # one layer's block: 2 KV heads of 16 floats, K and V
+WINDOW = 10
+
+
+def _visible_bytes(num_loaded: int) -> int:
+    """What a decoder reads for `num_loaded` prompt tokens: every block of the full group,
+    and of each sliding group only the blocks the next token's window sees (2 layers each)."""
+    full = -(-num_loaded // BLOCK)
+    first_seen = max(0, num_loaded - WINDOW + 1) // BLOCK
+    sliding = full - first_seen
+    return (full + 2 * sliding) * 2 * PAGE
+
+
+def _pd(prefiller: Server, decoder: Server, prompt) -> tuple[str, int, dict]:  # noqa: ANN001
+    params = prefill(prefiller, prompt)
+    resp = decode(decoder, prompt, params, MAX_TOKENS)
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    return body["choices"][0]["text"], body["usage"]["prompt_tokens_details"]["cached_tokens"], params
+
+
+@pytest.mark.parametrize(
+    ("prefill_name", "decode_name"), [("p1", "d1"), ("p1", "d2"), ("p2", "d1"), ("p2", "d2")]
+)
+def test_gemma3_pd_equals_colocated(servers, prompts, reference, prefill_name, decode_name) -> None:
+    prefiller, decoder = servers[prefill_name], servers[decode_name]
+    before = decoder.metrics().get("kv_connector_nixl_bytes_read", 0.0)
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda p: _pd(prefiller, decoder, p), prompts))
+    for prompt, (text, cached, params), expected in zip(prompts, results, reference, strict=True):
+        assert text == expected, prompt
+        assert cached == params["remote_num_tokens"] - 1
+    assert decoder.metrics()["kv_connector_nixl_bytes_read"] > before
+    wait_idle(decoder)
+    wait_idle(prefiller)
+
+
+def test_a_decoder_reads_only_the_blocks_each_window_sees(servers) -> None:
+    """Prompts sharing no block with any other (no local prefix hit), one at a time."""
+    prefiller, decoder = servers["p1"], servers["d1"]
+    gen = torch.Generator().manual_seed(11)
+    for length in (40, 73, 200, 161):
+        prompt = torch.randint(10, 800, (length,), generator=gen).tolist()
+        before = decoder.metrics()["kv_connector_nixl_bytes_read"]
+        text, cached, params = _pd(prefiller, decoder, prompt)
+        read = decoder.metrics()["kv_connector_nixl_bytes_read"] - before
+        assert cached == length - 1 and read == _visible_bytes(length - 1), (length, read)
+    wait_idle(decoder)
+    wait_idle(prefiller)
