@@ -13,8 +13,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from kvferry.config import KVTransferConfig
 from kvferry.engine.llm import LLM
 from kvferry.sampling_params import SamplingParams
+from tests.engine_helpers import make_llm
 from tests.fixtures.tiny_hybrid import build_hybrid_model
 from tests.test_pd_support import (
     Server,
@@ -116,3 +118,28 @@ def test_a_decoder_reads_only_the_blocks_each_window_sees(servers) -> None:
         assert cached == length - 1 and read == _visible_bytes(length - 1), (length, read)
     wait_idle(decoder)
     wait_idle(prefiller)
+
+
+def test_registration_is_one_region_per_distinct_tensor(
+    gemma3: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a real engine with the NIXL connector: Gemma 3's 6 layers live in 2 tensors, and
+    exactly 2 regions reach NIXL (the real registration, observed on its way)."""
+    from kvferry.connector.nixl.agent import Agent
+
+    registered: list[int] = []
+    real_register = Agent.register
+
+    def observe(self: Agent, regions: list) -> None:
+        registered.append(len(regions))
+        real_register(self, regions)
+
+    monkeypatch.setattr(Agent, "register", observe)
+    kv = KVTransferConfig("NixlConnector", kv_role="producer")
+    llm = make_llm(gemma3, kv_transfer=kv, enforce_eager=True)
+    try:
+        config = llm.engine.scheduler.kv_cache_manager.config
+        assert len(config.tensors) == 2 and sum(len(t.shared_by) for t in config.tensors) == 6
+        assert registered == [len(config.tensors)]
+    finally:
+        llm.engine.shutdown()
