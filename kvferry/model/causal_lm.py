@@ -121,11 +121,6 @@ class CausalLM(nn.Module):
         for attn in self.attention_layers():
             attn.hooks = placement
 
-    @property
-    def num_local_kv_heads(self) -> int:
-        """KV heads this tensor-parallel rank caches (ranks may differ)."""
-        return self.attention_layers()[0].num_kv_heads
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors (HF names, unsharded) in; returns the parameter names set."""
         params = dict(self.named_parameters())
