@@ -1,6 +1,7 @@
-"""Sliding-window models (Gemma 3 text, Mistral, Qwen3 with use_sliding_window): greedy
-tokens identical to HF transformers with windows shorter than the prompts, batched, with
-chunked prefill, a prefix-cache second pass and preemption."""
+"""Sliding-window models (Gemma 3 text, also from a multimodal checkpoint, Mistral, Qwen3
+with use_sliding_window): greedy tokens identical to HF transformers with windows shorter
+than the prompts, batched, with chunked prefill, a prefix-cache second pass, preemption,
+tensor parallelism and the HND layout."""
 
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def test_batched_greedy_matches_hf(hybrid, arch: str) -> None:
     assert_pool_full(llm)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", [*ARCHS, "gemma3_multimodal"])  # its text model, vision not loaded
 def test_chunked_prefill_matches_hf(hybrid, arch: str) -> None:
     model_dir, prompts, expected = hybrid(arch)
     assert max(len(p) for p in prompts) > 2 * 16  # the longest prompt takes three chunks

@@ -155,3 +155,28 @@ class Gemma3ForCausalLM(CausalLM):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype)
         if self.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """The text half of a multimodal Gemma 3 checkpoint (`Gemma3ForConditionalGeneration`,
+    model_type gemma3: the 4B, 12B and 27B releases): the language model under
+    `language_model.`; the vision tower and projector are not loaded (text prompts only)."""
+
+    TEXT_PREFIX = "language_model."
+    VISION_PREFIXES = (
+        "vision_tower.",
+        "multi_modal_projector.",
+        "model.vision_tower.",
+        "model.multi_modal_projector.",
+    )
+
+    def __init__(self, config: Any, tp: TPGroup | None = None, dtype: torch.dtype = torch.float32):
+        super().__init__(config.get_text_config(), tp, dtype)
+
+    def _target(self, name: str) -> tuple[str | None, object]:
+        if name.startswith(self.VISION_PREFIXES):
+            return None, None
+        name = name.removeprefix("model.").removeprefix(self.TEXT_PREFIX)
+        if not name.startswith(("model.", "lm_head.")):
+            name = f"model.{name}"  # transformers 5 saves model.language_model.<layers...>
+        return super()._target(name)

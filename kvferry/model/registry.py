@@ -18,6 +18,7 @@ ARCHITECTURES = MappingProxyType(
         "Qwen3ForCausalLM": ("kvferry.model.llama", "Qwen3ForCausalLM"),
         "MistralForCausalLM": ("kvferry.model.llama", "MistralForCausalLM"),
         "Gemma3ForCausalLM": ("kvferry.model.gemma3", "Gemma3ForCausalLM"),
+        "Gemma3ForConditionalGeneration": ("kvferry.model.gemma3", "Gemma3ForConditionalGeneration"),
     }
 )
 
@@ -29,6 +30,7 @@ MODEL_TYPES = MappingProxyType(
         "qwen3": "Qwen3ForCausalLM",
         "mistral": "MistralForCausalLM",
         "gemma3_text": "Gemma3ForCausalLM",
+        "gemma3": "Gemma3ForConditionalGeneration",
     }
 )
 

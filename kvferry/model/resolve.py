@@ -139,9 +139,15 @@ def _tokenizer_eos_id(local_dir: Path) -> list[int]:
     return [int(vocab[eos])] if isinstance(vocab, dict) and eos in vocab else []
 
 
+def text_config(hf_config: Any) -> Any:
+    """The language model's config: a multimodal checkpoint's `text_config`, else itself."""
+    get = getattr(hf_config, "get_text_config", None)
+    return get() if callable(get) else hf_config
+
+
 def _dir_eos_ids(local_dir: Path, hf_config: Any) -> tuple[int, ...]:
     ids = _as_ids(_read_json(local_dir / "generation_config.json").get("eos_token_id"))
-    ids += _as_ids(getattr(hf_config, "eos_token_id", None))
+    ids += _as_ids(getattr(text_config(hf_config), "eos_token_id", None))
     ids += _tokenizer_eos_id(local_dir)
     return tuple(dict.fromkeys(ids))
 
@@ -191,20 +197,21 @@ def resolve_model_config(
     else:
         hf_config, architecture, eos_ids = _load_dir_config(source, model)
         checkpoint_dtype = _checkpoint_dtype(hf_config)
-    heads = int(hf_config.num_attention_heads)
-    hidden = int(hf_config.hidden_size)
+    text = text_config(hf_config)
+    heads = int(text.num_attention_heads)
+    hidden = int(text.hidden_size)
     return ModelConfig(
         model=model,
         served_model_name=served_model_name or model,
         architecture=architecture,
         hf_config=hf_config,
         dtype=parse_dtype(dtype, checkpoint_dtype),
-        max_model_len=_max_model_len(hf_config, max_model_len, model),
-        vocab_size=int(hf_config.vocab_size),
-        num_layers=int(hf_config.num_hidden_layers),
+        max_model_len=_max_model_len(text, max_model_len, model),
+        vocab_size=int(text.vocab_size),
+        num_layers=int(text.num_hidden_layers),
         num_attention_heads=heads,
-        num_kv_heads=int(getattr(hf_config, "num_key_value_heads", None) or heads),
-        head_dim=int(getattr(hf_config, "head_dim", None) or hidden // heads),
+        num_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(text, "head_dim", None) or hidden // heads),
         hidden_size=hidden,
         eos_token_ids=eos_ids,
         gguf_file=str(source.gguf_file) if source.gguf_file is not None else None,
