@@ -211,28 +211,49 @@ def _prefill(
     span: PrefillSpan,
     score: Scores,
 ) -> torch.Tensor:
-    """One span: causal over its own tokens (this step's k, v), plus what it sees of its
-    cached context (gathered from the blocks its window reaches)."""
+    """One span: causal over its own tokens, plus what it sees of its cached context."""
     # 4-D [1, heads, L, D]: torch's CPU flash kernel only takes batched inputs; 3-D ones
     # fall back to a path ~6x slower on a 1,500-token prompt.
     q = q.transpose(0, 1).unsqueeze(0)
-    keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, Lq, D]
     if span.context_len == 0:
-        out = score.attend(
-            q, keys.unsqueeze(0), values.unsqueeze(0), score.fresh_mask(span.query_len, q.device)
-        )
+        keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+        out = score.attend(q, keys, values, score.fresh_mask(span.query_len, q.device))
         return out.squeeze(0).transpose(0, 1)
+    keys, values, start = _span_kv(k, v, kv_cache, ctx, span, score.window)
+    total = span.context_len + span.query_len
+    query_pos = torch.arange(span.query_len, device=q.device) + span.context_len
+    mask = score.mask(query_pos, torch.arange(start, total, device=q.device))  # [Lq, total - start]
+    out = score.attend(q, keys.to(q.dtype).unsqueeze(0), values.to(q.dtype).unsqueeze(0), mask)
+    return out.squeeze(0).transpose(0, 1)
+
+
+def _span_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    ctx: ForwardContext,
+    span: PrefillSpan,
+    window: int,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Keys and values [kv_heads, L, D] a span attends to, and the position of the first.
+
+    Full attention: the whole sequence, gathered from the cache (the step's k/v are
+    written already). Sliding window: the cached context from the first block the window
+    reaches, then the span's own k/v from the step: a sliding-window group leaves chunk
+    positions no later token sees in the null block, so the cache does not hold them.
+    """
     context, total = span.context_len, span.context_len + span.query_len
     block_size = kv_cache.shape[2] if ctx.layout is Layout.NHD else kv_cache.shape[3]
-    first = _first_visible_block(context, score.window, block_size)
+    if not window:
+        kv = gather_kv(kv_cache, ctx.layout, span.block_table[: -(-total // block_size)], ctx.workspace)
+        return kv[0, :, :total], kv[1, :, :total], 0
+    first = _first_visible_block(context, window, block_size)
     table = span.block_table[first : -(-context // block_size)]
-    start = first * block_size  # position of the first gathered key
-    cached = gather_kv(kv_cache, ctx.layout, table, ctx.workspace)[:, :, : context - start].to(q.dtype)
-    keys, values = torch.cat((cached[0], keys), dim=1), torch.cat((cached[1], values), dim=1)
-    query_pos = torch.arange(span.query_len, device=q.device) + context
-    mask = score.mask(query_pos, torch.arange(start, total, device=q.device))  # [Lq, total - start]
-    out = score.attend(q, keys.unsqueeze(0), values.unsqueeze(0), mask)
-    return out.squeeze(0).transpose(0, 1)
+    start = first * block_size
+    cached = gather_kv(kv_cache, ctx.layout, table, ctx.workspace)[:, :, : context - start].to(k.dtype)
+    keys = torch.cat((cached[0], k.transpose(0, 1)), dim=1)
+    values = torch.cat((cached[1], v.transpose(0, 1)), dim=1)
+    return keys, values, start
 
 
 def _first_visible_block(first_query_pos: int, window: int, block_size: int) -> int:
