@@ -48,3 +48,34 @@ def test_no_outputs_gives_none_and_single_worker_passes_through():
     assert KVOutputAggregator(1).aggregate([None]) is None
     agg = KVOutputAggregator(1)
     assert agg.aggregate([out(finished_sending={"q"}, finished_recving={"z"})]).finished_sending == {"q"}
+
+
+def test_a_worker_reporting_twice_counts_once():
+    agg = KVOutputAggregator(2)
+    assert not agg.aggregate([out(finished_sending={"d"}), out()]).finished_sending
+    assert not agg.aggregate([out(finished_sending={"d"}), out()]).finished_sending
+    assert agg.pending == 1
+    assert agg.aggregate([out(), out(finished_sending={"d"})]).finished_sending == {"d"}
+    assert agg.pending == 0
+
+
+def test_a_failed_receive_whose_quorum_never_completes_is_surfaced_after_the_bound():
+    agg = KVOutputAggregator(2, failed_quorum_steps=3)
+    first = agg.aggregate([out(finished_recving={"f"}, failed_recving={"f"}), None])
+    assert not first.failed_recving
+    assert not agg.aggregate([None, None]).failed_recving
+    assert not agg.aggregate([out(), None]).failed_recving
+    overdue = agg.aggregate([None, None])
+    assert overdue.finished_recving == {"f"} and overdue.failed_recving == {"f"}
+    assert agg.pending == 0
+    late = agg.aggregate([None, out(finished_recving={"f"}, failed_recving={"f"})])
+    assert not late.finished_recving and not late.failed_recving and agg.pending == 0
+
+
+def test_a_failure_completed_within_the_bound_is_not_surfaced_twice():
+    agg = KVOutputAggregator(2, failed_quorum_steps=2)
+    agg.aggregate([out(finished_recving={"g"}, failed_recving={"g"}), out()])
+    done = agg.aggregate([out(), out(finished_recving={"g"})])
+    assert done.finished_recving == {"g"} and done.failed_recving == {"g"}
+    for _ in range(3):
+        assert agg.aggregate([out(), out()]).failed_recving == set()

@@ -1,8 +1,11 @@
 """KVOutputAggregator: one place where per-worker connector results become one (invariant 3).
 
-A request counts as finished sending (or receiving) once the expected number of workers
-reported it. Failures are unioned, and a failed receive is held until the same request
-completes its quorum, so the scheduler sees failure and completion together.
+A request counts as finished sending (or receiving) once the expected number of distinct
+workers reported it: a worker that reports the same request twice counts once. Failures
+are unioned, and a failed receive is held until the same request completes its quorum, so
+the scheduler sees failure and completion together. A failed receive whose quorum does not
+complete within `failed_quorum_steps` aggregation steps is surfaced anyway (as finished and
+failed, with a warning) instead of being held forever; late reports for it are dropped.
 """
 
 from __future__ import annotations
@@ -14,42 +17,76 @@ from kvferry.connector.output import KVConnectorOutput
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_FAILED_QUORUM_STEPS = 64
+
 
 class KVOutputAggregator:
-    def __init__(self, expected_finished_count: int):
-        assert expected_finished_count >= 1
+    def __init__(self, expected_finished_count: int, failed_quorum_steps: int = DEFAULT_FAILED_QUORUM_STEPS):
+        assert expected_finished_count >= 1 and failed_quorum_steps >= 1
         self.expected = expected_finished_count
-        self._remaining_send: dict[str, int] = defaultdict(lambda: self.expected)
-        self._remaining_recv: dict[str, int] = defaultdict(lambda: self.expected)
-        self._failed_recv: set[str] = set()
+        self.failed_quorum_steps = failed_quorum_steps
+        self._send_reporters: dict[str, set[int]] = defaultdict(set)
+        self._recv_reporters: dict[str, set[int]] = defaultdict(set)
+        self._failed_since: dict[str, int] = {}  # failed receive -> step it was first reported
+        self._abandoned: set[str] = set()  # surfaced before their quorum; late reports dropped
+        self._step = 0
 
     def aggregate(self, outputs: list[KVConnectorOutput | None]) -> KVConnectorOutput | None:
-        present = [o for o in outputs if o is not None]
-        if not present:
+        """Merge one step's outputs; `outputs[i]` is worker i's (None: nothing to report)."""
+        self._step += 1
+        if all(o is None for o in outputs) and not self._failed_since:
             return None
         result = KVConnectorOutput()
-        for out in present:
-            result.finished_sending |= self._count(self._remaining_send, out.finished_sending)
-            result.finished_recving |= self._count(self._remaining_recv, out.finished_recving)
-            self._failed_recv |= out.failed_recving
-            result.invalid_block_ids |= out.invalid_block_ids
-            result.events.extend(out.events)
-            if out.stats is not None:
-                result.stats = out.stats if result.stats is None else result.stats.aggregate(out.stats)
-        # Release held failures together with the completion of their request.
-        result.failed_recving = self._failed_recv & result.finished_recving
-        self._failed_recv -= result.failed_recving
+        for worker, out in enumerate(outputs):
+            if out is not None:
+                self._merge(result, worker, out)
+        self._release_failures(result)
         return result
 
-    def _count(self, remaining: dict[str, int], reported: set[str]) -> set[str]:
+    def _merge(self, result: KVConnectorOutput, worker: int, out: KVConnectorOutput) -> None:
+        result.finished_sending |= self._count(self._send_reporters, worker, out.finished_sending)
+        recving = out.finished_recving - self._abandoned
+        result.finished_recving |= self._count(self._recv_reporters, worker, recving)
+        for req_id in out.failed_recving - self._abandoned:
+            self._failed_since.setdefault(req_id, self._step)
+        result.invalid_block_ids |= out.invalid_block_ids
+        result.events.extend(out.events)
+        if out.stats is not None:
+            result.stats = out.stats if result.stats is None else result.stats.aggregate(out.stats)
+
+    def _count(self, reporters: dict[str, set[int]], worker: int, reported: set[str]) -> set[str]:
         done = set()
         for req_id in reported:
-            remaining[req_id] -= 1
-            if remaining[req_id] == 0:
-                del remaining[req_id]
+            reporters[req_id].add(worker)
+            if len(reporters[req_id]) >= self.expected:
+                del reporters[req_id]
                 done.add(req_id)
         return done
 
+    def _release_failures(self, result: KVConnectorOutput) -> None:
+        """Failures leave with their request's completion, or alone once overdue."""
+        for req_id, since in list(self._failed_since.items()):
+            if req_id in result.finished_recving:
+                result.failed_recving.add(req_id)
+                del self._failed_since[req_id]
+            elif self._step - since >= self.failed_quorum_steps:
+                self._abandon(req_id, result)
+
+    def _abandon(self, req_id: str, result: KVConnectorOutput) -> None:
+        reported = len(self._recv_reporters.pop(req_id, ()))
+        logger.warning(
+            "request %s: receive failed and only %d of %d workers reported it within %d steps; "
+            "surfacing the failure without the rest",
+            req_id,
+            reported,
+            self.expected,
+            self.failed_quorum_steps,
+        )
+        del self._failed_since[req_id]
+        self._abandoned.add(req_id)
+        result.finished_recving.add(req_id)
+        result.failed_recving.add(req_id)
+
     @property
     def pending(self) -> int:
-        return len(self._remaining_send) + len(self._remaining_recv)
+        return len(self._send_reporters) + len(self._recv_reporters)
