@@ -6,7 +6,15 @@ import pytest
 
 from kvferry.sampling_params import SamplingParams
 from kvferry.scheduler import hashing
-from kvferry.scheduler.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
+from kvferry.scheduler.block_pool import (
+    NO_NULL_BLOCK,
+    NULL_BLOCK_ID,
+    BlockPool,
+    FreeBlockQueue,
+    KVCacheBlock,
+    null_block_id,
+    usable_block_ids,
+)
 from kvferry.scheduler.hashing import ROOT_HASH, BlockContent, BlockHasher, hash_block_tokens
 from kvferry.scheduler.request import Request
 
@@ -179,3 +187,18 @@ def test_hasher_is_incremental():
 def test_hash_function_is_swappable(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(hashing, "hash_bytes", lambda data: b"same")
     assert hash_block_tokens(None, [1]) == hash_block_tokens(None, [2]) == b"same"
+
+
+def test_the_null_block_rule_is_stated_once_and_shared_with_the_nixl_checks():
+    from kvferry.connector.nixl.protocol import GroupInfo
+    from kvferry.connector.nixl.validate import null_block
+
+    assert null_block_id(True) == NULL_BLOCK_ID == 0 and null_block_id(False) == NO_NULL_BLOCK
+    assert usable_block_ids(4, has_sliding_window=True) == [1, 2, 3]
+    assert usable_block_ids(4, has_sliding_window=False) == [0, 1, 2, 3]
+    pool = BlockPool(4, enable_caching=False, reserve_null_block=True)
+    assert [b.block_id for b in pool.get_new_blocks(3)] == usable_block_ids(4, True)
+    full = GroupInfo("full", 16, 2, 8, "float32", 0, ["l0"])
+    sliding = GroupInfo("sliding", 16, 2, 8, "float32", 32, ["l1"])
+    assert null_block([full]) == NO_NULL_BLOCK
+    assert null_block([full, sliding]) == NULL_BLOCK_ID

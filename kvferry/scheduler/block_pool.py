@@ -18,6 +18,23 @@ logger = logging.getLogger(__name__)
 # A cached block is found by its hash and the KV cache group it belongs to.
 CacheKey = tuple[BlockHash, int]
 
+# The null-block rule, stated once: an engine with a sliding-window group keeps block 0
+# aside as the placeholder for table entries that need no KV; without one, every block is
+# usable. The pool, the NIXL checks and warm-up all read it from here.
+NULL_BLOCK_ID = 0
+NO_NULL_BLOCK = -1
+
+
+def null_block_id(has_sliding_window: bool) -> int:
+    """The placeholder block's id, or NO_NULL_BLOCK when the engine reserves none."""
+    return NULL_BLOCK_ID if has_sliding_window else NO_NULL_BLOCK
+
+
+def usable_block_ids(num_blocks: int, has_sliding_window: bool) -> list[int]:
+    """The ids of `num_blocks` blocks that may hold KV (never the null block)."""
+    null = null_block_id(has_sliding_window)
+    return [b for b in range(num_blocks) if b != null]
+
 
 class KVCacheBlock:
     """One physical block. Holds no KV itself: the id indexes the workers' KV tensors."""
@@ -119,9 +136,9 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block: KVCacheBlock | None = None
         if reserve_null_block:
-            self.null_block = self.blocks[0]
+            self.null_block = self.blocks[NULL_BLOCK_ID]
             self.null_block.is_null = True
-        usable = self.blocks[1:] if reserve_null_block else self.blocks
+        usable = [self.blocks[b] for b in usable_block_ids(num_blocks, reserve_null_block)]
         self.num_blocks = len(usable)
         self.free_queue = FreeBlockQueue(usable)
         self.cached: dict[CacheKey, KVCacheBlock] = {}

@@ -8,10 +8,9 @@ from typing import Protocol
 
 from kvferry.connector.nixl.params import RemotePrefill
 from kvferry.connector.nixl.protocol import EngineInfo, GroupInfo
+from kvferry.scheduler.block_pool import null_block_id
 
 logger = logging.getLogger(__name__)
-
-NO_NULL_BLOCK = -1
 
 
 class LocalEngine(Protocol):
@@ -22,7 +21,7 @@ class LocalEngine(Protocol):
 
 def null_block(groups: Sequence[GroupInfo]) -> int:
     """The id of the placeholder block of an engine with these groups (sliding windows reserve 0)."""
-    return 0 if any(g.kind == "sliding" for g in groups) else NO_NULL_BLOCK
+    return null_block_id(any(g.kind == "sliding" for g in groups))
 
 
 def _engine_mismatch(remote: RemotePrefill, info: EngineInfo, local: LocalEngine) -> str | None:
