@@ -544,6 +544,33 @@ def test_connector_async_load_then_delayed_free():
     assert_all_free(sched)
 
 
+class NotAnOutput:
+    finished_recving = {"r"}  # the right field names on the wrong type
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"finished_recving": {"r"}},
+        NotAnOutput(),
+        KVConnectorOutput(finished_recving=["r"]),
+        KVConnectorOutput(finished_sending={1}),
+        KVConnectorOutput(invalid_block_ids={"3"}),
+        KVConnectorOutput(stats={"bytes": 1}),
+    ],
+)
+def test_a_malformed_connector_output_raises(bad):
+    conn = FakeConnector(external=100, load_async=True)
+    sched = make_scheduler(connector=conn)
+    add(sched, "r", list(range(10)), max_tokens=1)
+    runner, run = FakeRunner(), Run()
+    step(sched, runner, run)
+    runner.kv_output = bad
+    with pytest.raises(TypeError, match="KVConnectorOutput"):
+        step(sched, runner, run)
+    assert sched.requests["r"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+
+
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
 def test_failed_async_load_follows_the_policy(policy):
     conn = FakeConnector(external=8, load_async=True)

@@ -39,3 +39,34 @@ class KVConnectorOutput:
             or (self.stats and not self.stats.is_empty())
             or self.events
         )
+
+
+_ID_FIELDS = ("finished_sending", "finished_recving", "failed_recving")
+
+
+def checked_output(output: object) -> KVConnectorOutput | None:
+    """`output` as a KVConnectorOutput, or None; anything malformed raises TypeError.
+
+    The scheduler acts on these sets (frees blocks, wakes requests): a wrong type must
+    fail loudly rather than read as an empty result.
+    """
+    if output is None:
+        return None
+    if not isinstance(output, KVConnectorOutput):
+        raise TypeError(
+            f"a worker's connector output must be a KVConnectorOutput, got {type(output).__name__}"
+        )
+    for name in _ID_FIELDS:
+        _check_set(output, name, str)
+    _check_set(output, "invalid_block_ids", int)
+    if output.stats is not None and not isinstance(output.stats, KVConnectorStats):
+        raise TypeError(
+            f"KVConnectorOutput.stats must be KVConnectorStats, got {type(output.stats).__name__}"
+        )
+    return output
+
+
+def _check_set(output: KVConnectorOutput, name: str, item: type) -> None:
+    value = getattr(output, name)
+    if not isinstance(value, set) or not all(isinstance(v, item) for v in value):
+        raise TypeError(f"KVConnectorOutput.{name} must be a set of {item.__name__}, got {value!r}")

@@ -7,7 +7,7 @@
 - kv_cache_manager.py: KVCacheManager: prefix hits, allocate_slots, caching and freeing over all groups
 - step_plan.py: what one schedule() call decided, turned into a SchedulerOutput
 - stop.py: stop checks on sampled tokens (EOS, stop token ids, max_tokens, context)
-- interfaces.py: the protocols a connector's scheduler half and its output satisfy
+- interfaces.py: the protocol a connector's scheduler half satisfies
 - scheduler.py: Scheduler: token budget, admission, preemption, results, connector seam
 - output.py: SchedulerOutput and the per-request data handed to workers
 """

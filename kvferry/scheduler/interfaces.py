@@ -1,4 +1,4 @@
-"""What the scheduler expects from a KV connector's scheduler half, and from its worker output.
+"""What the scheduler expects from a KV connector's scheduler half.
 
 Connectors live in kvferry/connector; these protocols are the seam. The scheduler calls a
 connector only when one is configured.
@@ -6,9 +6,9 @@ connector only when one is configured.
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from typing import Protocol, runtime_checkable
 
+from kvferry.connector.output import KVConnectorOutput
 from kvferry.scheduler.output import BlockIds, SchedulerOutput
 from kvferry.scheduler.request import Request
 
@@ -61,23 +61,6 @@ class SchedulerConnector(Protocol):
         """
         ...
 
-    def update_connector_output(self, connector_output: object) -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """The aggregated KVConnectorOutput of the step, before the scheduler acts on it."""
         ...
-
-
-class KVConnectorOutputLike(Protocol):
-    """The fields of the executor's aggregated KVConnectorOutput the scheduler reads."""
-
-    finished_sending: Collection[str]  # delayed-free requests whose blocks may now be freed
-    finished_recving: Collection[str]  # async loads that completed (failed ones are in both)
-    failed_recving: Collection[str]  # async loads that failed
-    invalid_block_ids: Collection[int]  # blocks whose load inside a forward failed
-
-
-def connector_field(output: object | None, name: str) -> Collection:
-    """A KVConnectorOutput field, empty when the output or the field is absent."""
-    if output is None:
-        return ()
-    value = getattr(output, name, None)
-    return value if value is not None else ()

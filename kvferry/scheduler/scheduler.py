@@ -14,11 +14,12 @@ from collections import deque
 from collections.abc import Iterable
 
 from kvferry.config import LOAD_FAILURE_POLICIES, CacheConfig, SchedulerConfig
+from kvferry.connector.output import KVConnectorOutput, checked_output
 from kvferry.engine.types import EngineCoreOutput, EngineCoreRequest
 from kvferry.errors import InvalidRequestError
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.scheduler.hashing import BlockHasher
-from kvferry.scheduler.interfaces import SchedulerConnector, connector_field
+from kvferry.scheduler.interfaces import SchedulerConnector
 from kvferry.scheduler.kv_cache_manager import KVCacheManager
 from kvferry.scheduler.output import SchedulerOutput
 from kvferry.scheduler.request import Request, RequestStatus
@@ -404,18 +405,19 @@ class Scheduler:
 
     # ---- KV connector results -----------------------------------------------------------
 
-    def _update_kv_transfers(self, kv_output: object | None) -> set[str]:
+    def _update_kv_transfers(self, raw_output: object | None) -> set[str]:
         """Act on the step's KVConnectorOutput; returns running requests reset by failed loads."""
+        kv_output = checked_output(raw_output)
         if kv_output is None:
             return set()
         if self.connector is not None:
             self.connector.update_connector_output(kv_output)
         reset = self._handle_invalid_blocks(kv_output)
-        failed = set(connector_field(kv_output, "failed_recving"))
-        done = set(connector_field(kv_output, "finished_recving")) | failed
+        failed = kv_output.failed_recving
+        done = kv_output.finished_recving | failed
         for req_id in done:
             self._on_recv_done(req_id, failed=req_id in failed)
-        for req_id in connector_field(kv_output, "finished_sending"):
+        for req_id in kv_output.finished_sending:
             self._free_delayed(req_id)
         return reset
 
@@ -440,9 +442,9 @@ class Scheduler:
             request.num_computed_tokens = 0
             request.num_cached_tokens = -1  # measured again when it is admitted
 
-    def _handle_invalid_blocks(self, kv_output: object) -> set[str]:
+    def _handle_invalid_blocks(self, kv_output: KVConnectorOutput) -> set[str]:
         """Running requests whose KV load inside the step failed: failed or reset, per policy."""
-        invalid = set(connector_field(kv_output, "invalid_block_ids"))
+        invalid = kv_output.invalid_block_ids
         if not invalid:
             return set()
         kv = self.kv_cache_manager

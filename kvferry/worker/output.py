@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvferry.connector.output import KVConnectorOutput
+
 
 @dataclass
 class SampleLogprobs:
@@ -20,7 +22,7 @@ class ModelRunnerOutput:
     # that has not reached the end of the prompt).
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[SampleLogprobs | None] = field(default_factory=list)
-    kv_connector_output: object | None = None  # KVConnectorOutput, once connectors exist
+    kv_connector_output: KVConnectorOutput | None = None  # this worker's; aggregated by the executor
 
     @classmethod
     def empty(cls) -> ModelRunnerOutput:
