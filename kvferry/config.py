@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 import torch
 
@@ -94,8 +95,30 @@ class ParallelConfig:
             )
 
 
-KV_ROLES = ("producer", "consumer", "both")
-LOAD_FAILURE_POLICIES = ("fail", "recompute")
+class KVRole(str, Enum):
+    """What an engine does with remote KV: produce it (prefill), consume it (decode), or both."""
+
+    PRODUCER = "producer"
+    CONSUMER = "consumer"
+    BOTH = "both"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class LoadFailurePolicy(str, Enum):
+    """What the scheduler does when loading a request's KV failed (invariant 6)."""
+
+    FAIL = "fail"  # the request ends with an error to the client
+    RECOMPUTE = "recompute"  # its KV is computed locally
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# The accepted spellings (a str-valued enum member compares equal to its value).
+KV_ROLES = tuple(r.value for r in KVRole)
+LOAD_FAILURE_POLICIES = tuple(p.value for p in LoadFailurePolicy)
 
 
 @dataclass(frozen=True)
@@ -104,9 +127,17 @@ class KVTransferConfig:
 
     kv_connector: str | None = None
     kv_connector_module_path: str | None = None
-    kv_role: str = "both"
+    kv_role: KVRole = KVRole.BOTH
     kv_connector_extra_config: dict = field(default_factory=dict)
-    kv_load_failure_policy: str = "fail"
+    kv_load_failure_policy: LoadFailurePolicy = LoadFailurePolicy.FAIL
+
+    def __post_init__(self) -> None:
+        if self.kv_role not in KV_ROLES:
+            raise ConfigError(f"kv_role must be one of {KV_ROLES}, not {self.kv_role!r}")
+        if self.kv_load_failure_policy not in LOAD_FAILURE_POLICIES:
+            raise ConfigError(f"kv_load_failure_policy must be one of {LOAD_FAILURE_POLICIES}")
+        object.__setattr__(self, "kv_role", KVRole(self.kv_role))
+        object.__setattr__(self, "kv_load_failure_policy", LoadFailurePolicy(self.kv_load_failure_policy))
 
     @property
     def enabled(self) -> bool:
@@ -126,10 +157,6 @@ class KVTransferConfig:
     def validate(self) -> None:
         if self.kv_connector is not None and not isinstance(self.kv_connector, str):
             raise ConfigError("kv_connector must be a string")
-        if self.kv_role not in KV_ROLES:
-            raise ConfigError(f"kv_role must be one of {KV_ROLES}, not {self.kv_role!r}")
-        if self.kv_load_failure_policy not in LOAD_FAILURE_POLICIES:
-            raise ConfigError(f"kv_load_failure_policy must be one of {LOAD_FAILURE_POLICIES}")
         if not isinstance(self.kv_connector_extra_config, dict):
             raise ConfigError("kv_connector_extra_config must be a JSON object")
 

@@ -79,3 +79,13 @@ def test_raising_connector_with_recompute_policy_gives_correct_output(tiny_llama
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert all(o.outputs[0].finish_reason == "length" for o in outputs)
     assert_pool_full(llm)
+
+
+def test_role_and_load_failure_policy_are_enums_accepting_their_spellings():
+    from kvferry.config import KVRole, KVTransferConfig, LoadFailurePolicy
+
+    config = KVTransferConfig(kv_role="consumer", kv_load_failure_policy="recompute")
+    assert config.kv_role is KVRole.CONSUMER and config.kv_load_failure_policy is LoadFailurePolicy.RECOMPUTE
+    assert f"{config.kv_role}" == "consumer" and KVTransferConfig().kv_role is KVRole.BOTH
+    with pytest.raises(ConfigError, match="kv_load_failure_policy must be one of"):
+        KVTransferConfig(kv_load_failure_policy="retry")

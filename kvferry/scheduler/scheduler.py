@@ -13,7 +13,7 @@ import logging
 from collections import deque
 from collections.abc import Iterable
 
-from kvferry.config import LOAD_FAILURE_POLICIES, CacheConfig, SchedulerConfig
+from kvferry.config import LOAD_FAILURE_POLICIES, CacheConfig, LoadFailurePolicy, SchedulerConfig
 from kvferry.connector.output import KVConnectorOutput, checked_output
 from kvferry.engine.types import EngineCoreOutput, EngineCoreRequest
 from kvferry.errors import InvalidRequestError
@@ -30,14 +30,14 @@ from kvferry.worker.output import ModelRunnerOutput, SampleLogprobs
 logger = logging.getLogger(__name__)
 
 
-def _load_failure_policy(policy: str | None, connector: SchedulerConnector | None) -> str:
+def _load_failure_policy(policy: str | None, connector: SchedulerConnector | None) -> LoadFailurePolicy:
     """The given policy, else the connector's --kv-transfer-config one, else "fail"."""
     if policy is None:
         transfer_config = getattr(connector, "transfer_config", None)
         policy = getattr(transfer_config, "kv_load_failure_policy", "fail")
     if policy not in LOAD_FAILURE_POLICIES:
         raise ValueError(f"kv_load_failure_policy must be one of {LOAD_FAILURE_POLICIES}, not {policy!r}")
-    return policy
+    return LoadFailurePolicy(policy)
 
 
 def _check_config(config: SchedulerConfig, cache: CacheConfig, block_size: int, max_model_len: int) -> None:
@@ -434,7 +434,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING  # the transfer is over: blocks are ours again
         if not failed:
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
-        elif self.kv_load_failure_policy == "fail":
+        elif self.kv_load_failure_policy is LoadFailurePolicy.FAIL:
             self._finish(request, RequestStatus.FINISHED_ERROR, "loading the request's KV cache failed")
         else:
             logger.warning("loading KV for %s failed; recomputing it", req_id)
@@ -452,7 +452,7 @@ class Scheduler:
             r for r in self.running if any(b in invalid for ids in kv.get_block_ids(r.req_id) for b in ids)
         ]
         for request in hit:
-            if self.kv_load_failure_policy == "fail":
+            if self.kv_load_failure_policy is LoadFailurePolicy.FAIL:
                 self._finish(request, RequestStatus.FINISHED_ERROR, "loading the request's KV cache failed")
             else:
                 logger.warning("KV blocks of %s failed to load; recomputing it", request.req_id)

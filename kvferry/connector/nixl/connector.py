@@ -19,6 +19,7 @@ import socket
 import uuid
 from typing import TYPE_CHECKING
 
+from kvferry.config import KVRole
 from kvferry.connector.base import KVConnectorBase, KVConnectorRole
 from kvferry.connector.nixl.metadata import NixlConnectorMetadata, NixlSettings
 from kvferry.connector.nixl.params import validate_params
@@ -75,7 +76,7 @@ class NixlConnector(KVConnectorBase):
         transfer = engine_config.kv_transfer
         extra = dict(transfer.kv_connector_extra_config)
         extra.setdefault("engine_id", f"kvf-{uuid.uuid4().hex[:12]}")
-        if not extra.get("side_channel_port") and transfer.kv_role in ("producer", "both"):
+        if not extra.get("side_channel_port") and transfer.kv_role is not KVRole.CONSUMER:
             extra["side_channel_port"] = _free_port(extra.get("side_channel_host", "127.0.0.1"))
         NixlSettings.from_extra(extra)  # a bad setting fails the start-up, clearly
         transfer = dataclasses.replace(transfer, kv_connector_extra_config=extra)

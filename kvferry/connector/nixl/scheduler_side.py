@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from kvferry.config import EngineConfig
+from kvferry.config import EngineConfig, KVRole
 from kvferry.connector.nixl.channel import Address, Clients, Pending
 from kvferry.connector.nixl.leases import Hold
 from kvferry.connector.nixl.metadata import LoadSpec, NixlConnectorMetadata, NixlSettings
@@ -106,7 +106,7 @@ class NixlScheduler:
         state = self.decodes.get(request.req_id)
         if state is None:
             remote = parse_remote_prefill(request.kv_transfer_params)
-            if remote is None or self.role == "producer":
+            if remote is None or self.role is KVRole.PRODUCER:
                 return None
             state = self.decodes[request.req_id] = DecodeState(request, remote)
             self._force_first_token(state)
@@ -304,14 +304,14 @@ class NixlScheduler:
                 self.cancels.append(request.req_id)  # the worker reports it once its reads are over
             else:
                 self._release(state)
-        if self.role == "consumer" or not wants_remote_decode(request.kv_transfer_params):
+        if self.role is KVRole.CONSUMER or not wants_remote_decode(request.kv_transfer_params):
             return False, None
         return self._hold(request, block_ids)
 
     def release_kept(self, request_ids: list[str]) -> None:
         """Prefill side: end these holds' leases (every worker frees; unknown ids are ignored).
         A hold still queued goes out in the same metadata, and workers apply holds first."""
-        if self.role != "consumer":
+        if self.role is not KVRole.CONSUMER:
             self.releases.extend(request_ids)
 
     def _hold(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:

@@ -17,7 +17,7 @@ import uuid
 import torch
 import zmq
 
-from kvferry.config import EngineConfig
+from kvferry.config import EngineConfig, KVRole
 from kvferry.connector.nixl.agent import Agent
 from kvferry.connector.nixl.channel import Clients, Server
 from kvferry.connector.nixl.leases import LeaseTable
@@ -219,7 +219,7 @@ class NixlWorker:
         self.ctx = zmq.Context()
         poller = zmq.Poller()
         server = None
-        if self.role in ("producer", "both"):
+        if self.role is not KVRole.CONSUMER:
             port = self.settings.side_channel_port if self.rank == 0 else 0
             server = Server(self.ctx, self.settings.side_channel_host, port, poller)
         mine = RankInfo(
@@ -248,7 +248,7 @@ class NixlWorker:
         if server is not None:
             table = LeaseTable(self.rank, self.tp_size, self.config.model.num_kv_heads)
             producer = ProducerService(server, info, table, self.settings.unknown_grace_s)
-        if self.role in ("consumer", "both"):
+        if self.role is not KVRole.PRODUCER:
             views = local_views(config, layers, heads[0], device_id)
             consumer = ConsumerLoads(agent, clients, views, self.settings, self.rank, self.tp_size)
         self.thread = TransferThread(agent, self.ctx, poller, clients, producer, consumer)
