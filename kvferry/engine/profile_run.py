@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 
 from kvferry.config import EngineConfig
+from kvferry.engine.warmup import dummy_block_tables
 from kvferry.executor.base import Executor
 from kvferry.kv.budget import KVBudget, plan_kv_budget
 from kvferry.kv.spec import KVCacheConfig
@@ -22,7 +23,7 @@ from kvferry.scheduler.output import CachedRequestData, NewRequestData, Schedule
 logger = logging.getLogger(__name__)
 
 PROFILE_REQ_PREFIX = "__kvferry_profile_"
-FIRST_PROFILE_BLOCK = 1  # block 0 is the null block
+NULL_BLOCK_ROOM = 1  # the provisional cache keeps room for a null block
 
 
 def profile_prompt_lengths(config: EngineConfig) -> list[int]:
@@ -41,21 +42,20 @@ def _blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 def profile_num_blocks(lengths: list[int], block_size: int) -> int:
-    """Blocks the provisional KV cache needs: the null block and each prompt's own."""
-    return FIRST_PROFILE_BLOCK + sum(_blocks_for(n, block_size) for n in lengths)
+    """Blocks the provisional KV cache needs: a null block and each prompt's own."""
+    return NULL_BLOCK_ROOM + sum(_blocks_for(n, block_size) for n in lengths)
 
 
 def profile_steps(lengths: list[int], kv_config: KVCacheConfig) -> list[SchedulerOutput]:
     """One prefill of every profiling prompt, then a step that drops them."""
     params = SamplingParams(max_tokens=1, temperature=0.0)
-    requests, next_block = [], FIRST_PROFILE_BLOCK
-    for index, length in enumerate(lengths):
-        count = _blocks_for(length, kv_config.block_size)
-        blocks = tuple(list(range(next_block, next_block + count)) for _ in kv_config.groups)
-        next_block += count
-        requests.append(
-            NewRequestData(f"{PROFILE_REQ_PREFIX}{index}", [0] * length, length, params, blocks, 0)
+    counts = [_blocks_for(length, kv_config.block_size) for length in lengths]
+    requests = [
+        NewRequestData(f"{PROFILE_REQ_PREFIX}{index}", [0] * length, length, params, blocks, 0)
+        for index, (length, blocks) in enumerate(
+            zip(lengths, dummy_block_tables(kv_config, counts), strict=True)
         )
+    ]
     scheduled = {r.req_id: r.num_prompt_tokens for r in requests}
     return [
         SchedulerOutput(requests, CachedRequestData(), scheduled, sum(lengths), set(), set()),

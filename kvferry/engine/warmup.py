@@ -5,9 +5,23 @@ from __future__ import annotations
 from kvferry.config import EngineConfig
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.sampling_params import SamplingParams
+from kvferry.scheduler.block_pool import usable_block_ids
 from kvferry.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 
 WARMUP_REQ_ID = "__kvferry_warmup__"
+
+
+def dummy_block_tables(kv_config: KVCacheConfig, counts: list[int]) -> list[tuple[list[int], ...]]:
+    """Block tables for dummy requests needing `counts` blocks each: consecutive runs of
+    blocks that may hold KV (never the null block), the same ids in every group."""
+    usable = usable_block_ids(kv_config.num_blocks, kv_config.has_sliding_window)
+    if sum(counts) > len(usable):
+        raise ValueError(f"dummy requests need {sum(counts)} blocks; the cache has {len(usable)}")
+    tables, start = [], 0
+    for count in counts:
+        tables.append(tuple(usable[start : start + count] for _ in kv_config.groups))
+        start += count
+    return tables
 
 
 def warmup_steps(config: EngineConfig, kv_config: KVCacheConfig) -> list[SchedulerOutput]:
@@ -15,8 +29,9 @@ def warmup_steps(config: EngineConfig, kv_config: KVCacheConfig) -> list[Schedul
     block_size = kv_config.block_size
     limits = (2 * block_size, config.scheduler.max_num_batched_tokens, config.model.max_model_len - 1)
     num_tokens = min(limits)
-    num_blocks = min(-(-(num_tokens + 1) // block_size), kv_config.num_blocks)
-    blocks = tuple(list(range(num_blocks)) for _ in kv_config.groups)
+    usable = len(usable_block_ids(kv_config.num_blocks, kv_config.has_sliding_window))
+    num_tokens = min(num_tokens, usable * block_size - 1)
+    (blocks,) = dummy_block_tables(kv_config, [-(-(num_tokens + 1) // block_size)])
     params = SamplingParams(max_tokens=2, temperature=0.0)
     dummy = NewRequestData(WARMUP_REQ_ID, [0] * num_tokens, num_tokens, params, blocks, 0)
     return [

@@ -103,6 +103,11 @@ class KVCacheConfig:
         raise KeyError(f"layer {layer_name!r} belongs to no KV cache group")
 
     @property
+    def has_sliding_window(self) -> bool:
+        """Whether a group clips to a window (the block pool then reserves the null block)."""
+        return any(isinstance(g.spec, SlidingWindowSpec) for g in self.groups)
+
+    @property
     def block_size(self) -> int:
         sizes = {g.spec.block_size for g in self.groups}
         assert len(sizes) == 1, "all groups share one block size"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from kvferry.kv.spec import KVCacheConfig, SlidingWindowSpec
+from kvferry.kv.spec import KVCacheConfig
 from kvferry.scheduler.block_pool import BlockPool, KVCacheBlock
 from kvferry.scheduler.hashing import BlockHasher
 from kvferry.scheduler.output import BlockIds
@@ -39,9 +39,10 @@ class KVCacheManager:
             block_hasher = BlockHasher(self.block_size)
         assert block_hasher is None or block_hasher.block_size == self.block_size
         self.block_hasher = block_hasher
-        needs_null = any(isinstance(g.spec, SlidingWindowSpec) for g in kv_cache_config.groups)
         self.pool = BlockPool(
-            kv_cache_config.num_blocks, enable_prefix_caching, reserve_null_block=needs_null
+            kv_cache_config.num_blocks,
+            enable_prefix_caching,
+            reserve_null_block=kv_cache_config.has_sliding_window,
         )
         self.managers: list[SingleTypeManager] = [
             make_manager(group.spec, self.pool, gid, block_hasher)
