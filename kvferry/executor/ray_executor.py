@@ -14,46 +14,26 @@ from typing import Any
 from kvferry.config import EngineConfig
 from kvferry.errors import ConfigError
 from kvferry.executor.base import Executor
-from kvferry.executor.multiproc import free_port, init_distributed
+from kvferry.executor.rank import RankSetup, WorkerCall, WorkerMethod, build_worker, free_port
 from kvferry.kv.allocate import with_num_blocks
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.scheduler.output import SchedulerOutput
 from kvferry.worker.capture import CaptureStats
 from kvferry.worker.memory_profile import MemoryProfile
 from kvferry.worker.output import ModelRunnerOutput
+from kvferry.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
 
 class RayWorker:
-    """The Ray actor body: builds a Worker for its rank and serves the typed calls."""
+    """The Ray actor body: builds a Worker for its rank and runs the typed calls."""
 
-    def __init__(self, rank: int, world_size: int, port: int, config: EngineConfig):
-        from kvferry.worker.worker import Worker
+    def __init__(self, setup: RankSetup):
+        self.worker = build_worker(setup)
 
-        tp = init_distributed(rank, world_size, port, config.device)
-        self.worker = Worker(config, tp)
-
-    def prepare_memory_profile(self, num_blocks: int) -> KVCacheConfig:
-        return self.worker.prepare_memory_profile(num_blocks)
-
-    def finish_memory_profile(self) -> MemoryProfile:
-        return self.worker.finish_memory_profile()
-
-    def determine_kv_cache_config(self, budget_bytes: int) -> KVCacheConfig:
-        return self.worker.determine_kv_cache_config(budget_bytes)
-
-    def initialize_kv_cache(self, kv_config: KVCacheConfig) -> None:
-        self.worker.initialize_kv_cache(kv_config)
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(scheduler_output)
-
-    def capture_stats(self) -> CaptureStats:
-        return self.worker.capture_stats()
-
-    def shutdown(self) -> None:
-        self.worker.shutdown()
+    def call(self, call: WorkerCall) -> Any:
+        return call.run(self.worker)
 
 
 def _start_ray(num_workers: int):
@@ -82,36 +62,38 @@ class RayExecutor(Executor):
         actor_cls = self.ray.remote(num_cpus=0)(RayWorker)
         port = free_port()
         self.actors = [
-            actor_cls.remote(rank, self.world_size, port, config) for rank in range(self.world_size)
+            actor_cls.remote(RankSetup(rank, self.world_size, port, config))
+            for rank in range(self.world_size)
         ]
         self.ray.get([a.__ray_ready__.remote() for a in self.actors])
         logger.info("started %d Ray worker actors", self.world_size)
 
-    def _all(self, method: str, *args: Any) -> list[Any]:
-        return self.ray.get([getattr(a, method).remote(*args) for a in self.actors])
+    def _all(self, method: WorkerMethod, *args: Any) -> list[Any]:
+        call = WorkerCall(method, args)
+        return self.ray.get([a.call.remote(call) for a in self.actors])
 
     def prepare_memory_profile(self, num_blocks: int) -> KVCacheConfig:
-        return self._all("prepare_memory_profile", num_blocks)[0]
+        return self._all(Worker.prepare_memory_profile, num_blocks)[0]
 
     def finish_memory_profile(self) -> list[MemoryProfile]:
-        return self._all("finish_memory_profile")
+        return self._all(Worker.finish_memory_profile)
 
     def determine_kv_cache_config(self, budget_bytes: int) -> KVCacheConfig:
-        configs = self._all("determine_kv_cache_config", budget_bytes)
+        configs = self._all(Worker.determine_kv_cache_config, budget_bytes)
         return with_num_blocks(configs[0], min(c.num_blocks for c in configs))
 
     def initialize_kv_cache(self, kv_config: KVCacheConfig) -> None:
-        self._all("initialize_kv_cache", kv_config)
+        self._all(Worker.initialize_kv_cache, kv_config)
 
     def execute_on_workers(self, scheduler_output: SchedulerOutput) -> list[ModelRunnerOutput]:
-        return self._all("execute_model", scheduler_output)
+        return self._all(Worker.execute_model, scheduler_output)
 
     def capture_stats(self) -> list[CaptureStats]:
-        return self._all("capture_stats")
+        return self._all(Worker.capture_stats)
 
     def shutdown(self) -> None:
         try:
-            self._all("shutdown")
+            self._all(Worker.shutdown)
         finally:
             for actor in self.actors:
                 self.ray.kill(actor)
