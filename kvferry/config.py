@@ -8,6 +8,7 @@ from enum import Enum
 import torch
 
 from kvferry.errors import ConfigError
+from kvferry.kv.spec import Layout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,6 +45,15 @@ class ModelConfig:
     local_dir: str | None = None  # directory holding config/tokenizer/weights
 
 
+def _member(enum: type[Enum], value: object, what: str) -> Enum:
+    """`value` as a member of a str-valued `enum`, or a ConfigError listing the choices."""
+    try:
+        return enum(value)
+    except ValueError:
+        choices = ", ".join(m.value for m in enum)
+        raise ConfigError(f"unknown {what} {value!r}; choose one of {choices}") from None
+
+
 # Share of the memory left after weights and the measured activation peak that the KV
 # cache takes when no size is asked for: small, because CPU hosts are shared.
 DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.1
@@ -57,10 +67,11 @@ class CacheConfig:
     kv_cache_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
-    layout: str = "NHD"
+    layout: Layout = Layout.NHD  # the spelling "NHD"/"HND" is accepted and coerced
     kv_cache_memory_fraction: float = DEFAULT_KV_CACHE_MEMORY_FRACTION
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "layout", _member(Layout, self.layout, "KV layout"))
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ConfigError(
                 f"kv_cache_memory_fraction must be in (0, 1], not {self.kv_cache_memory_fraction}"
@@ -76,16 +87,28 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
 
 
+class ExecutorKind(str, Enum):
+    """How an engine reaches its workers (kvferry.executor)."""
+
+    UNIPROC = "uniproc"  # one worker in the engine's process (TP=1)
+    MULTIPROC = "multiproc"  # one process per rank
+    RAY = "ray"  # one Ray actor per rank
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
-    executor: str = "uniproc"  # uniproc | multiproc | ray
+    executor: ExecutorKind = ExecutorKind.UNIPROC  # TP > 1 with uniproc runs multiproc
     # CPU placement (kvferry.worker.cpu_placement): the cores this instance pins its ranks
     # to (None: not pinned) and torch threads per rank (None: one per core of the rank).
     cpu_cores: tuple[int, ...] | None = None
     cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "executor", _member(ExecutorKind, self.executor, "executor"))
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ConfigError(f"cpu_threads must be at least 1, not {self.cpu_threads}")
         if self.cpu_cores is not None and len(self.cpu_cores) < self.tensor_parallel_size:

@@ -1,11 +1,14 @@
 """Connector configuration errors at start-up, and a connector that raises during a step."""
 
+import re
+
 import pytest
 
-from kvferry.config import KVTransferConfig
+from kvferry.config import CacheConfig, ExecutorKind, KVTransferConfig, ParallelConfig
 from kvferry.connector.factory import resolve_connector_class
 from kvferry.entrypoints.cli import parse_kv_transfer_config
 from kvferry.errors import ConfigError
+from kvferry.kv.spec import Layout
 from kvferry.sampling_params import SamplingParams
 from tests.engine_helpers import PROMPT_TEXTS, assert_pool_full, make_llm
 
@@ -89,3 +92,26 @@ def test_role_and_load_failure_policy_are_enums_accepting_their_spellings():
     assert f"{config.kv_role}" == "consumer" and KVTransferConfig().kv_role is KVRole.BOTH
     with pytest.raises(ConfigError, match="kv_load_failure_policy must be one of"):
         KVTransferConfig(kv_load_failure_policy="retry")
+
+
+@pytest.mark.parametrize(
+    ("build", "member", "bad", "message"),
+    [
+        (
+            lambda v: CacheConfig(layout=v).layout,
+            Layout.HND,
+            "NCHW",
+            "unknown KV layout 'NCHW'; choose one of NHD, HND",
+        ),
+        (
+            lambda v: ParallelConfig(executor=v).executor,
+            ExecutorKind.RAY,
+            "mpi",
+            "unknown executor 'mpi'; choose one of uniproc, multiproc, ray",
+        ),
+    ],
+)
+def test_layout_and_executor_are_enums_accepting_their_spellings(build, member, bad, message):
+    assert build(member.value) is member and build(member) is member
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        build(bad)

@@ -6,14 +6,13 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from kvferry.config import EngineConfig
+from kvferry.config import EngineConfig, ExecutorKind
 from kvferry.connector.base import KVConnectorRole
 from kvferry.connector.factory import create_connector, prepare_engine_config
 from kvferry.connector.output import KVConnectorOutput
 from kvferry.engine.profile_run import size_kv_cache
 from kvferry.engine.types import EngineCoreOutput, EngineCoreRequest
 from kvferry.engine.warmup import warmup_steps
-from kvferry.errors import ConfigError
 from kvferry.executor.base import Executor
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.scheduler.output import SchedulerOutput
@@ -39,21 +38,19 @@ class EngineStats:
 
 def make_executor(config: EngineConfig) -> Executor:
     kind = config.parallel.executor
-    if kind == "uniproc" and config.parallel.tensor_parallel_size > 1:
-        kind = "multiproc"  # one process per rank
-    if kind == "uniproc":
+    if kind is ExecutorKind.UNIPROC and config.parallel.tensor_parallel_size > 1:
+        kind = ExecutorKind.MULTIPROC  # one process per rank
+    if kind is ExecutorKind.UNIPROC:
         from kvferry.executor.uniproc import UniprocExecutor
 
         return UniprocExecutor(config)
-    if kind == "multiproc":
+    if kind is ExecutorKind.MULTIPROC:
         from kvferry.executor.multiproc import MultiprocExecutor
 
         return MultiprocExecutor(config)
-    if kind == "ray":
-        from kvferry.executor.ray_executor import RayExecutor
+    from kvferry.executor.ray_executor import RayExecutor
 
-        return RayExecutor(config)
-    raise ConfigError(f"unknown executor {kind!r}")
+    return RayExecutor(config)
 
 
 class EngineCore:
