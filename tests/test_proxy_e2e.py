@@ -141,7 +141,10 @@ def test_client_disconnect_aborts_the_decoder(urls: dict[str, str]) -> None:
     _wait_not_running(urls["decode"])
     assert _metric(urls["decode"], "kvferry:request_success_total", finished_reason="abort") == aborted + 1
     with httpx.Client(headers={"Authorization": f"Bearer {KEY}"}) as http, pytest.raises(httpx.ReadTimeout):
-        http.post(urls["proxy"] + "/v1/completions", json={**body, "stream": False}, timeout=1.0)
+        # as long as the model allows, so the client surely leaves first (a compiled tiny
+        # model decodes 500 tokens within a second)
+        long = {**body, "stream": False, "max_tokens": 1000}
+        http.post(urls["proxy"] + "/v1/completions", json=long, timeout=0.5)
     _wait_not_running(urls["decode"])
     assert _metric(urls["decode"], "kvferry:request_success_total", finished_reason="abort") == aborted + 2
     health = httpx.get(urls["proxy"] + "/health").json()
