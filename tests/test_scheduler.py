@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from kvferry.config import CacheConfig, SchedulerConfig
+from kvferry.config import CacheConfig, LoadFailurePolicy, SchedulerConfig
 from kvferry.connector.output import KVConnectorOutput
 from kvferry.engine.types import EngineCoreOutput, EngineCoreRequest, FinishReason
 from kvferry.errors import InvalidRequestError
@@ -470,6 +470,8 @@ def test_abort_frees_blocks_and_tells_workers():
 class FakeConnector:
     """Scheduler half: claims `external` tokens of every new request, loaded async or not."""
 
+    load_failure_policy = LoadFailurePolicy.FAIL
+
     def __init__(self, external: int = 0, load_async: bool = False, delay_free: bool = False):
         self.external, self.load_async, self.delay_free = external, load_async, delay_free
         self.calls: list[tuple] = []
@@ -494,6 +496,9 @@ class FakeConnector:
 
     def update_connector_output(self, connector_output):
         self.calls.append(("output", connector_output))
+
+    def release_kept(self, request_ids):
+        self.calls.append(("release", list(request_ids)))
 
 
 def test_connector_sync_load_counts_as_computed():

@@ -23,9 +23,9 @@ from kvferry.errors import KVFerryError
 from kvferry.kv.spec import KVCacheConfig, Layout
 
 if TYPE_CHECKING:
-    from kvferry.config import EngineConfig, KVTransferConfig
+    from kvferry.config import EngineConfig, KVTransferConfig, LoadFailurePolicy
     from kvferry.model.forward_context import AttentionMetadata
-    from kvferry.scheduler.output import SchedulerOutput
+    from kvferry.scheduler.output import BlockIds, SchedulerOutput
     from kvferry.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
@@ -84,46 +84,37 @@ class KVConnectorBase:
     def extra_config(self) -> dict:
         return self.transfer_config.kv_connector_extra_config
 
-    # ---- scheduler half -------------------------------------------------------------
+    # ---- scheduler half: kvferry.scheduler.interfaces.SchedulerConnector states the
+    # contract of each of these; the defaults below claim nothing and keep nothing. -------
+
+    @property
+    def load_failure_policy(self) -> LoadFailurePolicy:
+        return self.transfer_config.kv_load_failure_policy
 
     def request_added(self, request: Request) -> None:
-        """A request was queued; the connector may start lookups for it early."""
+        return None
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """Tokens beyond num_computed_tokens this connector can provide, and whether the
-        load is asynchronous (the request then waits for finished_recving).
-
-        (None, False): the connector cannot tell yet (e.g. a lookup is under way); the
-        scheduler skips the request this step and asks again. Raising InvalidRequestError
-        rejects the request (HTTP 400), e.g. for kv_transfer_params that do not check out.
-        """
         return 0, False
 
     def update_state_after_alloc(
-        self, request: Request, block_ids: tuple[list[int], ...], num_external: int
+        self, request: Request, block_ids: BlockIds, num_external_tokens: int
     ) -> None:
-        """Blocks were allocated for request; num_external of its tokens come from us."""
+        return None
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        """Called once per step, also for an empty step; resets per-step state."""
         return KVConnectorMetadata()
 
-    def update_connector_output(self, output: KVConnectorOutput) -> None:
-        """The aggregated worker results of the last step."""
-
-    def request_finished(
-        self, request: Request, block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, dict | None]:
-        """The request finished. Returns (delay_free, kv_transfer_params): with delay_free
-        the scheduler keeps the blocks until finished_sending names the request."""
+    def request_finished(self, request: Request, block_ids: BlockIds) -> tuple[bool, dict | None]:
         return False, None
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        return None
+
     def release_kept(self, request_ids: list[str]) -> None:
-        """Nobody will consume the KV kept (delay_free) for these finished requests (their
-        client left): free it now, through finished_sending as usual. Unknown or already
-        released ids are ignored. Default: nothing is kept."""
+        return None
 
     @classmethod
     def prepare_config(cls, engine_config: EngineConfig) -> EngineConfig:

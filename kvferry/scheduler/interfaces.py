@@ -1,13 +1,16 @@
-"""What the scheduler expects from a KV connector's scheduler half.
+"""What the scheduler expects from a KV connector's scheduler half: the one statement of
+that contract.
 
-Connectors live in kvferry/connector; these protocols are the seam. The scheduler calls a
-connector only when one is configured.
+Connectors live in kvferry/connector; KVConnectorBase implements this protocol with
+do-nothing defaults (a test holds its signatures to these). The scheduler and the engine
+core call a connector only when one is configured.
 """
 
 from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+from kvferry.config import LoadFailurePolicy
 from kvferry.connector.output import KVConnectorOutput
 from kvferry.scheduler.output import BlockIds, SchedulerOutput
 from kvferry.scheduler.request import Request
@@ -16,6 +19,11 @@ from kvferry.scheduler.request import Request
 @runtime_checkable
 class SchedulerConnector(Protocol):
     """Scheduler half of a KV connector."""
+
+    @property
+    def load_failure_policy(self) -> LoadFailurePolicy:
+        """What the scheduler does when loading a request's KV failed (invariant 6)."""
+        ...
 
     def request_added(self, request: Request) -> None:
         """A request was queued (lookups may start before its turn comes).
@@ -63,4 +71,10 @@ class SchedulerConnector(Protocol):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """The aggregated KVConnectorOutput of the step, before the scheduler acts on it."""
+        ...
+
+    def release_kept(self, request_ids: list[str]) -> None:
+        """Nobody will consume the KV kept (delay_free) for these finished requests (their
+        client left): free it now, through `finished_sending` as usual. Unknown or already
+        released ids are ignored."""
         ...

@@ -13,7 +13,7 @@ import logging
 from collections import deque
 from collections.abc import Iterable
 
-from kvferry.config import LOAD_FAILURE_POLICIES, CacheConfig, LoadFailurePolicy, SchedulerConfig
+from kvferry.config import CacheConfig, LoadFailurePolicy, SchedulerConfig
 from kvferry.connector.output import KVConnectorOutput, checked_output
 from kvferry.engine.types import EngineCoreOutput, EngineCoreRequest
 from kvferry.errors import InvalidRequestError
@@ -30,14 +30,13 @@ from kvferry.worker.output import ModelRunnerOutput, SampleLogprobs
 logger = logging.getLogger(__name__)
 
 
-def _load_failure_policy(policy: str | None, connector: SchedulerConnector | None) -> LoadFailurePolicy:
-    """The given policy, else the connector's --kv-transfer-config one, else "fail"."""
-    if policy is None:
-        transfer_config = getattr(connector, "transfer_config", None)
-        policy = getattr(transfer_config, "kv_load_failure_policy", "fail")
-    if policy not in LOAD_FAILURE_POLICIES:
-        raise ValueError(f"kv_load_failure_policy must be one of {LOAD_FAILURE_POLICIES}, not {policy!r}")
-    return LoadFailurePolicy(policy)
+def _load_failure_policy(
+    policy: LoadFailurePolicy | str | None, connector: SchedulerConnector | None
+) -> LoadFailurePolicy:
+    """The given policy, else the connector's (its --kv-transfer-config), else FAIL."""
+    if policy is not None:
+        return LoadFailurePolicy(policy)
+    return connector.load_failure_policy if connector is not None else LoadFailurePolicy.FAIL
 
 
 def _check_config(config: SchedulerConfig, cache: CacheConfig, block_size: int, max_model_len: int) -> None:
@@ -60,7 +59,7 @@ class Scheduler:
         kv_cache_config: KVCacheConfig,
         max_model_len: int,
         connector: SchedulerConnector | None = None,
-        kv_load_failure_policy: str | None = None,
+        kv_load_failure_policy: LoadFailurePolicy | str | None = None,
     ):
         self.config = scheduler_config
         self.max_model_len = max_model_len
@@ -117,7 +116,8 @@ class Scheduler:
 
     def has_finished_requests(self) -> bool:
         """Whether the next step has news for workers or clients even if nothing runs."""
-        return bool(self._finished_ids or self._preempted_ids or self._pending_outputs)
+        news = self._finished_ids or self._preempted_ids or self._pending_outputs
+        return bool(news) or self.kv_cache_manager.has_page_changes()
 
     def has_pending_kv_transfers(self) -> bool:
         """Finished requests whose blocks wait for a connector's finished_sending."""
@@ -151,6 +151,7 @@ class Scheduler:
             self.requests[req_id].num_computed_tokens += num_tokens
         if self.connector is not None:
             output.kv_connector_metadata = self.connector.build_connector_meta(output)
+        output.kv_pages = self.kv_cache_manager.take_page_changes()  # after every alloc and free
         return output
 
     def _schedule_running(self, plan: StepPlan) -> None:
