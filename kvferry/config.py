@@ -8,7 +8,7 @@ from enum import Enum
 import torch
 
 from kvferry.errors import ConfigError
-from kvferry.kv.spec import Layout
+from kvferry.kv.spec import KVAllocator, Layout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -69,9 +69,11 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     layout: Layout = Layout.NHD  # the spelling "NHD"/"HND" is accepted and coerced
     kv_cache_memory_fraction: float = DEFAULT_KV_CACHE_MEMORY_FRACTION
+    kv_allocator: KVAllocator = KVAllocator.EAGER  # --kv-allocator; "eager"/"elastic" coerced
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layout", _member(Layout, self.layout, "KV layout"))
+        object.__setattr__(self, "kv_allocator", _member(KVAllocator, self.kv_allocator, "KV allocator"))
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ConfigError(
                 f"kv_cache_memory_fraction must be in (0, 1], not {self.kv_cache_memory_fraction}"

@@ -18,6 +18,7 @@ from kvferry.engine.core import EngineCore, EngineStats
 from kvferry.engine.input_processor import InputProcessor
 from kvferry.engine.output_processor import OutputProcessor
 from kvferry.errors import InvalidRequestError
+from kvferry.kv.spec import KVAllocator
 from kvferry.model.resolve import resolve_model_config
 from kvferry.model.tokenizer import load_tokenizer
 from kvferry.outputs import RequestOutput
@@ -59,6 +60,7 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         seed: int = 0,
         enforce_eager: bool = False,
+        kv_allocator: KVAllocator | str = KVAllocator.EAGER,
     ):
         model_config = resolve_model_config(model, dtype=dtype, max_model_len=max_model_len)
         config = EngineConfig(
@@ -68,6 +70,7 @@ class LLM:
                 kv_cache_bytes,
                 enable_prefix_caching=enable_prefix_caching,
                 kv_cache_memory_fraction=kv_cache_memory_fraction,
+                kv_allocator=kv_allocator,
             ),
             scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs),
             parallel=ParallelConfig(tensor_parallel_size),

@@ -1,4 +1,5 @@
-"""Build the KVCacheConfig for a model and allocate its tensors (eager allocator).
+"""Build the KVCacheConfig for a model and allocate its tensors (eager: zero-filled tensors;
+elastic: reserved address space, kvferry.kv.elastic).
 
 Groups come from the layers' specs, as the model states them (`AttentionLayerKV`):
 layers with equal specs form a group. When specs differ (Gemma 3's sliding and full
@@ -18,8 +19,11 @@ import torch
 
 from kvferry.config import CacheConfig, ModelConfig
 from kvferry.errors import ConfigError
+from kvferry.kv.elastic import page_granularity
+from kvferry.kv.pages import blocks_per_page
 from kvferry.kv.spec import (
     AttentionLayerKV,
+    KVAllocator,
     KVCacheConfig,
     KVCacheGroup,
     KVCacheSpec,
@@ -46,10 +50,11 @@ def build_kv_cache_config(
     num_blocks = cache_config.num_gpu_blocks_override or budget_bytes // (page_size * group_size)
     if num_blocks < 2:
         raise ConfigError(f"KV cache budget of {budget_bytes} bytes holds fewer than 2 blocks")
+    allocator = cache_config.kv_allocator
+    per_page = blocks_per_page(groups, page_granularity()) if allocator is KVAllocator.ELASTIC else 1
+    capacity = _capacity(int(num_blocks), per_page)
     tensors = tuple(
-        KVCacheTensor(
-            page_size * num_blocks, tuple(g.layer_names[i] for g in groups if i < len(g.layer_names))
-        )
+        KVCacheTensor(page_size * capacity, tuple(g.layer_names[i] for g in groups if i < len(g.layer_names)))
         for i in range(group_size)
     )
     config = KVCacheConfig(
@@ -57,10 +62,18 @@ def build_kv_cache_config(
         tensors=tensors,
         layout=Layout(cache_config.layout),
         num_blocks=int(num_blocks),
-        virtual_num_blocks=int(num_blocks),
+        virtual_num_blocks=capacity,
+        allocator=allocator,
+        blocks_per_page=per_page,
     )
     logger.info("KV cache: %s", describe(config))
     return config
+
+
+def _capacity(num_blocks: int, per_page: int) -> int:
+    """The virtual capacity: the budget's blocks in whole pages (the ids past num_blocks in
+    the last page are reserved but never handed out)."""
+    return -(-num_blocks // per_page) * per_page
 
 
 def _spec(layer: AttentionLayerKV, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
@@ -100,7 +113,10 @@ def _uniform_page_size(groups: tuple[KVCacheGroup, ...]) -> int:
 def describe(config: KVCacheConfig) -> str:
     """One line: blocks, groups (spec and layer count), tensors."""
     groups = ", ".join(f"{_spec_name(g.spec)} x{len(g.layer_names)}" for g in config.groups)
-    return f"{config.num_blocks} blocks of {config.block_size} tokens; groups: {groups}; {len(config.tensors)} tensors"
+    line = f"{config.num_blocks} blocks of {config.block_size} tokens; groups: {groups}; {len(config.tensors)} tensors"
+    if config.is_elastic:
+        line += f"; elastic: {config.virtual_num_blocks} reserved, pages of {config.blocks_per_page} blocks"
+    return line
 
 
 def _spec_name(spec: KVCacheSpec) -> str:
@@ -116,10 +132,11 @@ def with_num_blocks(config: KVCacheConfig, num_blocks: int) -> KVCacheConfig:
     """
     if num_blocks > config.num_blocks:
         raise ConfigError(f"{num_blocks} KV blocks exceed this rank's budget of {config.num_blocks}")
+    capacity = _capacity(num_blocks, config.blocks_per_page)
     tensors = tuple(
-        replace(t, size_bytes=t.size_bytes // config.num_blocks * num_blocks) for t in config.tensors
+        replace(t, size_bytes=t.size_bytes // config.virtual_num_blocks * capacity) for t in config.tensors
     )
-    return replace(config, tensors=tensors, num_blocks=num_blocks, virtual_num_blocks=num_blocks)
+    return replace(config, tensors=tensors, num_blocks=num_blocks, virtual_num_blocks=capacity)
 
 
 def allocate_kv_caches(config: KVCacheConfig, device: torch.device | str) -> dict[str, torch.Tensor]:
@@ -141,4 +158,4 @@ def allocate_kv_caches(config: KVCacheConfig, device: torch.device | str) -> dic
 
 def _shape(config: KVCacheConfig, layer_name: str) -> tuple[int, ...]:
     spec = config.groups[config.group_of(layer_name)].spec
-    return config.layout.shape(config.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+    return config.layout.shape(config.virtual_num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)

@@ -23,6 +23,16 @@ class Layout(str, Enum):
         return (2, num_blocks, kv_heads, block_size, head_dim)
 
 
+class KVAllocator(str, Enum):
+    """How the KV tensors get memory (--kv-allocator)."""
+
+    EAGER = "eager"  # the whole budget committed at start-up
+    ELASTIC = "elastic"  # capacity reserved; pages committed while their blocks are in use
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True)
 class KVCacheSpec:
     block_size: int
@@ -95,6 +105,20 @@ class KVCacheConfig:
     layout: Layout
     num_blocks: int  # physical block budget the scheduler may hand out
     virtual_num_blocks: int  # capacity reserved in address space (== num_blocks when eager)
+    allocator: KVAllocator = KVAllocator.EAGER
+    # Block ids [p * blocks_per_page, (p + 1) * blocks_per_page) share physical page p: in
+    # every tensor, their K bytes and their V bytes each fill whole pages of the allocator.
+    # Pages are mapped and returned as a whole (kvferry.kv.pages).
+    blocks_per_page: int = 1
+
+    @property
+    def num_pages(self) -> int:
+        """Pages of the virtual capacity (the last one may hold ids past num_blocks)."""
+        return -(-self.virtual_num_blocks // self.blocks_per_page)
+
+    @property
+    def is_elastic(self) -> bool:
+        return self.allocator is KVAllocator.ELASTIC
 
     def group_of(self, layer_name: str) -> int:
         for gid, group in enumerate(self.groups):

@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 
+from kvferry.kv.pages import PageChanges
 from kvferry.scheduler.hashing import BlockContent, BlockHash
+from kvferry.scheduler.page_tracker import PageTracker
 
 logger = logging.getLogger(__name__)
 
@@ -129,25 +131,51 @@ class BlockPool:
     kept aside as a placeholder for table entries that need no KV (sliding-window gaps).
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool, reserve_null_block: bool = False):
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool,
+        reserve_null_block: bool = False,
+        blocks_per_page: int | None = None,
+    ):
+        """`blocks_per_page` (elastic KV memory): allocation is page-aware and the pool
+        reports which pages hold blocks (kvferry.scheduler.page_tracker); None: eager."""
         if num_blocks <= int(reserve_null_block):
             raise ValueError(f"a block pool needs at least one usable block, got {num_blocks}")
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block: KVCacheBlock | None = None
+        self.pages: PageTracker | None = None
+        if blocks_per_page is not None:
+            self.pages = PageTracker(-(-num_blocks // blocks_per_page), blocks_per_page)
         if reserve_null_block:
             self.null_block = self.blocks[NULL_BLOCK_ID]
             self.null_block.is_null = True
+            if self.pages is not None:
+                self.pages.pin(self.null_block)  # its page stays mapped: tables point at it
         usable = [self.blocks[b] for b in usable_block_ids(num_blocks, reserve_null_block)]
         self.num_blocks = len(usable)
-        self.free_queue = FreeBlockQueue(usable)
+        # Eager: every free block, LRU. Elastic: free blocks holding a cached prefix only;
+        # the spare ones (no prefix) wait in the page tracker.
+        self.free_queue = FreeBlockQueue(usable if self.pages is None else ())
+        if self.pages is not None:
+            for block in usable:
+                self.pages.add_spare(block)
         self.cached: dict[CacheKey, KVCacheBlock] = {}
         self.num_collisions = 0  # hash hits rejected because the content differed
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now, cached-but-unused ones included."""
-        return self.free_queue.num_free
+        spare = 0 if self.pages is None else self.pages.num_spare
+        return self.free_queue.num_free + spare
+
+    def take_page_changes(self) -> PageChanges | None:
+        """Pages mapped and returned since the last call; None with eager memory."""
+        return None if self.pages is None else self.pages.take_changes()
+
+    def has_page_changes(self) -> bool:
+        return self.pages is not None and self.pages.has_changes()
 
     @property
     def usage(self) -> float:
@@ -163,12 +191,22 @@ class BlockPool:
             raise ValueError(f"asked for {num_blocks} blocks, only {self.num_free_blocks} free")
         blocks = []
         for _ in range(num_blocks):
-            block = self.free_queue.popleft()
+            block = self._next_free()
             assert block.ref_cnt == 0
             self._evict(block)
             block.ref_cnt = 1
             blocks.append(block)
         return blocks
+
+    def _next_free(self) -> KVCacheBlock:
+        """Eager: the head of the LRU queue. Elastic: a spare block (mapped pages first),
+        else the least recently freed cached block (its page stays mapped)."""
+        spare = None if self.pages is None else self.pages.pick()
+        if spare is None:
+            return self.free_queue.popleft()
+        self.pages.take_spare(spare)
+        self.pages.pin(spare)
+        return spare
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on blocks found in the cache (pulling free ones out of the queue)."""
@@ -176,8 +214,15 @@ class BlockPool:
             if block.is_null:
                 continue
             if block.ref_cnt == 0:
-                self.free_queue.remove(block)
+                self._take_free(block)
             block.ref_cnt += 1
+
+    def _take_free(self, block: KVCacheBlock) -> None:
+        if self.pages is not None and self.pages.is_spare(block):
+            self.pages.take_spare(block)
+            self.pages.pin(block)
+            return
+        self.free_queue.remove(block)
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop a reference; blocks reaching zero join the tail in the given order.
@@ -190,7 +235,15 @@ class BlockPool:
             assert block.ref_cnt > 0, f"double free of {block}"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_queue.append(block)
+                self._release(block)
+
+    def _release(self, block: KVCacheBlock) -> None:
+        """A block nobody holds: LRU queue if eager or cached, else spare (unpins its page)."""
+        if self.pages is None or block.block_hash is not None:
+            self.free_queue.append(block)
+            return
+        self.pages.add_spare(block)
+        self.pages.unpin(block)
 
     def get_cached_block(
         self, block_hash: BlockHash, content: BlockContent, group_id: int = 0
@@ -236,6 +289,9 @@ class BlockPool:
             return False
         for block in self.cached.values():
             block.reset_hash()
+            if self.pages is not None:
+                self.free_queue.remove(block)
+                self._release(block)
         self.cached.clear()
         return True
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from kvferry.kv.pages import PageChanges
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.scheduler.block_pool import BlockPool, KVCacheBlock
 from kvferry.scheduler.hashing import BlockHasher
@@ -43,6 +44,7 @@ class KVCacheManager:
             kv_cache_config.num_blocks,
             enable_prefix_caching,
             reserve_null_block=kv_cache_config.has_sliding_window,
+            blocks_per_page=kv_cache_config.blocks_per_page if kv_cache_config.is_elastic else None,
         )
         self.managers: list[SingleTypeManager] = [
             make_manager(group.spec, self.pool, gid, block_hasher)
@@ -142,3 +144,10 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
+
+    def take_page_changes(self) -> PageChanges | None:
+        """Elastic KV memory: the pages the workers map or return before the next step."""
+        return self.pool.take_page_changes()
+
+    def has_page_changes(self) -> bool:
+        return self.pool.has_page_changes()

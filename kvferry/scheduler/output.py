@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvferry.kv.pages import PageChanges
 from kvferry.sampling_params import SamplingParams
 
 # One list of block ids per KV cache group.
@@ -41,6 +42,8 @@ class SchedulerOutput:
     finished_req_ids: set[str]  # finished or aborted since last step: workers drop their state
     preempted_req_ids: set[str]  # workers drop their state; the request comes back as new
     kv_connector_metadata: object | None = None
+    # Elastic KV memory: pages workers map before this step and return (kvferry.kv.pages).
+    kv_pages: PageChanges | None = None
 
     @classmethod
     def empty(cls) -> SchedulerOutput:

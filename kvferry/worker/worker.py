@@ -12,7 +12,9 @@ from kvferry.config import CacheConfig, EngineConfig
 from kvferry.connector.base import KVConnectorRole
 from kvferry.connector.factory import create_connector
 from kvferry.kv.allocate import allocate_kv_caches, build_kv_cache_config
+from kvferry.kv.memory import KVMemory, allocate_kv_memory
 from kvferry.kv.spec import KVCacheConfig
+from kvferry.kv.usage import KVMemoryUsage
 from kvferry.model.layers.parallel import TPGroup
 from kvferry.model.loader import load_model
 from kvferry.scheduler.output import SchedulerOutput
@@ -35,6 +37,7 @@ class Worker:
         model = load_model(config.model, self.tp, self.device)
         self.runner = ModelRunner(config, model, self.device)
         self._memory_probe: MemoryProbe | None = None
+        self.kv_memory: KVMemory | None = None  # set by initialize_kv_cache
 
     def prepare_memory_profile(self, num_blocks: int) -> KVCacheConfig:
         """Bind a provisional KV cache of `num_blocks` blocks (no connector: it registers the
@@ -69,14 +72,25 @@ class Worker:
         (`kv_config` is the scheduler's: rank 0's specs)."""
         agreed = replace(self.config.cache, num_gpu_blocks_override=kv_config.num_blocks)
         kv_config = self._kv_cache_config(agreed, budget_bytes=0)
-        kv_caches = allocate_kv_caches(kv_config, self.device)
+        self.kv_memory = allocate_kv_memory(kv_config, self.device)
+        kv_caches = self.kv_memory.kv_caches
         connector = create_connector(self.config, KVConnectorRole.WORKER, kv_config, self.tp.rank)
         if connector is not None:
             connector.register_kv_caches(kv_caches, kv_config)
         self.runner.bind_kv_caches(kv_config, kv_caches, connector)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        # Elastic KV memory: pages of newly used blocks are mapped before anything (a
+        # connector's load included) writes them; freed ones are returned.
+        if self.kv_memory is not None:
+            self.kv_memory.apply(scheduler_output.kv_pages)
         return self.runner.execute_model(scheduler_output)
+
+    def kv_memory_usage(self) -> KVMemoryUsage:
+        """What this rank's KV memory commits now (its accounting and the kernel's word)."""
+        if self.kv_memory is None:
+            raise RuntimeError("kv_memory_usage before initialize_kv_cache")
+        return self.kv_memory.usage()
 
     def capture_stats(self) -> CaptureStats:
         return self.runner.forward.stats

@@ -1,0 +1,124 @@
+"""Which physical pages of elastic KV memory hold blocks in use (pure bookkeeping).
+
+A page (kvferry.kv.pages) is `blocks_per_page` consecutive block ids. A block *pins* its
+page while a request holds it (ref > 0) or while it holds a cached prefix (hash set, even
+with no reference): a cached block is worth the memory it sits in until the pool evicts
+it for reuse or the prefix cache is reset. A page is mapped exactly while one of its blocks
+pins it; the workers learn the transitions from `take_changes`, once per step.
+
+Free blocks that hold no prefix are *spare*. The pool hands out spare blocks of mapped
+pages first, then a block of an unmapped page (lowest first), and evicts a cached block
+only when neither exists: a page is never mapped while a mapped one has room, and no
+cached prefix is evicted while memory the budget pays for is unused.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import TYPE_CHECKING
+
+from kvferry.kv.pages import PageChanges
+
+if TYPE_CHECKING:
+    from kvferry.scheduler.block_pool import KVCacheBlock
+
+
+class PageTracker:
+    """Pins per page, spare blocks per page, and the page changes not yet reported."""
+
+    def __init__(self, num_pages: int, blocks_per_page: int):
+        self.blocks_per_page = blocks_per_page
+        self.pins = [0] * num_pages
+        self.spare: list[dict[int, KVCacheBlock]] = [{} for _ in range(num_pages)]
+        self.num_spare = 0
+        self._partial: dict[int, None] = {}  # mapped pages with spare blocks (ordered set)
+        self._unmapped: list[int] = []  # heap of pages with spare blocks and no pin (lazy)
+        self._reported: list[bool] | None = None  # None: nothing reported yet (full sync next)
+        self._dirty: set[int] = set()
+
+    @property
+    def num_mapped(self) -> int:
+        return sum(1 for pins in self.pins if pins)
+
+    def page_of(self, block: KVCacheBlock) -> int:
+        return block.block_id // self.blocks_per_page
+
+    def is_mapped(self, page: int) -> bool:
+        return self.pins[page] > 0
+
+    # ---- pins ---------------------------------------------------------------------------
+
+    def pin(self, block: KVCacheBlock) -> None:
+        page = self.page_of(block)
+        self.pins[page] += 1
+        if self.pins[page] == 1:
+            self._dirty.add(page)
+            if self.spare[page]:
+                self._partial[page] = None
+
+    def unpin(self, block: KVCacheBlock) -> None:
+        page = self.page_of(block)
+        assert self.pins[page] > 0, f"page {page} of {block} is not pinned"
+        self.pins[page] -= 1
+        if self.pins[page] == 0:
+            self._dirty.add(page)
+            self._partial.pop(page, None)
+            heapq.heappush(self._unmapped, page)
+
+    # ---- spare blocks -------------------------------------------------------------------
+
+    def add_spare(self, block: KVCacheBlock) -> None:
+        page = self.page_of(block)
+        assert block.block_id not in self.spare[page], f"{block} is already spare"
+        self.spare[page][block.block_id] = block
+        self.num_spare += 1
+        if self.pins[page]:
+            self._partial[page] = None
+        elif len(self.spare[page]) == 1:
+            heapq.heappush(self._unmapped, page)
+
+    def take_spare(self, block: KVCacheBlock) -> None:
+        page = self.page_of(block)
+        del self.spare[page][block.block_id]
+        self.num_spare -= 1
+        if not self.spare[page]:
+            self._partial.pop(page, None)
+
+    def is_spare(self, block: KVCacheBlock) -> bool:
+        return block.block_id in self.spare[self.page_of(block)]
+
+    def pick(self) -> KVCacheBlock | None:
+        """The spare block to hand out next: in a mapped page if any, else in the lowest
+        unmapped page; None when no block is spare."""
+        if self._partial:
+            page = next(iter(self._partial))
+            return next(iter(self.spare[page].values()))
+        while self._unmapped:
+            page = self._unmapped[0]
+            if not self.pins[page] and self.spare[page]:
+                return next(iter(self.spare[page].values()))
+            heapq.heappop(self._unmapped)  # stale: mapped or emptied since it was pushed
+        return None
+
+    # ---- what the workers learn ---------------------------------------------------------
+
+    def has_changes(self) -> bool:
+        if self._reported is None:
+            return True
+        return any(bool(self.pins[p]) != self._reported[p] for p in self._dirty)
+
+    def take_changes(self) -> PageChanges:
+        """Pages mapped and returned since the last call (the first call: a full sync)."""
+        if self._reported is None:
+            self._reported = [bool(p) for p in self.pins]
+            self._dirty.clear()
+            mapped = tuple(p for p, pinned in enumerate(self._reported) if pinned)
+            return PageChanges(mapped=mapped, full_sync=True)
+        mapped, unmapped = [], []
+        for page in sorted(self._dirty):
+            now = bool(self.pins[page])
+            if now != self._reported[page]:
+                (mapped if now else unmapped).append(page)
+                self._reported[page] = now
+        self._dirty.clear()
+        return PageChanges(mapped=tuple(mapped), unmapped=tuple(unmapped))
