@@ -55,6 +55,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--executor", default="uniproc", choices=["uniproc", "multiproc", "ray"])
     parser.add_argument("--kv-layout", default="NHD", choices=["NHD", "HND"])
     parser.add_argument(
+        "--kv-allocator",
+        default="eager",
+        choices=["eager", "elastic"],
+        help="KV memory: eager commits the whole budget at start-up; elastic reserves it and "
+        "commits pages only while their blocks are in use (CPU)",
+    )
+    parser.add_argument(
         "--cpu-cores",
         default=None,
         help="CPU: pin this instance to these cores, e.g. '0-3' (split evenly over TP ranks)",
@@ -117,6 +124,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             kv_cache_bytes=None if args.kv_cache_memory is None else int(args.kv_cache_memory),
             enable_prefix_caching=not args.no_prefix_caching,
             layout=args.kv_layout,
+            kv_allocator=args.kv_allocator,
             **kv_fraction_option(args.kv_cache_memory_fraction),
         ),
         scheduler=SchedulerConfig(
