@@ -12,6 +12,7 @@ from kvferry.config import EngineConfig
 from kvferry.connector.aggregator import KVOutputAggregator
 from kvferry.connector.factory import resolve_connector_class
 from kvferry.kv.spec import KVCacheConfig
+from kvferry.kv.usage import KVMemoryUsage
 from kvferry.scheduler.output import SchedulerOutput
 from kvferry.worker.capture import CaptureStats
 from kvferry.worker.memory_profile import MemoryProfile
@@ -50,6 +51,10 @@ class Executor(ABC):
     @abstractmethod
     def capture_stats(self) -> list[CaptureStats]:
         """Each rank's captured-forward counters (kvferry.worker.capture), rank 0 first."""
+
+    @abstractmethod
+    def kv_memory_usage(self) -> list[KVMemoryUsage]:
+        """Each rank's KV memory, reserved and committed (kvferry.kv.memory), rank 0 first."""
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         outputs = self.execute_on_workers(scheduler_output)

@@ -23,6 +23,7 @@ from kvferry.executor.base import Executor
 from kvferry.executor.rank import RankSetup, WorkerCall, WorkerMethod, WorkerReply, free_port
 from kvferry.kv.allocate import with_num_blocks
 from kvferry.kv.spec import KVCacheConfig
+from kvferry.kv.usage import KVMemoryUsage
 from kvferry.scheduler.output import SchedulerOutput
 from kvferry.worker.capture import CaptureStats
 from kvferry.worker.memory_profile import MemoryProfile
@@ -124,6 +125,9 @@ class MultiprocExecutor(Executor):
 
     def capture_stats(self) -> list[CaptureStats]:
         return self.collective_rpc(Worker.capture_stats)
+
+    def kv_memory_usage(self) -> list[KVMemoryUsage]:
+        return self.collective_rpc(Worker.kv_memory_usage)
 
     def shutdown(self) -> None:
         try:

@@ -26,6 +26,7 @@ WORKER_METHODS: frozenset[WorkerMethod] = frozenset(
         Worker.initialize_kv_cache,
         Worker.execute_model,
         Worker.capture_stats,
+        Worker.kv_memory_usage,
         Worker.shutdown,
     }
 )

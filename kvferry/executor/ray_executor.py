@@ -17,6 +17,7 @@ from kvferry.executor.base import Executor
 from kvferry.executor.rank import RankSetup, WorkerCall, WorkerMethod, build_worker, free_port
 from kvferry.kv.allocate import with_num_blocks
 from kvferry.kv.spec import KVCacheConfig
+from kvferry.kv.usage import KVMemoryUsage
 from kvferry.scheduler.output import SchedulerOutput
 from kvferry.worker.capture import CaptureStats
 from kvferry.worker.memory_profile import MemoryProfile
@@ -90,6 +91,9 @@ class RayExecutor(Executor):
 
     def capture_stats(self) -> list[CaptureStats]:
         return self._all(Worker.capture_stats)
+
+    def kv_memory_usage(self) -> list[KVMemoryUsage]:
+        return self._all(Worker.kv_memory_usage)
 
     def shutdown(self) -> None:
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from kvferry.config import EngineConfig
 from kvferry.executor.base import Executor
 from kvferry.kv.spec import KVCacheConfig
+from kvferry.kv.usage import KVMemoryUsage
 from kvferry.scheduler.output import SchedulerOutput
 from kvferry.worker.capture import CaptureStats
 from kvferry.worker.memory_profile import MemoryProfile
@@ -34,6 +35,9 @@ class UniprocExecutor(Executor):
 
     def capture_stats(self) -> list[CaptureStats]:
         return [self.worker.capture_stats()]
+
+    def kv_memory_usage(self) -> list[KVMemoryUsage]:
+        return [self.worker.kv_memory_usage()]
 
     def shutdown(self) -> None:
         self.worker.shutdown()
