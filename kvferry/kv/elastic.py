@@ -97,6 +97,10 @@ class ElasticKVMemory:
         self._commit(p for p in changes.mapped if p not in self.mapped)
         self._return(changes.unmapped)
 
+    def return_unplanned(self) -> None:
+        """Return every page the pool has not mapped (a dummy step wrote blocks of its own)."""
+        self._return(p for p in range(self.config.num_pages) if p not in self.mapped)
+
     def release(self) -> None:
         """Return every page (the tensors stay valid and read as zeros)."""
         self._return(range(self.config.num_pages))

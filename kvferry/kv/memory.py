@@ -32,6 +32,9 @@ class KVMemory(Protocol):
     def usage(self) -> KVMemoryUsage:
         """What is reserved and committed now."""
 
+    def return_unplanned(self) -> None:
+        """Return what a step the block pool did not plan (a dummy step) committed."""
+
     def release(self) -> None:
         """Return what can be returned (shutdown)."""
 
@@ -48,6 +51,9 @@ class EagerKVMemory:
 
     def usage(self) -> KVMemoryUsage:
         return KVMemoryUsage(self._bytes, self._bytes, self._bytes, 0)
+
+    def return_unplanned(self) -> None:
+        """Eager memory is all planned."""
 
     def release(self) -> None:
         """Eager memory goes with its tensors."""

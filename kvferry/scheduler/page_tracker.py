@@ -40,6 +40,11 @@ class PageTracker:
     def num_mapped(self) -> int:
         return sum(1 for pins in self.pins if pins)
 
+    @property
+    def num_reported_mapped(self) -> int:
+        """Pages the workers hold now: mapped as of the last changes taken."""
+        return 0 if self._reported is None else sum(self._reported)
+
     def page_of(self, block: KVCacheBlock) -> int:
         return block.block_id // self.blocks_per_page
 

@@ -82,9 +82,13 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         # Elastic KV memory: pages of newly used blocks are mapped before anything (a
         # connector's load included) writes them; freed ones are returned.
-        if self.kv_memory is not None:
-            self.kv_memory.apply(scheduler_output.kv_pages)
-        return self.runner.execute_model(scheduler_output)
+        if self.kv_memory is None:
+            return self.runner.execute_model(scheduler_output)
+        self.kv_memory.apply(scheduler_output.kv_pages)
+        output = self.runner.execute_model(scheduler_output)
+        if scheduler_output.kv_pages is None:  # a dummy step (warm-up): not the pool's blocks
+            self.kv_memory.return_unplanned()
+        return output
 
     def kv_memory_usage(self) -> KVMemoryUsage:
         """What this rank's KV memory commits now (its accounting and the kernel's word)."""
