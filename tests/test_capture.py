@@ -109,7 +109,10 @@ def _record(tmp_path: Path, model: Path, connector: str) -> tuple[list[dict], ob
     transfer = KVTransferConfig(
         connector, kv_connector_module_path=__name__, kv_connector_extra_config={"record_path": str(path)}
     )
-    torch._dynamo.utils.counters.clear()  # graph breaks are counted when the forward is compiled
+    # Graph breaks are counted when the forward is traced: drop code compiled by earlier
+    # tests in this process (an engine with the same placement would reuse it untraced).
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     llm = make_llm(model, kv_transfer=transfer)
     _tokens(llm, tokenize_all(model, PROMPT_TEXTS[:3]), SamplingParams(max_tokens=4, temperature=0.0))
     assert_pool_full(llm)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -201,29 +202,29 @@ class MultiConnector(KVConnectorBase):
             child.clear_connector_metadata()
         super().clear_connector_metadata()
 
-    def _each(self, hook: str, *args) -> None:
+    def _each(self, hook: Callable[[KVConnectorBase], None]) -> None:
         """Run a hook on every child; the first error is raised after all of them ran."""
         error: Exception | None = None
         for child in self.children:
             try:
-                getattr(child, hook)(*args)
+                hook(child)
             except Exception as exc:
-                logger.exception("%s.%s failed", type(child).__name__, hook)
+                logger.exception("a hook of %s failed", type(child).__name__)
                 error = error or exc
         if error is not None:
             raise error
 
     def start_load_kv(self) -> None:
-        self._each("start_load_kv")
+        self._each(lambda child: child.start_load_kv())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self._each("wait_for_layer_load", layer_name)
+        self._each(lambda child: child.wait_for_layer_load(layer_name))
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn: AttentionMetadata) -> None:
-        self._each("save_kv_layer", layer_name, kv_layer, attn)
+        self._each(lambda child: child.save_kv_layer(layer_name, kv_layer, attn))
 
     def wait_for_save(self) -> None:
-        self._each("wait_for_save")
+        self._each(lambda child: child.wait_for_save())
 
     def collect_output(self, finished_req_ids: set[str]) -> KVConnectorOutput:
         merged = KVConnectorOutput()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from enum import Enum
 
 import torch
 
@@ -11,7 +13,10 @@ from kvferry.model.forward_context import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
-LOAD_HOOKS = ("start_load_kv", "wait_for_layer_load")
+
+class HookKind(Enum):
+    LOAD = "load"  # a failure may leave the step's KV missing
+    SAVE = "save"  # a failure only loses the save
 
 
 class ConnectorGuard:
@@ -27,24 +32,24 @@ class ConnectorGuard:
         self.load_failed = False
         self.save_failed = False
 
-    def _call(self, hook: str, *args) -> None:
+    def _call(self, kind: HookKind, hook: Callable[..., None], *args: object) -> None:
         try:
-            getattr(self.connector, hook)(*args)
+            hook(*args)
         except Exception:
-            logger.exception("KV connector %s.%s failed", type(self.connector).__name__, hook)
-            if hook in LOAD_HOOKS:
+            logger.exception("KV connector %s.%s failed", type(self.connector).__name__, hook.__name__)
+            if kind is HookKind.LOAD:
                 self.load_failed = True
             else:
                 self.save_failed = True
 
     def start_load_kv(self) -> None:
-        self._call("start_load_kv")
+        self._call(HookKind.LOAD, self.connector.start_load_kv)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self._call("wait_for_layer_load", layer_name)
+        self._call(HookKind.LOAD, self.connector.wait_for_layer_load, layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn: AttentionMetadata) -> None:
-        self._call("save_kv_layer", layer_name, kv_layer, attn)
+        self._call(HookKind.SAVE, self.connector.save_kv_layer, layer_name, kv_layer, attn)
 
     def wait_for_save(self) -> None:
-        self._call("wait_for_save")
+        self._call(HookKind.SAVE, self.connector.wait_for_save)
