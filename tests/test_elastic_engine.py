@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from kvferry.config import CacheConfig, CompilationConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from kvferry.config import (
+    CacheConfig,
+    CompilationConfig,
+    EngineConfig,
+    KVTransferConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from kvferry.engine.llm import LLM
 from kvferry.kv.spec import KVAllocator
 from kvferry.model.resolve import resolve_model_config
@@ -29,6 +36,7 @@ def build_llm(
     budget: int = 2048,
     prefix_caching: bool = True,
     tp: int = 1,
+    kv_transfer: KVTransferConfig | None = None,
 ) -> LLM:
     model = resolve_model_config(str(model_dir), dtype="float32", max_model_len=512)
     config = EngineConfig(
@@ -43,6 +51,7 @@ def build_llm(
         scheduler=SchedulerConfig(budget, 64, True),
         parallel=ParallelConfig(tensor_parallel_size=tp),
         compilation=CompilationConfig(enforce_eager=True),
+        kv_transfer=kv_transfer or KVTransferConfig(),
     )
     return LLM.from_config(config)
 

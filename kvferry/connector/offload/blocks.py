@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class _Segment:
-    view: torch.Tensor  # uint8 [2, num_blocks, half_bytes] over the KV tensor's storage
+    view: torch.Tensor  # uint8 [2, virtual_num_blocks, half_bytes] over the KV tensor's storage
     group: int  # KV cache group: which of a block's ids (one per group) addresses it
     offset: int  # in the slot row
     half: int  # bytes of K (= bytes of V) of one block
@@ -37,10 +37,10 @@ class BlockCopier:
             if tensor.data_ptr() in seen:
                 continue
             seen.add(tensor.data_ptr())
-            assert tensor.is_contiguous(), f"KV tensor of {layer} is not contiguous"
-            view = tensor.view(2, tensor.shape[1], -1).view(torch.uint8)
-            half = view.shape[2]
-            self.segments.append(_Segment(view, kv_cache_config.group_of(layer), offset, half))
+            group = kv_cache_config.group_of(layer)
+            half = kv_cache_config.groups[group].spec.page_size_bytes // 2
+            view = _block_view(tensor, tensor_spec.size_bytes, kv_cache_config.virtual_num_blocks, half)
+            self.segments.append(_Segment(view, group, offset, half))
             offset += 2 * half
         self.slot_bytes = offset
         self.device = self.segments[0].view.device if self.segments else torch.device("cpu")
@@ -78,6 +78,17 @@ class BlockCopier:
         """Each KV cache group's runs, computed once for all of its layers."""
         groups = {seg.group for seg in self.segments}
         return {group: _runs([ids[group] for ids in block_ids], max_run) for group in groups}
+
+
+def _block_view(tensor: torch.Tensor, size_bytes: int, capacity: int, half: int) -> torch.Tensor:
+    """The tensor's bytes as [2, capacity, half]: K or V, block, the block's bytes. Sizes come
+    from the KVCacheConfig (invariant 4): `capacity` is its virtual_num_blocks (elastic memory
+    reserves ids past the budget), `half` its spec's page size / 2."""
+    assert size_bytes == 2 * capacity * half, "KV tensor size disagrees with its spec"
+    assert tensor.is_contiguous(), "KV tensor is not contiguous"
+    flat = tensor.view(-1).view(torch.uint8)
+    assert flat.numel() == size_bytes, f"KV tensor holds {flat.numel()} bytes, its config says {size_bytes}"
+    return flat.view(2, capacity, half)
 
 
 def _runs(block_ids: list[int], max_run: int | None = None) -> list[tuple[int, int, int]]:
