@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvferry.worker.output import SampleLogprobs
+from kvferry.messages.model_runner import SampleLogprobs
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """KVOutputAggregator: quorum counting, failures held until the quorum, stats merged."""
 
 from kvferry.connector.aggregator import KVOutputAggregator
-from kvferry.connector.output import KVConnectorOutput, KVConnectorStats
+from kvferry.messages.kv_connector import KVConnectorOutput, KVConnectorStats
 
 
 def out(**kw):

@@ -22,7 +22,7 @@ from kvferry.engine.core_fake import (
     fake_model_config,
 )
 from kvferry.engine.core_protocol import EngineDeadError, EngineStartupError, Outputs
-from kvferry.engine.types import EngineCoreOutput, EngineCoreRequest, FinishReason
+from kvferry.messages.engine_core import EngineCoreOutput, EngineCoreRequest, FinishReason
 from kvferry.sampling_params import SamplingParams
 
 CONFIG = EngineConfig(model=fake_model_config(), cache=CacheConfig(block_size=4))

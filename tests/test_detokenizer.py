@@ -4,7 +4,7 @@ from transformers import AutoTokenizer
 
 from kvferry.engine.detokenizer import IncrementalDetokenizer
 from kvferry.engine.output_processor import OutputProcessor
-from kvferry.engine.types import EngineCoreOutput, FinishReason
+from kvferry.messages.engine_core import EngineCoreOutput, FinishReason
 from kvferry.sampling_params import SamplingParams
 
 TEXT = " the café serves crème brûlée, 日本語 and 🙂🙂 too"

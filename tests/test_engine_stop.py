@@ -16,7 +16,7 @@ from kvferry.engine.async_engine import AsyncEngine
 from kvferry.engine.core_client import CoreClient
 from kvferry.engine.core_fake import FakeCoreFactory, FakeEngineCore, fake_model_config
 from kvferry.engine.core_protocol import EngineDeadError
-from kvferry.engine.types import EngineCoreRequest
+from kvferry.messages.engine_core import EngineCoreRequest
 from kvferry.sampling_params import SamplingParams
 
 CONFIG = EngineConfig(model=fake_model_config(), cache=CacheConfig(block_size=4))

@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from kvferry.config import CacheConfig, SchedulerConfig
-from kvferry.engine.types import EngineCoreRequest
 from kvferry.errors import ConfigError
 from kvferry.kv.allocate import allocate_kv_caches, build_kv_cache_config
 from kvferry.kv.spec import AttentionLayerKV, FullAttentionSpec, SlidingWindowSpec
+from kvferry.messages.engine_core import EngineCoreRequest
+from kvferry.messages.model_runner import ModelRunnerOutput
 from kvferry.model.gemma3 import Gemma3ForCausalLM
 from kvferry.sampling_params import SamplingParams
 from kvferry.scheduler.scheduler import Scheduler
-from kvferry.worker.output import ModelRunnerOutput
 from tests.fixtures.tiny_hybrid import WINDOW, hybrid_config
 
 BLOCK = 4

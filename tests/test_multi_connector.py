@@ -8,8 +8,8 @@ import pytest
 from kvferry.config import KVTransferConfig
 from kvferry.connector.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
 from kvferry.connector.multi import MultiConnector, MultiMetadata
-from kvferry.connector.output import KVConnectorStats
 from kvferry.errors import ConfigError
+from kvferry.messages.kv_connector import KVConnectorStats
 from tests.engine_helpers import PROMPT_TEXTS, assert_pool_full, make_llm
 from tests.test_offload_support import GREEDY, LONG, disk_extra, evict_device_cache, tokens
 

@@ -14,7 +14,7 @@ import pytest
 
 from kvferry.config import CacheConfig, EngineConfig, KVTransferConfig, ParallelConfig, SchedulerConfig
 from kvferry.engine.core import EngineCore
-from kvferry.engine.types import EngineCoreOutput, EngineCoreRequest
+from kvferry.messages.engine_core import EngineCoreOutput, EngineCoreRequest
 from kvferry.model.resolve import resolve_model_config
 from kvferry.sampling_params import SamplingParams
 from tests.engine_helpers import PROMPT_TEXTS, tokenize_all

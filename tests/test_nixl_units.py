@@ -8,8 +8,8 @@ from kvferry.connector.nixl.leases import Hold, LeaseTable, readers_of
 from kvferry.connector.nixl.params import RemotePrefill, parse_remote_prefill, validate_params
 from kvferry.connector.nixl.protocol import EXPIRED, HELD, MISMATCH, UNKNOWN, EngineInfo, GroupInfo, RankInfo
 from kvferry.connector.nixl.validate import blocks_to_read, check_remote
-from kvferry.engine.types import FinishReason
 from kvferry.errors import InvalidRequestError
+from kvferry.messages.engine_core import FinishReason
 from kvferry.model.layers.parallel import kv_head_range
 from tests.test_scheduler import (
     FakeConnector,

@@ -13,16 +13,16 @@ import pytest
 import torch
 
 from kvferry.config import CacheConfig, LoadFailurePolicy, SchedulerConfig
-from kvferry.connector.output import KVConnectorOutput
-from kvferry.engine.types import EngineCoreOutput, EngineCoreRequest, FinishReason
 from kvferry.errors import InvalidRequestError
 from kvferry.kv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, Layout
+from kvferry.messages.engine_core import EngineCoreOutput, EngineCoreRequest, FinishReason
+from kvferry.messages.kv_connector import KVConnectorOutput
+from kvferry.messages.model_runner import ModelRunnerOutput
 from kvferry.sampling_params import SamplingParams
 from kvferry.scheduler import hashing
 from kvferry.scheduler.output import SchedulerOutput
 from kvferry.scheduler.request import Request, RequestStatus
 from kvferry.scheduler.scheduler import Scheduler
-from kvferry.worker.output import ModelRunnerOutput
 
 BLOCK = 4
 EOS = 2

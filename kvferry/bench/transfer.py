@@ -355,7 +355,7 @@ def drain(*engines) -> None:
 
 def pd_round(prefiller, decoder, tag: str, prompt: list[int]) -> dict[str, float]:
     """Prefill on one engine, decode one token on the other: the decoder's connector stats."""
-    from kvferry.engine.types import EngineCoreRequest
+    from kvferry.messages.engine_core import EngineCoreRequest
     from kvferry.sampling_params import SamplingParams
 
     one = SamplingParams(max_tokens=1, temperature=0)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 
-from kvferry.connector.output import KVConnectorOutput
+from kvferry.messages.kv_connector import KVConnectorOutput
 
 logger = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from kvferry.connector.output import KVConnectorOutput, KVConnectorStats
 from kvferry.errors import KVFerryError
 from kvferry.kv.spec import KVCacheConfig, Layout
+from kvferry.messages.kv_connector import KVConnectorOutput, KVConnectorStats
 
 if TYPE_CHECKING:
     from kvferry.config import EngineConfig, KVTransferConfig, LoadFailurePolicy

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 from kvferry.config import KVTransferConfig
 from kvferry.connector.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
 from kvferry.connector.factory import resolve_connector_class
-from kvferry.connector.output import KVConnectorOutput
 from kvferry.errors import ConfigError
+from kvferry.messages.kv_connector import KVConnectorOutput
 
 if TYPE_CHECKING:
     import torch

@@ -31,8 +31,8 @@ from kvferry.engine.core_proc import CoreFactory, make_engine_core
 from kvferry.engine.core_protocol import EngineDeadError, Outputs
 from kvferry.engine.input_processor import InputProcessor
 from kvferry.engine.output_processor import OutputProcessor
-from kvferry.engine.types import EngineCoreOutput
 from kvferry.errors import InvalidRequestError, KVFerryError, UnknownRequestError
+from kvferry.messages.engine_core import EngineCoreOutput
 from kvferry.outputs import RequestOutput
 from kvferry.sampling_params import SamplingParams
 

@@ -9,12 +9,12 @@ from dataclasses import dataclass, field
 from kvferry.config import EngineConfig, ExecutorKind
 from kvferry.connector.base import KVConnectorRole
 from kvferry.connector.factory import create_connector, prepare_engine_config
-from kvferry.connector.output import KVConnectorOutput
 from kvferry.engine.profile_run import size_kv_cache
-from kvferry.engine.types import EngineCoreOutput, EngineCoreRequest
 from kvferry.engine.warmup import warmup_steps
 from kvferry.executor.base import Executor
 from kvferry.kv.spec import KVCacheConfig
+from kvferry.messages.engine_core import EngineCoreOutput, EngineCoreRequest
+from kvferry.messages.kv_connector import KVConnectorOutput
 from kvferry.scheduler.output import SchedulerOutput
 from kvferry.scheduler.scheduler import Scheduler
 

@@ -37,7 +37,7 @@ from kvferry.engine.core_protocol import (
     Ready,
     StartupFailed,
 )
-from kvferry.engine.types import EngineCoreRequest
+from kvferry.messages.engine_core import EngineCoreRequest
 
 logger = logging.getLogger(__name__)
 

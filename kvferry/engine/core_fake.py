@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 import torch
 
 from kvferry.config import EngineConfig, ModelConfig
-from kvferry.engine.types import EngineCoreOutput, EngineCoreRequest, FinishReason
 from kvferry.errors import ModelLoadError
-from kvferry.worker.output import SampleLogprobs
+from kvferry.messages.engine_core import EngineCoreOutput, EngineCoreRequest, FinishReason
+from kvferry.messages.model_runner import SampleLogprobs
 
 logger = logging.getLogger(__name__)
 

@@ -45,8 +45,8 @@ from kvferry.engine.core_protocol import (
     StartupFailed,
     stats_to_wire,
 )
-from kvferry.engine.types import EngineCoreOutput, EngineCoreRequest, FinishReason
 from kvferry.errors import ConfigError
+from kvferry.messages.engine_core import EngineCoreOutput, EngineCoreRequest, FinishReason
 
 logger = logging.getLogger(__name__)
 

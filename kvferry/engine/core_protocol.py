@@ -23,8 +23,8 @@ from typing import Any
 
 import msgspec
 
-from kvferry.engine.types import EngineCoreOutput, EngineCoreRequest
 from kvferry.errors import KVFerryError
+from kvferry.messages.engine_core import EngineCoreOutput, EngineCoreRequest
 
 logger = logging.getLogger(__name__)
 
@@ -115,8 +115,8 @@ def _benchmark(batch: int = 128, top: int = 5, rounds: int = 200) -> None:
     import pickle
     import time
 
-    from kvferry.engine.types import FinishReason
-    from kvferry.worker.output import SampleLogprobs
+    from kvferry.messages.engine_core import FinishReason
+    from kvferry.messages.model_runner import SampleLogprobs
 
     def one(i: int) -> EngineCoreOutput:
         lps = [SampleLogprobs(-0.5 - i / 7, [(i + k, -1.0 - k / 3) for k in range(top)])]

@@ -6,8 +6,8 @@ import time
 from collections.abc import Callable
 
 from kvferry.config import ModelConfig
-from kvferry.engine.types import EngineCoreRequest
 from kvferry.errors import InvalidRequestError
+from kvferry.messages.engine_core import EngineCoreRequest
 from kvferry.sampling_params import SamplingParams
 
 

@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass, field
 
 from kvferry.engine.detokenizer import IncrementalDetokenizer
-from kvferry.engine.types import EngineCoreOutput, FinishReason
+from kvferry.messages.engine_core import EngineCoreOutput, FinishReason
 from kvferry.outputs import CompletionOutput, RequestOutput
 from kvferry.sampling_params import SamplingParams
 

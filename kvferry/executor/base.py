@@ -13,10 +13,10 @@ from kvferry.connector.aggregator import KVOutputAggregator
 from kvferry.connector.factory import resolve_connector_class
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.kv.usage import KVMemoryUsage
+from kvferry.messages.model_runner import ModelRunnerOutput
 from kvferry.scheduler.output import SchedulerOutput
 from kvferry.worker.capture import CaptureStats
 from kvferry.worker.memory_profile import MemoryProfile
-from kvferry.worker.output import ModelRunnerOutput
 
 
 class Executor(ABC):

@@ -18,10 +18,10 @@ from kvferry.executor.rank import RankSetup, WorkerCall, WorkerMethod, build_wor
 from kvferry.kv.allocate import with_num_blocks
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.kv.usage import KVMemoryUsage
+from kvferry.messages.model_runner import ModelRunnerOutput
 from kvferry.scheduler.output import SchedulerOutput
 from kvferry.worker.capture import CaptureStats
 from kvferry.worker.memory_profile import MemoryProfile
-from kvferry.worker.output import ModelRunnerOutput
 from kvferry.worker.worker import Worker
 
 logger = logging.getLogger(__name__)

@@ -6,10 +6,10 @@ from kvferry.config import EngineConfig
 from kvferry.executor.base import Executor
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.kv.usage import KVMemoryUsage
+from kvferry.messages.model_runner import ModelRunnerOutput
 from kvferry.scheduler.output import SchedulerOutput
 from kvferry.worker.capture import CaptureStats
 from kvferry.worker.memory_profile import MemoryProfile
-from kvferry.worker.output import ModelRunnerOutput
 from kvferry.worker.worker import Worker
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from kvferry.messages.model_runner import SampleLogprobs
 from kvferry.sampling_params import SamplingParams
-from kvferry.worker.output import SampleLogprobs
 
 
 class FinishReason(str, Enum):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvferry.connector.output import KVConnectorOutput
+from kvferry.messages.kv_connector import KVConnectorOutput
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 from kvferry.config import LoadFailurePolicy
-from kvferry.connector.output import KVConnectorOutput
+from kvferry.messages.kv_connector import KVConnectorOutput
 from kvferry.scheduler.output import BlockIds, SchedulerOutput
 from kvferry.scheduler.request import Request
 

@@ -7,8 +7,8 @@ import logging
 from collections.abc import Iterable, Sequence
 from types import MappingProxyType
 
-from kvferry.engine.types import EngineCoreRequest, FinishReason
 from kvferry.errors import InvalidRequestError
+from kvferry.messages.engine_core import EngineCoreRequest, FinishReason
 from kvferry.sampling_params import SamplingParams
 from kvferry.scheduler.hashing import BlockHash, BlockHasher
 

@@ -14,10 +14,11 @@ from collections import deque
 from collections.abc import Iterable
 
 from kvferry.config import CacheConfig, LoadFailurePolicy, SchedulerConfig
-from kvferry.connector.output import KVConnectorOutput, checked_output
-from kvferry.engine.types import EngineCoreOutput, EngineCoreRequest
 from kvferry.errors import InvalidRequestError
 from kvferry.kv.spec import KVCacheConfig
+from kvferry.messages.engine_core import EngineCoreOutput, EngineCoreRequest
+from kvferry.messages.kv_connector import KVConnectorOutput, checked_output
+from kvferry.messages.model_runner import ModelRunnerOutput, SampleLogprobs
 from kvferry.scheduler.hashing import BlockHasher
 from kvferry.scheduler.interfaces import SchedulerConnector
 from kvferry.scheduler.kv_cache_manager import KVCacheManager
@@ -25,7 +26,6 @@ from kvferry.scheduler.output import SchedulerOutput
 from kvferry.scheduler.request import Request, RequestStatus
 from kvferry.scheduler.step_plan import StepPlan
 from kvferry.scheduler.stop import append_sampled
-from kvferry.worker.output import ModelRunnerOutput, SampleLogprobs
 
 logger = logging.getLogger(__name__)
 

@@ -8,14 +8,14 @@ import torch
 
 from kvferry.config import EngineConfig
 from kvferry.connector.base import KVConnectorBase
-from kvferry.connector.output import KVConnectorOutput, KVConnectorStats
 from kvferry.kv.spec import KVCacheConfig
+from kvferry.messages.kv_connector import KVConnectorOutput, KVConnectorStats
+from kvferry.messages.model_runner import ModelRunnerOutput
 from kvferry.model.forward_context import ForwardContext, Workspace
 from kvferry.scheduler.output import SchedulerOutput
 from kvferry.worker.capture import CapturedForward, hook_placement
 from kvferry.worker.connector_guard import ConnectorGuard
 from kvferry.worker.inputs import StepInputs, build_step_inputs
-from kvferry.worker.output import ModelRunnerOutput
 from kvferry.worker.request_state import RequestState, build_sampling_batch
 from kvferry.worker.sampler import Sampler
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvferry.worker.output import SampleLogprobs
+from kvferry.messages.model_runner import SampleLogprobs
 
 logger = logging.getLogger(__name__)
 

@@ -15,6 +15,7 @@ from kvferry.kv.allocate import allocate_kv_caches, build_kv_cache_config
 from kvferry.kv.memory import KVMemory, allocate_kv_memory
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.kv.usage import KVMemoryUsage
+from kvferry.messages.model_runner import ModelRunnerOutput
 from kvferry.model.layers.parallel import TPGroup
 from kvferry.model.loader import load_model
 from kvferry.scheduler.output import SchedulerOutput
@@ -22,7 +23,6 @@ from kvferry.worker.capture import CaptureStats
 from kvferry.worker.cpu_placement import place_rank
 from kvferry.worker.memory_profile import MemoryProbe, MemoryProfile, memory_probe
 from kvferry.worker.model_runner import ModelRunner
-from kvferry.worker.output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 

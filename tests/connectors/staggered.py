@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 from kvferry.connector.base import KVConnectorBase, KVConnectorMetadata
-from kvferry.connector.output import KVConnectorStats
+from kvferry.messages.kv_connector import KVConnectorStats
 
 
 class StaggeredConnector(KVConnectorBase):

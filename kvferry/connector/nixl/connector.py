@@ -23,8 +23,8 @@ from kvferry.config import KVRole
 from kvferry.connector.base import KVConnectorBase, KVConnectorRole
 from kvferry.connector.nixl.metadata import NixlConnectorMetadata, NixlSettings
 from kvferry.connector.nixl.params import validate_params
-from kvferry.connector.output import KVConnectorOutput, KVConnectorStats
 from kvferry.kv.spec import KVCacheConfig, Layout
+from kvferry.messages.kv_connector import KVConnectorOutput, KVConnectorStats
 
 if TYPE_CHECKING:
     import torch

@@ -15,7 +15,7 @@ from kvferry.connector.offload.config import OffloadConfig
 from kvferry.connector.offload.metadata import OffloadMetadata
 from kvferry.connector.offload.scheduler_side import OffloadScheduler
 from kvferry.connector.offload.worker_side import OffloadWorker
-from kvferry.connector.output import KVConnectorOutput, KVConnectorStats
+from kvferry.messages.kv_connector import KVConnectorOutput, KVConnectorStats
 
 if TYPE_CHECKING:
     import torch

@@ -22,8 +22,8 @@ from kvferry.connector.offload.config import (
 )
 from kvferry.connector.offload.index import TierIndex
 from kvferry.connector.offload.metadata import LoadOp, OffloadMetadata, SaveFailed, SaveOp, Tier
-from kvferry.connector.output import KVConnectorOutput
 from kvferry.kv.spec import KVCacheConfig
+from kvferry.messages.kv_connector import KVConnectorOutput
 from kvferry.scheduler.output import BlockIds, SchedulerOutput
 from kvferry.scheduler.request import Request
 

@@ -14,8 +14,8 @@ from kvferry.entrypoints.http_common import chat_role_chunk
 from kvferry.entrypoints.openai import serving_common as common
 from kvferry.entrypoints.openai.protocol import ChatCompletionRequest
 from kvferry.entrypoints.openai.serving_common import ServerState, Streams
+from kvferry.messages.model_runner import SampleLogprobs
 from kvferry.outputs import RequestOutput
-from kvferry.worker.output import SampleLogprobs
 
 
 def _logprob_entry(tokenizer: Any, token_id: int, logprob: float) -> dict[str, Any]:

@@ -14,8 +14,8 @@ from fastapi.responses import Response
 from kvferry.entrypoints.openai import serving_common as common
 from kvferry.entrypoints.openai.protocol import CompletionRequest
 from kvferry.entrypoints.openai.serving_common import ServerState, Streams
+from kvferry.messages.model_runner import SampleLogprobs
 from kvferry.outputs import RequestOutput
-from kvferry.worker.output import SampleLogprobs
 
 
 def completion_logprobs(
