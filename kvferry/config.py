@@ -8,6 +8,7 @@ from enum import Enum
 import torch
 
 from kvferry.errors import ConfigError
+from kvferry.kv.shared_pool import KVPoolSpec
 from kvferry.kv.spec import KVAllocator, Layout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -70,10 +71,15 @@ class CacheConfig:
     layout: Layout = Layout.NHD  # the spelling "NHD"/"HND" is accepted and coerced
     kv_cache_memory_fraction: float = DEFAULT_KV_CACHE_MEMORY_FRACTION
     kv_allocator: KVAllocator = KVAllocator.EAGER  # --kv-allocator; "eager"/"elastic" coerced
+    # --kv-memory-pool NAME [--kv-pool-size SIZE]: elastic pages drawn from a budget shared
+    # by the engines of this host (kvferry.kv.shared_pool); the size creates the pool.
+    kv_memory_pool: KVPoolSpec | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layout", _member(Layout, self.layout, "KV layout"))
         object.__setattr__(self, "kv_allocator", _member(KVAllocator, self.kv_allocator, "KV allocator"))
+        if self.kv_memory_pool is not None and self.kv_allocator is not KVAllocator.ELASTIC:
+            raise ConfigError("--kv-memory-pool needs --kv-allocator elastic")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ConfigError(
                 f"kv_cache_memory_fraction must be in (0, 1], not {self.kv_cache_memory_fraction}"

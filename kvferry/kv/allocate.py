@@ -21,6 +21,7 @@ from kvferry.config import CacheConfig, ModelConfig
 from kvferry.errors import ConfigError
 from kvferry.kv.elastic import page_granularity
 from kvferry.kv.pages import blocks_per_page
+from kvferry.kv.shared_pool import pool_size_bytes
 from kvferry.kv.spec import (
     AttentionLayerKV,
     KVAllocator,
@@ -39,19 +40,25 @@ def build_kv_cache_config(
     cache_config: CacheConfig,
     layers: Sequence[AttentionLayerKV],
     budget_bytes: int,
+    num_ranks: int = 1,
 ) -> KVCacheConfig:
     """Groups and tensors for `layers` (this rank's heads; tensor parallelism may give ranks
     different counts), holding the blocks `budget_bytes` pays for (kvferry.kv.budget), or
-    `num_gpu_blocks_override` blocks. The KV cache takes the checkpoint's dtype."""
+    `num_gpu_blocks_override` blocks. The KV cache takes the checkpoint's dtype. On a shared
+    KV memory pool no more blocks than the pool holds (`num_ranks` ranks' pages each)."""
     specs = {layer.name: _spec(layer, cache_config.block_size, model_config.dtype) for layer in layers}
     groups = group_layers(specs)
     page_size = _uniform_page_size(groups)
     group_size = len(groups[0].layer_names)
     num_blocks = cache_config.num_gpu_blocks_override or budget_bytes // (page_size * group_size)
-    if num_blocks < 2:
-        raise ConfigError(f"KV cache budget of {budget_bytes} bytes holds fewer than 2 blocks")
     allocator = cache_config.kv_allocator
     per_page = blocks_per_page(groups, page_granularity()) if allocator is KVAllocator.ELASTIC else 1
+    pool_page_bytes = page_size * group_size * per_page * num_ranks
+    if cache_config.kv_memory_pool is not None:
+        pool_size = pool_size_bytes(cache_config.kv_memory_pool)
+        num_blocks = min(num_blocks, pool_size // pool_page_bytes * per_page)
+    if num_blocks < 2:
+        raise ConfigError(f"KV cache budget of {budget_bytes} bytes holds fewer than 2 blocks")
     capacity = _capacity(int(num_blocks), per_page)
     tensors = tuple(
         KVCacheTensor(page_size * capacity, tuple(g.layer_names[i] for g in groups if i < len(g.layer_names)))
@@ -65,6 +72,8 @@ def build_kv_cache_config(
         virtual_num_blocks=capacity,
         allocator=allocator,
         blocks_per_page=per_page,
+        memory_pool=cache_config.kv_memory_pool,
+        pool_page_bytes=pool_page_bytes,
     )
     logger.info("KV cache: %s", describe(config))
     return config

@@ -10,6 +10,8 @@ from enum import Enum
 
 import torch
 
+from kvferry.kv.shared_pool import KVPoolSpec
+
 
 class Layout(str, Enum):
     """Per-layer tensor layout. The leading 2 indexes K (0) and V (1)."""
@@ -110,6 +112,10 @@ class KVCacheConfig:
     # every tensor, their K bytes and their V bytes each fill whole pages of the allocator.
     # Pages are mapped and returned as a whole (kvferry.kv.pages).
     blocks_per_page: int = 1
+    # A KV memory pool shared with other engines (--kv-memory-pool), and what one page of
+    # block ids commits on all tensor-parallel ranks together (the pool counts bytes).
+    memory_pool: KVPoolSpec | None = None
+    pool_page_bytes: int = 0
 
     @property
     def num_pages(self) -> int:

@@ -11,9 +11,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 
+from kvferry.errors import ConfigError
 from kvferry.kv.pages import PageChanges
 from kvferry.scheduler.hashing import BlockContent, BlockHash
-from kvferry.scheduler.page_tracker import PageTracker
+from kvferry.scheduler.page_tracker import PageBudget, PageTracker
 
 logger = logging.getLogger(__name__)
 
@@ -137,22 +138,30 @@ class BlockPool:
         enable_caching: bool,
         reserve_null_block: bool = False,
         blocks_per_page: int | None = None,
+        page_budget: PageBudget | None = None,
     ):
         """`blocks_per_page` (elastic KV memory): allocation is page-aware and the pool
-        reports which pages hold blocks (kvferry.scheduler.page_tracker); None: eager."""
+        reports which pages hold blocks (kvferry.scheduler.page_tracker); None: eager.
+        `page_budget`: pages come from a pool shared with other engines; a new page needs
+        its grant, and the engine evicts its own cached prefixes before asking for one."""
         if num_blocks <= int(reserve_null_block):
             raise ValueError(f"a block pool needs at least one usable block, got {num_blocks}")
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block: KVCacheBlock | None = None
         self.pages: PageTracker | None = None
+        self.budget = page_budget if blocks_per_page is not None else None
+        self._credit = 0  # pages granted by the budget, not mapped yet
         if blocks_per_page is not None:
             self.pages = PageTracker(-(-num_blocks // blocks_per_page), blocks_per_page)
         if reserve_null_block:
             self.null_block = self.blocks[NULL_BLOCK_ID]
             self.null_block.is_null = True
             if self.pages is not None:
-                self.pages.pin(self.null_block)  # its page stays mapped: tables point at it
+                if self.budget is not None and not self.budget.try_take(1):
+                    raise ConfigError("the shared KV memory pool has no room for this engine's first page")
+                self._credit = int(self.budget is not None)
+                self._pin(self.null_block)  # its page stays mapped: tables point at it
         usable = [self.blocks[b] for b in usable_block_ids(num_blocks, reserve_null_block)]
         self.num_blocks = len(usable)
         # Eager: every free block, LRU. Elastic: free blocks holding a cached prefix only;
@@ -166,13 +175,56 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks that can be handed out now, cached-but-unused ones included."""
+        """Blocks that can be handed out now, cached-but-unused ones included (on a shared
+        pool: as far as the pool could grant pages for them now)."""
+        if self.pages is None:
+            return self.free_queue.num_free
+        if self.budget is None:
+            return self.free_queue.num_free + self.pages.num_spare
+        unmapped = self.pages.num_spare - self.pages.num_spare_mapped
+        grantable = (self._credit + self.budget.available()) * self.pages.blocks_per_page
+        return self.free_queue.num_free + self.pages.num_spare_mapped + min(unmapped, grantable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks held by requests (the null block excluded)."""
         spare = 0 if self.pages is None else self.pages.num_spare
-        return self.free_queue.num_free + spare
+        return self.num_blocks - self.free_queue.num_free - spare
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        """Whether `num_blocks` new blocks can be handed out now; on a shared pool the pages
+        they need are granted here, before any is taken (leftovers: `settle`)."""
+        if self.budget is None:
+            return num_blocks <= self.num_free_blocks
+        rest = num_blocks - self.free_queue.num_free - self.pages.num_spare_mapped
+        if rest <= 0:
+            return True
+        if rest > self.pages.num_spare - self.pages.num_spare_mapped:
+            return False
+        per_page = self.pages.blocks_per_page
+        partial = int(len(self.blocks) % per_page != 0)  # the last page holds fewer ids
+        missing = -(-rest // per_page) + partial - self._credit
+        if missing > 0:
+            if not self.budget.try_take(missing):
+                return False
+            self._credit += missing
+        return True
+
+    def settle(self) -> None:
+        """Give back grants an allocation did not use."""
+        if self.budget is not None and self._credit:
+            self.budget.give(self._credit)
+            self._credit = 0
 
     def take_page_changes(self) -> PageChanges | None:
-        """Pages mapped and returned since the last call; None with eager memory."""
-        return None if self.pages is None else self.pages.take_changes()
+        """Pages mapped and returned since the last call; None with eager memory. On a
+        shared pool a returned page's grant goes back once the workers are told."""
+        if self.pages is None:
+            return None
+        changes = self.pages.take_changes()
+        if self.budget is not None and changes.unmapped:
+            self.budget.give(len(changes.unmapped))
+        return changes
 
     def has_page_changes(self) -> bool:
         return self.pages is not None and self.pages.has_changes()
@@ -200,13 +252,30 @@ class BlockPool:
 
     def _next_free(self) -> KVCacheBlock:
         """Eager: the head of the LRU queue. Elastic: a spare block (mapped pages first),
-        else the least recently freed cached block (its page stays mapped)."""
-        spare = None if self.pages is None else self.pages.pick()
+        else the least recently freed cached block (its page stays mapped). On a shared
+        pool: a spare block of a mapped page, then a cached block, then a new page."""
+        if self.pages is None:
+            return self.free_queue.popleft()
+        spare = self.pages.pick_mapped()
+        if spare is None and (self.budget is None or not self.free_queue.num_free):
+            spare = self.pages.pick_unmapped()
         if spare is None:
             return self.free_queue.popleft()
         self.pages.take_spare(spare)
-        self.pages.pin(spare)
+        self._pin(spare)
         return spare
+
+    def _pin(self, block: KVCacheBlock) -> None:
+        if not self.pages.pin(block) or self.budget is None:
+            return
+        if self._credit:
+            self._credit -= 1
+        elif not self.budget.try_take(1):
+            raise RuntimeError("a KV page without a grant from the shared pool (can_allocate first)")
+
+    def _unpin(self, block: KVCacheBlock) -> None:
+        if self.pages.unpin(block) and self.budget is not None:
+            self.budget.give(1)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on blocks found in the cache (pulling free ones out of the queue)."""
@@ -220,7 +289,7 @@ class BlockPool:
     def _take_free(self, block: KVCacheBlock) -> None:
         if self.pages is not None and self.pages.is_spare(block):
             self.pages.take_spare(block)
-            self.pages.pin(block)
+            self._pin(block)
             return
         self.free_queue.remove(block)
 
@@ -243,7 +312,7 @@ class BlockPool:
             self.free_queue.append(block)
             return
         self.pages.add_spare(block)
-        self.pages.unpin(block)
+        self._unpin(block)
 
     def get_cached_block(
         self, block_hash: BlockHash, content: BlockContent, group_id: int = 0
@@ -283,7 +352,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Only when no block is in use (returns False otherwise)."""
-        in_use = self.num_blocks - self.num_free_blocks
+        in_use = self.num_used_blocks
         if in_use:
             logger.warning("cannot reset the prefix cache: %d blocks are in use", in_use)
             return False

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import weakref
 
 from kvferry.kv.pages import PageChanges
+from kvferry.kv.shared_pool import PoolPageBudget, SharedKVPool
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.scheduler.block_pool import BlockPool, KVCacheBlock
 from kvferry.scheduler.hashing import BlockHasher
@@ -45,11 +47,26 @@ class KVCacheManager:
             enable_prefix_caching,
             reserve_null_block=kv_cache_config.has_sliding_window,
             blocks_per_page=kv_cache_config.blocks_per_page if kv_cache_config.is_elastic else None,
+            page_budget=self._page_budget(kv_cache_config),
         )
         self.managers: list[SingleTypeManager] = [
             make_manager(group.spec, self.pool, gid, block_hasher)
             for gid, group in enumerate(kv_cache_config.groups)
         ]
+
+    def _page_budget(self, config: KVCacheConfig) -> PoolPageBudget | None:
+        """The shared pool's grants, when the engine draws pages from one."""
+        if config.memory_pool is None:
+            return None
+        pool = SharedKVPool(config.memory_pool)
+        weakref.finalize(self, pool.close)  # a dropped engine leaves the pool
+        return PoolPageBudget(pool, config.pool_page_bytes)
+
+    def close(self) -> None:
+        """Leave the shared KV memory pool, if any (an engine that exits leaves it anyway)."""
+        if isinstance(self.pool.budget, PoolPageBudget):
+            self.pool.budget.pool.close()
+            self.pool.budget = None
 
     @property
     def num_groups(self) -> int:
@@ -116,11 +133,12 @@ class KVCacheManager:
             m.num_blocks_to_allocate(req_id, num_tokens, blocks)
             for m, blocks in zip(self.managers, computed, strict=True)
         )
-        if needed > self.pool.num_free_blocks:
+        if not self.pool.can_allocate(needed):
             return None
         for manager, blocks in zip(self.managers, computed, strict=True):
             manager.save_new_computed_blocks(req_id, blocks)
         new_blocks = [m.allocate_new_blocks(req_id, num_tokens) for m in self.managers]
+        self.pool.settle()
         return tuple([b.block_id for b in blocks] for blocks in new_blocks)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
@@ -132,6 +150,10 @@ class KVCacheManager:
         req_id = request if isinstance(request, str) else request.req_id
         for manager in self.managers:
             manager.free(req_id)
+        if self.pool.budget is not None and self.pool.num_used_blocks == 0:
+            # On a shared pool an idle engine keeps nothing: its cached prefixes' pages go
+            # back, so a busy engine can grow (the next step tells the workers).
+            self.pool.reset_prefix_cache()
 
     def get_blocks(self, req_id: str) -> KVCacheBlocks:
         return tuple(list(m.blocks(req_id)) for m in self.managers)

@@ -15,12 +15,22 @@ cached prefix is evicted while memory the budget pays for is unused.
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvferry.kv.pages import PageChanges
 
 if TYPE_CHECKING:
     from kvferry.scheduler.block_pool import KVCacheBlock
+
+
+class PageBudget(Protocol):
+    """Grants for pages from a budget shared with other engines (kvferry.kv.shared_pool)."""
+
+    def try_take(self, pages: int) -> bool: ...
+
+    def give(self, pages: int) -> None: ...
+
+    def available(self) -> int: ...
 
 
 class PageTracker:
@@ -31,6 +41,7 @@ class PageTracker:
         self.pins = [0] * num_pages
         self.spare: list[dict[int, KVCacheBlock]] = [{} for _ in range(num_pages)]
         self.num_spare = 0
+        self.num_spare_mapped = 0  # spare blocks in mapped pages: handed out at no cost
         self._partial: dict[int, None] = {}  # mapped pages with spare blocks (ordered set)
         self._unmapped: list[int] = []  # heap of pages with spare blocks and no pin (lazy)
         self._reported: list[bool] | None = None  # None: nothing reported yet (full sync next)
@@ -53,22 +64,35 @@ class PageTracker:
 
     # ---- pins ---------------------------------------------------------------------------
 
-    def pin(self, block: KVCacheBlock) -> None:
+    def pin(self, block: KVCacheBlock) -> bool:
+        """One more block pins its page. True when the page must be newly committed (it was
+        neither pinned nor still held by the workers): a shared pool's grant is due."""
         page = self.page_of(block)
         self.pins[page] += 1
-        if self.pins[page] == 1:
-            self._dirty.add(page)
-            if self.spare[page]:
-                self._partial[page] = None
+        if self.pins[page] > 1:
+            return False
+        self._dirty.add(page)
+        self.num_spare_mapped += len(self.spare[page])
+        if self.spare[page]:
+            self._partial[page] = None
+        return not self._workers_hold(page)
 
-    def unpin(self, block: KVCacheBlock) -> None:
+    def unpin(self, block: KVCacheBlock) -> bool:
+        """One block less pins its page. True when the page is free and the workers never
+        held it (its grant goes back now; otherwise when the workers learn the page is gone)."""
         page = self.page_of(block)
         assert self.pins[page] > 0, f"page {page} of {block} is not pinned"
         self.pins[page] -= 1
-        if self.pins[page] == 0:
-            self._dirty.add(page)
-            self._partial.pop(page, None)
-            heapq.heappush(self._unmapped, page)
+        if self.pins[page]:
+            return False
+        self._dirty.add(page)
+        self.num_spare_mapped -= len(self.spare[page])
+        self._partial.pop(page, None)
+        heapq.heappush(self._unmapped, page)
+        return not self._workers_hold(page)
+
+    def _workers_hold(self, page: int) -> bool:
+        return self._reported is not None and self._reported[page]
 
     # ---- spare blocks -------------------------------------------------------------------
 
@@ -78,6 +102,7 @@ class PageTracker:
         self.spare[page][block.block_id] = block
         self.num_spare += 1
         if self.pins[page]:
+            self.num_spare_mapped += 1
             self._partial[page] = None
         elif len(self.spare[page]) == 1:
             heapq.heappush(self._unmapped, page)
@@ -86,6 +111,8 @@ class PageTracker:
         page = self.page_of(block)
         del self.spare[page][block.block_id]
         self.num_spare -= 1
+        if self.pins[page]:
+            self.num_spare_mapped -= 1
         if not self.spare[page]:
             self._partial.pop(page, None)
 
@@ -95,9 +122,17 @@ class PageTracker:
     def pick(self) -> KVCacheBlock | None:
         """The spare block to hand out next: in a mapped page if any, else in the lowest
         unmapped page; None when no block is spare."""
-        if self._partial:
-            page = next(iter(self._partial))
-            return next(iter(self.spare[page].values()))
+        return self.pick_mapped() or self.pick_unmapped()
+
+    def pick_mapped(self) -> KVCacheBlock | None:
+        """A spare block of a mapped page (no memory to commit), or None."""
+        if not self._partial:
+            return None
+        page = next(iter(self._partial))
+        return next(iter(self.spare[page].values()))
+
+    def pick_unmapped(self) -> KVCacheBlock | None:
+        """A spare block of the lowest unmapped page, or None."""
         while self._unmapped:
             page = self._unmapped[0]
             if not self.pins[page] and self.spare[page]:

@@ -65,7 +65,9 @@ class Worker:
         return self._kv_cache_config(self.config.cache, budget_bytes)
 
     def _kv_cache_config(self, cache: CacheConfig, budget_bytes: int) -> KVCacheConfig:
-        return build_kv_cache_config(self.config.model, cache, self.runner.model.kv_layers(), budget_bytes)
+        return build_kv_cache_config(
+            self.config.model, cache, self.runner.model.kv_layers(), budget_bytes, num_ranks=self.tp.size
+        )
 
     def initialize_kv_cache(self, kv_config: KVCacheConfig) -> None:
         """Allocate with this rank's own specs and the block count the ranks agreed on
