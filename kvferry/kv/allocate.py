@@ -56,7 +56,9 @@ def build_kv_cache_config(
     pool_page_bytes = page_size * group_size * per_page * num_ranks
     if cache_config.kv_memory_pool is not None:
         pool_size = pool_size_bytes(cache_config.kv_memory_pool)
-        num_blocks = min(num_blocks, pool_size // pool_page_bytes * per_page)
+        if num_blocks > pool_size // pool_page_bytes * per_page:
+            num_blocks = pool_size // pool_page_bytes * per_page
+            logger.info("KV cache capped at %d blocks: all the shared pool holds", num_blocks)
     if num_blocks < 2:
         raise ConfigError(f"KV cache budget of {budget_bytes} bytes holds fewer than 2 blocks")
     capacity = _capacity(int(num_blocks), per_page)
