@@ -94,10 +94,22 @@ def test_pages_are_committed_and_returned(layout: Layout):
 
 def test_a_full_sync_returns_what_dummy_steps_wrote():
     memory = ElasticKVMemory(elastic_config())
-    memory.kv_caches["g0.l0"][:, 5:30].fill_(1.0)  # warm-up writes blocks nobody allocated
+    memory.kv_caches["g0.l0"][:, 5:30].fill_(1.0)  # a write nobody planned commits pages
     assert smaps_rss(memory) > 0
     memory.apply(PageChanges(mapped=(1,), full_sync=True))
     assert memory.mapped == {1}
+    assert_accounted(memory)
+
+
+def test_a_dummy_steps_pages_are_mapped_for_it_and_returned_after():
+    memory = ElasticKVMemory(elastic_config())
+    memory.apply(PageChanges(mapped=(0,), full_sync=True))
+    per_page = memory.blocks_per_page
+    memory.map_blocks([1, 3 * per_page, 3 * per_page + 1])  # page 0 is the pool's already
+    assert memory.mapped == {0, 3}
+    assert_accounted(memory)
+    memory.return_unplanned()
+    assert memory.mapped == {0}
     assert_accounted(memory)
 
 
@@ -108,6 +120,6 @@ def test_pages_hold_whole_os_pages_for_any_head_count():
         assert half * config.blocks_per_page % mmap.PAGESIZE == 0
 
 
-def test_elastic_memory_is_refused_off_cpu():
-    with pytest.raises(ConfigError, match="CPU memory only"):
+def test_elastic_memory_is_refused_off_cpu_and_cuda():
+    with pytest.raises(ConfigError, match="works on CPU and CUDA memory"):
         allocate_kv_memory(elastic_config(), "meta")

@@ -41,18 +41,21 @@ def build_kv_cache_config(
     layers: Sequence[AttentionLayerKV],
     budget_bytes: int,
     num_ranks: int = 1,
+    granularity: int | None = None,
 ) -> KVCacheConfig:
     """Groups and tensors for `layers` (this rank's heads; tensor parallelism may give ranks
     different counts), holding the blocks `budget_bytes` pays for (kvferry.kv.budget), or
     `num_gpu_blocks_override` blocks. The KV cache takes the checkpoint's dtype. On a shared
-    KV memory pool no more blocks than the pool holds (`num_ranks` ranks' pages each)."""
+    KV memory pool no more blocks than the pool holds (`num_ranks` ranks' pages each).
+    Elastic pages fill whole `granularity`-byte pages of the device (default: the CPU's)."""
     specs = {layer.name: _spec(layer, cache_config.block_size, model_config.dtype) for layer in layers}
     groups = group_layers(specs)
     page_size = _uniform_page_size(groups)
     group_size = len(groups[0].layer_names)
     num_blocks = cache_config.num_gpu_blocks_override or budget_bytes // (page_size * group_size)
     allocator = cache_config.kv_allocator
-    per_page = blocks_per_page(groups, page_granularity()) if allocator is KVAllocator.ELASTIC else 1
+    granularity = granularity or page_granularity()
+    per_page = blocks_per_page(groups, granularity) if allocator is KVAllocator.ELASTIC else 1
     pool_page_bytes = page_size * group_size * per_page * num_ranks
     if cache_config.kv_memory_pool is not None:
         pool_size = pool_size_bytes(cache_config.kv_memory_pool)

@@ -61,6 +61,7 @@ class ElasticKVMemory:
         self.config = config
         self.blocks_per_page = config.blocks_per_page
         self.mapped: set[int] = set()
+        self._unplanned: set[int] = set()  # mapped for a dummy step
         self._populate = True  # MADV_POPULATE_WRITE works (cleared on the first EINVAL)
         self.regions: list[_Region] = []
         self.kv_caches: dict[str, torch.Tensor] = {}
@@ -97,9 +98,17 @@ class ElasticKVMemory:
         self._commit(p for p in changes.mapped if p not in self.mapped)
         self._return(changes.unmapped)
 
+    def map_blocks(self, block_ids: Iterable[int]) -> None:
+        """Map the pages of blocks a dummy step (warm-up) uses: blocks the pool never
+        handed out (a write would commit them anyway; mapped first, they are accounted)."""
+        pages = {b // self.blocks_per_page for b in block_ids} - self.mapped
+        self._unplanned |= pages
+        self._commit(pages)
+
     def return_unplanned(self) -> None:
-        """Return every page the pool has not mapped (a dummy step wrote blocks of its own)."""
-        self._return(p for p in range(self.config.num_pages) if p not in self.mapped)
+        """Return the pages `map_blocks` mapped."""
+        self._return(list(self._unplanned))
+        self._unplanned.clear()
 
     def release(self) -> None:
         """Return every page (the tensors stay valid and read as zeros)."""

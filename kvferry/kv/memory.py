@@ -3,12 +3,13 @@ step, passes the scheduler's page changes to `apply`.
 
 Eager: tensors committed (zero-filled) at start-up; page changes never come. Elastic
 (kvferry.kv.elastic): address space reserved, pages committed and returned as blocks are
-used and freed. Elastic memory on CUDA (the driver's virtual memory API) is not built:
-asking for it is a ConfigError.
+used and freed, on CPU (kvferry.kv.elastic: mmap + madvise) or CUDA
+(kvferry.kv.elastic_cuda: the driver's virtual memory management).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Protocol
 
 import torch
@@ -16,6 +17,8 @@ import torch
 from kvferry.errors import ConfigError
 from kvferry.kv.allocate import allocate_kv_caches
 from kvferry.kv.elastic import ElasticKVMemory
+from kvferry.kv.elastic import page_granularity as cpu_page_granularity
+from kvferry.kv.elastic_cuda import CudaElasticKVMemory, cuda_page_granularity
 from kvferry.kv.pages import PageChanges
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.kv.usage import KVMemoryUsage
@@ -32,8 +35,11 @@ class KVMemory(Protocol):
     def usage(self) -> KVMemoryUsage:
         """What is reserved and committed now."""
 
+    def map_blocks(self, block_ids: Iterable[int]) -> None:
+        """Map the pages of blocks a step the pool did not plan (a dummy step) uses."""
+
     def return_unplanned(self) -> None:
-        """Return what a step the block pool did not plan (a dummy step) committed."""
+        """Return the pages `map_blocks` mapped."""
 
     def release(self) -> None:
         """Return what can be returned (shutdown)."""
@@ -52,6 +58,9 @@ class EagerKVMemory:
     def usage(self) -> KVMemoryUsage:
         return KVMemoryUsage(self._bytes, self._bytes, self._bytes, 0)
 
+    def map_blocks(self, block_ids: Iterable[int]) -> None:
+        """Eager memory is all mapped."""
+
     def return_unplanned(self) -> None:
         """Eager memory is all planned."""
 
@@ -63,9 +72,15 @@ def allocate_kv_memory(config: KVCacheConfig, device: torch.device | str) -> KVM
     """The allocator `config.allocator` names, with its tensors allocated."""
     if not config.is_elastic:
         return EagerKVMemory(config, device)
-    if torch.device(device).type != "cpu":
-        raise ConfigError(
-            f"--kv-allocator elastic is built for CPU memory only, not {device} "
-            "(the CUDA virtual memory allocator is not written yet)"
-        )
+    device = torch.device(device)
+    if device.type == "cuda":
+        return CudaElasticKVMemory(config, device)
+    if device.type != "cpu":
+        raise ConfigError(f"--kv-allocator elastic works on CPU and CUDA memory, not {device}")
     return ElasticKVMemory(config)
+
+
+def page_granularity(device: torch.device | str) -> int:
+    """Bytes of the smallest page elastic memory maps on `device`."""
+    device = torch.device(device)
+    return cuda_page_granularity(device) if device.type == "cuda" else cpu_page_granularity()

@@ -12,8 +12,8 @@ from kvferry.config import CacheConfig, EngineConfig
 from kvferry.connector.base import KVConnectorRole
 from kvferry.connector.factory import create_connector
 from kvferry.kv.allocate import allocate_kv_caches, build_kv_cache_config
-from kvferry.kv.memory import KVMemory, allocate_kv_memory
-from kvferry.kv.spec import KVCacheConfig
+from kvferry.kv.memory import KVMemory, allocate_kv_memory, page_granularity
+from kvferry.kv.spec import KVAllocator, KVCacheConfig
 from kvferry.kv.usage import KVMemoryUsage
 from kvferry.messages.model_runner import ModelRunnerOutput
 from kvferry.model.layers.parallel import TPGroup
@@ -65,8 +65,10 @@ class Worker:
         return self._kv_cache_config(self.config.cache, budget_bytes)
 
     def _kv_cache_config(self, cache: CacheConfig, budget_bytes: int) -> KVCacheConfig:
+        granularity = page_granularity(self.device) if cache.kv_allocator is KVAllocator.ELASTIC else None
+        layers = self.runner.model.kv_layers()
         return build_kv_cache_config(
-            self.config.model, cache, self.runner.model.kv_layers(), budget_bytes, num_ranks=self.tp.size
+            self.config.model, cache, layers, budget_bytes, num_ranks=self.tp.size, granularity=granularity
         )
 
     def initialize_kv_cache(self, kv_config: KVCacheConfig) -> None:
@@ -86,11 +88,26 @@ class Worker:
         # connector's load included) writes them; freed ones are returned.
         if self.kv_memory is None:
             return self.runner.execute_model(scheduler_output)
+        dummy = scheduler_output.kv_pages is None  # warm-up: blocks the pool never handed out
+        if dummy:
+            self.kv_memory.map_blocks(self._step_block_ids(scheduler_output))
         self.kv_memory.apply(scheduler_output.kv_pages)
         output = self.runner.execute_model(scheduler_output)
-        if scheduler_output.kv_pages is None:  # a dummy step (warm-up): not the pool's blocks
+        if dummy:
             self.kv_memory.return_unplanned()
         return output
+
+    def _step_block_ids(self, so: SchedulerOutput) -> set[int]:
+        """Every block a step's requests hold, their new ones included."""
+        ids: set[int] = set()
+        for data in so.scheduled_new_reqs:
+            ids.update(b for group in data.block_ids for b in group)
+        cached = so.scheduled_cached_reqs
+        for req_id, new_blocks in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            state = self.runner.states.get(req_id)
+            held = state.block_ids if state is not None else ()
+            ids.update(b for group in (*held, *(new_blocks or ())) for b in group)
+        return ids
 
     def kv_memory_usage(self) -> KVMemoryUsage:
         """What this rank's KV memory commits now (its accounting and the kernel's word)."""
