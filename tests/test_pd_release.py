@@ -87,7 +87,10 @@ def deployment(
     """(the prefill server, the proxy's URL, the stalled decoder's app)."""
     logs = tmp_path_factory.mktemp("pd_release")
     kv = nixl("producer", lease_s=LEASE_S)
-    prefiller = start_server(tiny_llama, logs, "prefill", kv, args=("--api-key", KEY))
+    secret = logs / "kv-secret"  # an instance with an API key refuses an unauthenticated side channel
+    secret.write_text("a-shared-side-channel-secret")
+    args = ("--api-key", KEY, "--kv-transfer-secret-file", str(secret))
+    prefiller = start_server(tiny_llama, logs, "prefill", kv, args=args)
     decoder = stalled_decoder()
     try:
         wait_healthy([prefiller])

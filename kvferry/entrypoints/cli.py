@@ -6,6 +6,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -168,9 +169,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
+    from kvferry.connector.nixl.serving import for_serving
     from kvferry.entrypoints.openai.server import run_server
 
-    run_server(engine_config_from_args(args), host=args.host, port=args.port, api_key=args.api_key)
+    config = engine_config_from_args(args)
+    config = for_serving(config, args.host, args.kv_transfer_secret_file, args.api_key is not None)
+    run_server(config, host=args.host, port=args.port, api_key=args.api_key)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -191,6 +195,26 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from kvferry.bench.throughput import run_throughput_bench
 
     run_throughput_bench(args, engine_config_from_args)
+
+
+# Commands with an API key: --api-key (shows in the process list), --api-key-file or
+# $KVFERRY_API_KEY (resolve_api_key); the proxy's module has no --api-key-file of its own.
+API_KEY_COMMANDS = ("serve", "proxy", "disagg")
+ADD_API_KEY_FILE = ("proxy",)
+
+
+def add_api_key_file_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--api-key-file", default=None, help="file holding the API key (or set $KVFERRY_API_KEY)"
+    )
+
+
+def resolve_args_api_key(args: argparse.Namespace) -> None:
+    """args.api_key from --api-key-file, --api-key or $KVFERRY_API_KEY, for commands that take one."""
+    if args.command in API_KEY_COMMANDS:
+        from kvferry.entrypoints.http_common import resolve_api_key
+
+        args.api_key = resolve_api_key(args.api_key, args.api_key_file, os.environ)
 
 
 # Subcommands whose modules define add_args(parser) and run(args); imported when the parser
@@ -217,6 +241,8 @@ def _add_pluggable(sub, commands: dict[str, tuple[str, str]]) -> None:
             raise
         parser = sub.add_parser(name, help=help_text)
         module.add_args(parser)
+        if name in ADD_API_KEY_FILE:
+            add_api_key_file_arg(parser)
         parser.set_defaults(func=module.run)
 
 
@@ -229,7 +255,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None)
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="visible in the process list: prefer $KVFERRY_API_KEY or --api-key-file",
+    )
+    add_api_key_file_arg(serve)
+    serve.add_argument(
+        "--kv-transfer-secret-file",
+        default=None,
+        help="NixlConnector: file holding the side channel's shared secret (or set $KVFERRY_KV_SECRET)",
+    )
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="one answer from the shell")
@@ -264,6 +300,7 @@ def main(argv: list[str] | None = None) -> None:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
+        resolve_args_api_key(args)
         args.func(args)
     except KVFerryError as exc:
         print(f"kvferry: error: {exc}", file=sys.stderr)

@@ -9,6 +9,11 @@ grace period), leaving no process behind. Children also get SIGTERM if the launc
 
 ``--kv-connector none`` starts colocated instances without a connector: the decoder then
 recomputes the prompt and ignores the prefill's ``kv_transfer_params``.
+
+Secrets travel by environment, never on a command line (docs/security.md): the API key
+(``--api-key-file``, ``$KVFERRY_API_KEY`` or ``--api-key``) reaches every child as
+``$KVFERRY_API_KEY``; the KV side channel's shared secret (``$KVFERRY_KV_SECRET`` if set,
+else a fresh random one) reaches the instances, not the proxy.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import ctypes
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -25,9 +31,11 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvferry.connector.nixl.auth import SECRET_ENV
+from kvferry.entrypoints.http_common import API_KEY_ENV
 from kvferry.errors import ConfigError, KVFerryError
 from kvferry.worker.cpu_placement import available_cores, format_core_list
 
@@ -52,6 +60,7 @@ class Child:
     cmd: list[str]
     url: str
     log: Path
+    env: dict[str, str] = field(default_factory=dict)  # set in the child's environment
     proc: subprocess.Popen | None = None
     side_channel_port: int | None = None
 
@@ -88,7 +97,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="the proxy's host")
     parser.add_argument("--port", type=int, default=8000, help="the proxy's port")
     parser.add_argument("--policy", default="round_robin", choices=["round_robin", "least_loaded"])
-    parser.add_argument("--api-key", default=None, help="required by the proxy and the instances")
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="required by the proxy and the instances (visible in the process list: prefer "
+        "$KVFERRY_API_KEY or --api-key-file); passed to them by environment",
+    )
+    parser.add_argument("--api-key-file", default=None, help="file holding the API key")
     parser.add_argument(
         "--kv-connector", default=DEFAULT_CONNECTOR, help=f"connector name, or '{NO_CONNECTOR}' (colocated)"
     )
@@ -195,11 +210,29 @@ def _die_with_parent(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+SECRET_VARS = (API_KEY_ENV, SECRET_ENV)
+
+
+def child_environment(own: dict[str, str]) -> dict[str, str]:
+    """The launcher's environment without its secrets, plus the child's own."""
+    env = {k: v for k, v in os.environ.items() if k not in SECRET_VARS}
+    return {**env, **own}
+
+
+def instance_secrets(args: argparse.Namespace, extra: dict) -> dict[str, str]:
+    """The secrets every instance gets by environment: API key, KV side-channel secret."""
+    env = {API_KEY_ENV: args.api_key} if args.api_key else {}
+    if args.kv_connector != NO_CONNECTOR and not extra.get("secret_file"):
+        env[SECRET_ENV] = os.environ.get(SECRET_ENV) or secrets.token_hex(32)
+    return env
+
+
 def spawn(child: Child) -> None:
     parent = os.getpid()
     with open(child.log, "wb") as out:
         child.proc = subprocess.Popen(
             child.cmd,
+            env=child_environment(child.env),
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -343,6 +376,7 @@ def split_cores(rank_counts: list[int], cores: tuple[int, ...]) -> list[tuple[in
 
 def plan_instances(args: argparse.Namespace, extra: dict, log_dir: Path) -> list[Child]:
     passthrough = engine_argv(args)
+    env = instance_secrets(args, extra)
     roles = [("prefill", i, args.prefill_tp) for i in range(args.prefill)]
     roles += [("decode", i, args.decode_tp) for i in range(args.decode)]
     if args.cpu_split == "even":
@@ -356,12 +390,12 @@ def plan_instances(args: argparse.Namespace, extra: dict, log_dir: Path) -> list
         cmd = _cli(args, "serve") + [args.model, "--host", "127.0.0.1", "--port", str(port)]
         cmd += ["--tensor-parallel-size", str(tp)] if tp > 1 else []
         cmd += ["--cpu-cores", format_core_list(cores)] if cores else []
-        cmd += passthrough + (["--api-key", args.api_key] if args.api_key else [])
+        cmd += passthrough
         kv = kv_transfer_json(args.kv_connector, role, extra, side_port, args.kv_load_failure_policy)
         cmd += ["--kv-transfer-config", kv] if kv else []
         name = f"{role}-{i}"
         url = f"http://127.0.0.1:{port}"
-        children.append(Child(name, cmd, url, log_dir / f"{name}.log", side_channel_port=side_port))
+        children.append(Child(name, cmd, url, log_dir / f"{name}.log", env, side_channel_port=side_port))
     return children
 
 
@@ -370,9 +404,9 @@ def plan_proxy(args: argparse.Namespace, instances: list[Child], log_dir: Path) 
     cmd += ["--prefill"] + [c.url for c in instances if c.name.startswith("prefill")]
     cmd += ["--decode"] + [c.url for c in instances if c.name.startswith("decode")]
     cmd += ["--host", args.host, "--port", str(args.port), "--policy", args.policy]
-    cmd += ["--api-key", args.api_key] if args.api_key else []
+    env = {API_KEY_ENV: args.api_key} if args.api_key else {}
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
-    return Child("proxy", cmd, f"http://{host}:{args.port}", log_dir / "proxy.log")
+    return Child("proxy", cmd, f"http://{host}:{args.port}", log_dir / "proxy.log", env)
 
 
 def _check_args(args: argparse.Namespace) -> None:

@@ -1,5 +1,5 @@
-"""HTTP pieces the OpenAI server and the P/D proxy share: error bodies, API key, SSE,
-disconnects, and awaiting several upstream streams at once.
+"""HTTP pieces the OpenAI server and the P/D proxy share: error bodies, API key (and where
+it comes from), SSE, disconnects, and awaiting several upstream streams at once.
 
 Kept free of engine imports so the proxy starts without torch.
 """
@@ -10,13 +10,16 @@ import asyncio
 import json
 import logging
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvferry.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +47,40 @@ def chat_role_chunk(meta: dict[str, Any]) -> dict[str, Any]:
         "finish_reason": None,
     }
     return {**meta, "choices": [role]}
+
+
+API_KEY_ENV = "KVFERRY_API_KEY"
+
+
+def read_api_key_file(path: str) -> str:
+    try:
+        key = Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read the API key file {path}: {exc}") from exc
+    if not key:
+        raise ConfigError(f"the API key file {path} is empty")
+    return key
+
+
+def resolve_api_key(flag: str | None, key_file: str | None, environ: Mapping[str, str]) -> str | None:
+    """The API key from --api-key-file, else --api-key, else $KVFERRY_API_KEY; None: no key.
+
+    --api-key shows in every process list of the host: it still works, with a warning.
+    """
+    if flag is not None and key_file is not None:
+        raise ConfigError("give --api-key or --api-key-file, not both")
+    if key_file is not None:
+        return read_api_key_file(key_file)
+    if flag is not None:
+        if not flag.strip():
+            raise ConfigError("--api-key is empty")
+        logger.warning(
+            "--api-key is visible to every user of this host (ps, /proc/<pid>/cmdline): "
+            "prefer $%s or --api-key-file",
+            API_KEY_ENV,
+        )
+        return flag.strip()
+    return environ.get(API_KEY_ENV, "").strip() or None
 
 
 class ApiKeyMiddleware:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from kvferry.config import KVRole
 from kvferry.connector.base import KVConnectorBase, KVConnectorRole
+from kvferry.connector.nixl.auth import PeerAuth, process_secret, warn_without_secret
 from kvferry.connector.nixl.metadata import NixlConnectorMetadata, NixlSettings
 from kvferry.connector.nixl.params import validate_params
 from kvferry.kv.spec import KVCacheConfig, Layout
@@ -57,6 +58,7 @@ class NixlConnector(KVConnectorBase):
     ):
         super().__init__(engine_config, role, kv_cache_config, tp_rank)
         self.settings = NixlSettings.from_extra(self.extra_config)
+        auth = PeerAuth(process_secret(self.settings.secret_file) or b"", self.settings.engine_id)
         self.scheduler = None
         self.worker = None
         self._failed: set[str] = set()
@@ -64,11 +66,11 @@ class NixlConnector(KVConnectorBase):
         if role is KVConnectorRole.SCHEDULER:
             from kvferry.connector.nixl.scheduler_side import NixlScheduler
 
-            self.scheduler = NixlScheduler(engine_config, kv_cache_config, self.settings)
+            self.scheduler = NixlScheduler(engine_config, kv_cache_config, self.settings, auth)
         else:
             from kvferry.connector.nixl.worker_side import NixlWorker
 
-            self.worker = NixlWorker(engine_config, self.settings, tp_rank)
+            self.worker = NixlWorker(engine_config, self.settings, tp_rank, auth)
 
     @classmethod
     def prepare_config(cls, engine_config: EngineConfig) -> EngineConfig:
@@ -78,7 +80,9 @@ class NixlConnector(KVConnectorBase):
         extra.setdefault("engine_id", f"kvf-{uuid.uuid4().hex[:12]}")
         if not extra.get("side_channel_port") and transfer.kv_role is not KVRole.CONSUMER:
             extra["side_channel_port"] = _free_port(extra.get("side_channel_host", "127.0.0.1"))
-        NixlSettings.from_extra(extra)  # a bad setting fails the start-up, clearly
+        settings = NixlSettings.from_extra(extra)  # a bad setting fails the start-up, clearly
+        if process_secret(settings.secret_file) is None:  # an unreadable secret fails it too
+            warn_without_secret(settings.engine_id)
         transfer = dataclasses.replace(transfer, kv_connector_extra_config=extra)
         return dataclasses.replace(engine_config, kv_transfer=transfer)
 

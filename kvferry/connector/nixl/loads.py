@@ -146,6 +146,8 @@ class ConsumerLoads:
         reply = pending.reply
         if not isinstance(reply, HandshakeReply) or reply.info is None:
             return f"handshake with {address[0]}:{address[1]} failed: {pending.error or 'bad reply'}"
+        if reply.info.engine_id != pending.peer:
+            return f"the engine at {address[0]}:{address[1]} authenticated as {pending.peer}, not {reply.info.engine_id}"
         if reply.info.engine_id != spec.engine_id:
             return f"the engine at {address[0]}:{address[1]} is {reply.info.engine_id}, not {spec.engine_id}"
         engine = RemoteEngine(reply.info, remote_views(reply.info))

@@ -45,6 +45,8 @@ _DEFAULTS: dict[str, object] = {
     "transfer_timeout_s": 60.0,
     "unknown_grace_s": 2.0,  # prefiller: wait this long for a hold a decoder asks about
     "fault_done_delay_s": 0.0,  # fault injection (tests): decoder waits this long before Done
+    "secret_file": None,  # the shared side-channel secret's file (else $KVFERRY_KV_SECRET); auth.py
+    "allowed_remotes": None,  # decoder: the only prefill side channels it may use ("host" or "host:port")
 }
 
 
@@ -60,6 +62,12 @@ class NixlSettings:
     transfer_timeout_s: float
     unknown_grace_s: float
     fault_done_delay_s: float
+    secret_file: str | None
+    allowed_remotes: tuple[str, ...] | None
+
+    def allows(self, host: str, port: int) -> bool:
+        """Whether the allow-list (if any) lets this decoder connect to host:port."""
+        return self.allowed_remotes is None or bool({host, f"{host}:{port}"} & set(self.allowed_remotes))
 
     @classmethod
     def from_extra(cls, extra: dict) -> NixlSettings:
@@ -75,4 +83,15 @@ class NixlSettings:
         for key in ("lease_s", "handshake_timeout_s", "ack_timeout_s", "transfer_timeout_s"):
             if not isinstance(values[key], int | float) or values[key] <= 0:
                 raise ConfigError(f"NixlConnector: {key} must be a positive number")
+        if values["secret_file"] is not None and not isinstance(values["secret_file"], str):
+            raise ConfigError("NixlConnector: secret_file must be a path (a string)")
+        values["allowed_remotes"] = _allow_list(values["allowed_remotes"])
         return cls(**values)
+
+
+def _allow_list(value: object) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ConfigError('NixlConnector: allowed_remotes must be a list of "host" or "host:port" strings')
+    return tuple(value)

@@ -9,6 +9,14 @@ or a decoder's scheduler half) talks to it over a DEALER socket; every request c
     Heartbeat                  extend the leases of these prefills (no reply)
     Done       -> Ack          "rank r finished reading": ACK iff the blocks were still held
     Release                    the decoder will not read: free the blocks now (no reply)
+
+Before any of these, each connection proves the shared secret (auth.py):
+
+    Hello      -> Challenge    the server's nonce and its proof of the secret
+    Auth                       the client's proof (no reply; its messages follow at once)
+    (anything unauthenticated) -> Refused
+
+A client sends two frames, [session token, message]: the token is empty until Auth.
 """
 
 from __future__ import annotations
@@ -99,6 +107,29 @@ class Release(msgspec.Struct, tag="release"):
     request_id: str
 
 
+class Hello(msgspec.Struct, tag="hello"):
+    seq: int
+    nonce: bytes
+
+
+class Auth(msgspec.Struct, tag="auth"):
+    seq: int
+    engine_id: str
+    proof: bytes
+
+
+class Challenge(msgspec.Struct, tag="challenge"):
+    seq: int
+    nonce: bytes
+    engine_id: str
+    proof: bytes
+
+
+class Refused(msgspec.Struct, tag="refused"):
+    seq: int
+    reason: str
+
+
 class HandshakeReply(msgspec.Struct, tag="handshake_reply"):
     seq: int
     info: EngineInfo | None = None
@@ -118,8 +149,8 @@ class Ack(msgspec.Struct, tag="ack"):
     message: str = ""
 
 
-ClientMessage = Handshake | Check | Heartbeat | Done | Release
-ServerMessage = HandshakeReply | CheckReply | Ack
+ClientMessage = Hello | Auth | Handshake | Check | Heartbeat | Done | Release
+ServerMessage = Challenge | Refused | HandshakeReply | CheckReply | Ack
 
 
 class Codec:

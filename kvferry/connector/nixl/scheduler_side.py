@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from kvferry.config import EngineConfig, KVRole
+from kvferry.connector.nixl.auth import PeerAuth
 from kvferry.connector.nixl.channel import Address, Clients, Pending
 from kvferry.connector.nixl.leases import Hold
 from kvferry.connector.nixl.metadata import LoadSpec, NixlConnectorMetadata, NixlSettings
@@ -72,7 +73,13 @@ class DecodeState:
 
 
 class NixlScheduler:
-    def __init__(self, engine_config: EngineConfig, kv_cache_config: KVCacheConfig, settings: NixlSettings):
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        kv_cache_config: KVCacheConfig,
+        settings: NixlSettings,
+        auth: PeerAuth,
+    ):
         self.config = engine_config
         self.kv_config = kv_cache_config
         self.settings = settings
@@ -81,7 +88,7 @@ class NixlScheduler:
         self.compat = compat_hash(engine_config.model, kv_cache_config)
         self.groups = group_infos(kv_cache_config)
         self.ctx = zmq.Context()
-        self.clients = Clients(self.ctx, zmq.Poller())
+        self.clients = Clients(self.ctx, zmq.Poller(), auth, settings.handshake_timeout_s)
         self.engines: dict[Address, EngineInfo] = {}
         self.handshakes: dict[Address, Pending] = {}
         self.unreachable: dict[Address, tuple[float, str]] = {}  # failed handshakes, until when
@@ -165,6 +172,12 @@ class NixlScheduler:
         info = self.engines.get(address)
         if info is not None and info.engine_id == state.remote.engine_id:
             return info  # (another engine id: the engine there may have restarted; ask again)
+        if not self.settings.allows(*address):
+            state.invalid = (
+                f"kv_transfer_params: {address[0]}:{address[1]} is not an allowed prefill side channel "
+                "(allowed_remotes)"
+            )
+            return None
         pending = self.handshakes.get(address)
         if pending is None:
             failed = self.unreachable.get(address)
@@ -178,15 +191,19 @@ class NixlScheduler:
             return None
         del self.handshakes[address]
         reply = pending.reply
-        if isinstance(reply, HandshakeReply) and reply.info is not None:
+        if (
+            isinstance(reply, HandshakeReply)
+            and reply.info is not None
+            and reply.info.engine_id == pending.peer
+        ):
             if len(self.engines) >= MAX_ENGINES:
                 self.engines.pop(next(iter(self.engines)))
             self.engines[address] = reply.info
             return reply.info
-        why = pending.error or (reply.error if isinstance(reply, HandshakeReply) else "bad reply")
-        state.invalid = (
-            f"kv_transfer_params: cannot reach the remote engine at {address[0]}:{address[1]}: {why}"
-        )
+        why = pending.error or (reply.error if isinstance(reply, HandshakeReply) else None)
+        if why is None and isinstance(reply, HandshakeReply) and reply.info is not None:
+            why = f"it describes engine {reply.info.engine_id!r}, it authenticated as {pending.peer!r}"
+        state.invalid = f"kv_transfer_params: cannot reach the remote engine at {address[0]}:{address[1]}: {why or 'bad reply'}"
         now = time.monotonic()
         self.unreachable = {a: f for a, f in self.unreachable.items() if f[0] > now}
         self.unreachable[address] = (now + self.settings.handshake_timeout_s, state.invalid)
@@ -219,6 +236,7 @@ class NixlScheduler:
         state.stage = READY
         if state.failure is not None:
             logger.warning("remote KV of %s cannot be loaded: %s", state.remote.request_id, state.failure)
+            self._send_releases(state)  # given up: a late Check must not keep the blocks held
 
     def update_state_after_alloc(
         self, request: Request, block_ids: tuple[list[int], ...], num_external: int
@@ -254,10 +272,13 @@ class NixlScheduler:
     def _release(self, state: DecodeState) -> None:
         """Tell every prefill rank the decoder will not read (frees its blocks early)."""
         if state.info is not None and state.stage in (CHECK, READY):
-            for rank in state.info.ranks:
-                msg = Release(self.clients.next_seq(), state.remote.request_id)
-                self.clients.send((rank.host, rank.port), msg, None)
+            self._send_releases(state)
         state.stage = SPENT
+
+    def _send_releases(self, state: DecodeState) -> None:
+        for rank in state.info.ranks:
+            msg = Release(self.clients.next_seq(), state.remote.request_id)
+            self.clients.send((rank.host, rank.port), msg, None)
 
     def _heartbeat(self) -> None:
         now = time.monotonic()

@@ -11,14 +11,13 @@ import logging
 import time
 from dataclasses import dataclass
 
-from kvferry.connector.nixl.channel import Server
+from kvferry.connector.nixl.channel import Inbound, Server
 from kvferry.connector.nixl.leases import Hold, LeaseTable
 from kvferry.connector.nixl.protocol import (
     UNKNOWN,
     Ack,
     Check,
     CheckReply,
-    ClientMessage,
     Done,
     EngineInfo,
     Handshake,
@@ -64,8 +63,8 @@ class ProducerService:
 
     def serve(self) -> None:
         now = time.monotonic()
-        for identity, message in self.server.receive():
-            self._handle(identity, message, now)
+        for inbound in self.server.receive():
+            self._handle(inbound, now)
 
     def tick(self) -> None:
         now = time.monotonic()
@@ -73,8 +72,12 @@ class ProducerService:
             self._retry(now, final=False)
         self.table.expire(now)
 
-    def _handle(self, identity: bytes, message: ClientMessage, now: float) -> None:
-        if isinstance(message, Handshake):
+    def _handle(self, inbound: Inbound, now: float) -> None:
+        identity, message = inbound.identity, inbound.message
+        if isinstance(message, Done) and message.consumer_id != inbound.peer:
+            why = f"consumer_id {message.consumer_id!r} is not the authenticated engine {inbound.peer!r}"
+            self.server.reply(identity, Ack(message.seq, False, why))
+        elif isinstance(message, Handshake):
             self.server.reply(identity, HandshakeReply(message.seq, self.info))
         elif isinstance(message, Heartbeat):
             self.table.heartbeat(message.request_ids, now)

@@ -19,7 +19,9 @@ import zmq
 
 from kvferry.config import EngineConfig, KVRole
 from kvferry.connector.nixl.agent import Agent
+from kvferry.connector.nixl.auth import PeerAuth
 from kvferry.connector.nixl.channel import Clients, Server
+from kvferry.connector.nixl.gate import GateCounts
 from kvferry.connector.nixl.leases import LeaseTable
 from kvferry.connector.nixl.loads import ConsumerLoads
 from kvferry.connector.nixl.metadata import NixlConnectorMetadata, NixlSettings
@@ -106,6 +108,7 @@ class TransferThread(threading.Thread):
         self._wake_out = ctx.socket(zmq.PUSH)  # used by the step hooks' thread only
         self._wake_out.connect(addr)
         self._expired_seen = 0
+        self._gate_seen = GateCounts()
 
     def submit(self, meta: NixlConnectorMetadata) -> None:
         if not (meta.holds or meta.loads or meta.cancels or meta.releases):
@@ -190,6 +193,18 @@ class TransferThread(threading.Thread):
                 self._stats.get("nixl_expired_leases", 0.0) + table.num_expired - self._expired_seen
             )
             self._expired_seen = table.num_expired
+        self._count_gate(self.producer.server.gate.counts)
+
+    def _count_gate(self, counts: GateCounts) -> None:
+        """Refused side-channel requests and failed proofs since the last step, as stats."""
+        seen = self._gate_seen
+        for key, now, before in (
+            ("nixl_side_channel_refused", counts.refused, seen.refused),
+            ("nixl_side_channel_auth_failed", counts.failed, seen.failed),
+        ):
+            if now != before:
+                self._stats[key] = self._stats.get(key, 0.0) + now - before
+        self._gate_seen = GateCounts(counts.refused, counts.failed)
 
     def _close(self) -> None:
         self.clients.close()
@@ -201,8 +216,9 @@ class TransferThread(threading.Thread):
 
 
 class NixlWorker:
-    def __init__(self, engine_config: EngineConfig, settings: NixlSettings, tp_rank: int):
+    def __init__(self, engine_config: EngineConfig, settings: NixlSettings, tp_rank: int, auth: PeerAuth):
         self.config = engine_config
+        self.auth = auth
         self.settings = settings
         self.rank = tp_rank
         self.tp_size = engine_config.parallel.tensor_parallel_size
@@ -221,7 +237,7 @@ class NixlWorker:
         server = None
         if self.role is not KVRole.CONSUMER:
             port = self.settings.side_channel_port if self.rank == 0 else 0
-            server = Server(self.ctx, self.settings.side_channel_host, port, poller)
+            server = Server(self.ctx, self.settings.side_channel_host, port, poller, self.auth)
         mine = RankInfo(
             self.rank,
             self.settings.side_channel_host,
@@ -243,7 +259,7 @@ class NixlWorker:
             groups=group_infos(config),
             ranks=gather_ranks(mine, self.tp_size),
         )
-        clients = Clients(self.ctx, poller)
+        clients = Clients(self.ctx, poller, self.auth, self.settings.handshake_timeout_s)
         producer = consumer = None
         if server is not None:
             table = LeaseTable(self.rank, self.tp_size, self.config.model.num_kv_heads)
