@@ -94,6 +94,14 @@ def _counter(server: Server, name: str) -> float:
     return server.metrics().get("kv_connector_nixl_side_channel_" + name, 0.0)
 
 
+def _wait_counted(server: Server, timeout: float = 10.0, **at_least: float) -> None:
+    """The refusal counters reach /metrics with the prefiller's next step."""
+    deadline = time.monotonic() + timeout
+    while any(_counter(server, name) < n for name, n in at_least.items()):
+        assert time.monotonic() < deadline, server.metrics()
+        time.sleep(0.1)
+
+
 def _held(server: Server) -> float:
     m = server.metrics()
     return m["num_blocks"] - m["num_free_blocks"]
@@ -149,8 +157,7 @@ def test_unauthenticated_peers_are_refused_and_counted(servers: dict, reference:
     assert _held(pre) == held  # no Release was honoured
     assert _text(decode(dec, prompt, params, MAX_TOKENS)) == reference[prompt]
     assert dec.metrics()["kv_connector_nixl_bytes_read"] > 0  # over NIXL, after the secret was proven
-    assert _counter(pre, "refused") >= 7
-    assert _counter(pre, "auth_failed") >= 1
+    _wait_counted(pre, refused=7, auth_failed=1)
     wait_idle(pre)
     wait_idle(dec)
 

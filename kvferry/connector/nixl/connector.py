@@ -109,7 +109,7 @@ class NixlConnector(KVConnectorBase):
         return self.scheduler.build_connector_meta()
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        self.scheduler.update_connector_output(set(output.finished_recving))
+        self.scheduler.update_connector_output(set(output.finished_recving), set(output.failed_recving))
 
     def request_finished(
         self, request: Request, block_ids: tuple[list[int], ...]

@@ -310,11 +310,14 @@ class NixlScheduler:
         self.holds, self.loads, self.cancels, self.releases = [], [], [], []
         return meta
 
-    def update_connector_output(self, finished_recving: set[str]) -> None:
+    def update_connector_output(self, finished_recving: set[str], failed_recving: set[str]) -> None:
         for req_id in finished_recving:
             state = self.decodes.get(req_id)
-            if state is not None:
-                state.stage = SPENT
+            if state is None:
+                continue
+            if req_id in failed_recving and state.stage == LOADING:
+                self._send_releases(state)  # every rank is done and the load failed: free them now
+            state.stage = SPENT
 
     def request_finished(
         self, request: Request, block_ids: tuple[list[int], ...]
