@@ -1,0 +1,80 @@
+"""P/D between real `kvferry serve` instances with elastic KV memory and different TP sizes:
+prefill TP=1 (eager) -> decode TP=2 (elastic, HND: converts on receive), prefill TP=2
+(elastic) -> decode TP=1 (elastic), and TP=2 -> TP=2 (both elastic). Outputs equal a
+colocated eager engine's; every pool ends all free."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from kvferry.engine.llm import LLM
+from kvferry.sampling_params import SamplingParams
+from tests.test_pd_support import (
+    Server,
+    decode,
+    nixl,
+    prefill,
+    prompt_set,
+    start_server,
+    stop,
+    wait_healthy,
+    wait_idle,
+)
+
+MAX_TOKENS = 12
+CHUNK = ("--max-num-batched-tokens", "64", "--dtype", "float32")  # fp32: TP sums agree
+ELASTIC = (*CHUNK, "--kv-allocator", "elastic")
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
+    logs = tmp_path_factory.mktemp("elastic_pd_tp")
+    started = {
+        "p1": start_server(tiny_llama, logs, "p1", nixl("producer"), args=CHUNK),
+        "p2": start_server(tiny_llama, logs, "p2", nixl("producer"), tp=2, args=ELASTIC),
+        "d1": start_server(tiny_llama, logs, "d1", nixl("consumer"), args=ELASTIC),
+        "d2": start_server(tiny_llama, logs, "d2", nixl("consumer"), tp=2, layout="HND", args=ELASTIC),
+    }
+    try:
+        wait_healthy(list(started.values()))
+        yield started
+    finally:
+        codes = stop(list(started.values()))
+    assert codes == [0, 0, 0, 0], {s.name: s.tail() for s in started.values()}
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_llama: Path) -> list[str | list[int]]:
+    return prompt_set(AutoTokenizer.from_pretrained(tiny_llama))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama: Path, prompts: list, servers: dict) -> list[str]:
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_bytes=5 << 20, max_num_batched_tokens=64)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    return [o.outputs[0].text for o in outs]
+
+
+def _pd(prefiller: Server, decoder: Server, prompt) -> tuple[str, int, dict]:  # noqa: ANN001 - str or ids
+    params = prefill(prefiller, prompt)
+    resp = decode(decoder, prompt, params, MAX_TOKENS)
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    return body["choices"][0]["text"], body["usage"]["prompt_tokens_details"]["cached_tokens"], params
+
+
+@pytest.mark.parametrize(("prefill_name", "decode_name"), [("p1", "d2"), ("p2", "d1"), ("p2", "d2")])
+def test_pd_across_tp_sizes_with_elastic_memory(servers, prompts, reference, prefill_name, decode_name):
+    prefiller, decoder = servers[prefill_name], servers[decode_name]
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda p: _pd(prefiller, decoder, p), prompts))
+    for prompt, (text, cached, params), expected in zip(prompts, results, reference, strict=True):
+        assert text == expected, prompt
+        assert cached == params["remote_num_tokens"] - 1  # the prompt's KV came over NIXL
+    wait_idle(decoder)
+    wait_idle(prefiller)
