@@ -61,6 +61,28 @@ def test_offload_over_elastic_memory_serves_from_dram(tiny_llama: Path):
     assert_all_returned(llm)
 
 
+def test_multi_connector_over_elastic_memory(tiny_llama: Path, tmp_path: Path):
+    prompts = [*PROMPT_TEXTS[:4], LONG]
+    expected = [
+        list(o.outputs[0].token_ids)
+        for o in build_llm(tiny_llama, KVAllocator.EAGER).generate(prompts, GREEDY)
+    ]
+    offload = {"kv_connector": "OffloadConnector", "kv_connector_extra_config": {"dram_blocks": 64}}
+    multi = KVTransferConfig(
+        "MultiConnector", kv_connector_extra_config={"connectors": [offload, {**offload}]}
+    )
+    llm = build_llm(tiny_llama, KVAllocator.ELASTIC, kv_transfer=multi)
+    assert [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY)] == expected
+    evict_all(llm)
+    second = llm.generate(prompts, GREEDY)  # from the first child's DRAM tier
+    assert [list(o.outputs[0].token_ids) for o in second] == expected
+    assert sum(o.num_cached_tokens for o in second) > 0
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    evict_all(llm)
+    assert_all_returned(llm)
+
+
 # ---- P/D over NIXL ----------------------------------------------------------------------
 
 

@@ -108,6 +108,18 @@ def test_greedy_identical_with_prefix_caching_chunked_prefill_and_preemption(tin
     assert_all_returned(llm)
 
 
+def test_smollm2_greedy_identical_with_preemption(smollm2_gguf):
+    eager = build_llm(smollm2_gguf, KVAllocator.EAGER, num_blocks=20, budget=48)
+    expected = run_twice(eager, PROMPT_TEXTS)
+    eager_preemptions = eager.stats().num_preemptions
+    eager.engine.shutdown()
+    llm = build_llm(smollm2_gguf, KVAllocator.ELASTIC, num_blocks=20, budget=48)
+    assert run_twice(llm, PROMPT_TEXTS) == expected
+    assert llm.stats().num_preemptions == eager_preemptions > 0
+    evict_all(llm)
+    assert_all_returned(llm)
+
+
 def test_resident_memory_follows_the_blocks_in_use(tiny_llama):
     llm = build_llm(tiny_llama, KVAllocator.ELASTIC, num_blocks=128, prefix_caching=False)
     memory = llm.engine.executor.worker.kv_memory
