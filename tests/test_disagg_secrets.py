@@ -116,3 +116,18 @@ def test_serve_with_an_api_key_refuses_an_unauthenticated_side_channel(
     assert proc.wait(120) == 2
     log = (tmp_path / "serve.log").read_text()
     assert "side channel would be unauthenticated" in log and KEY not in log
+
+
+def test_secrets_per_child(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvferry.entrypoints import disagg
+    from tests.test_disagg import _parse
+
+    monkeypatch.setenv(SECRET_ENV, "launcher-secret-0123456789")
+    args = _parse(["--api-key", KEY])
+    assert disagg.instance_secrets(args, {}) == {API_KEY_ENV: KEY, SECRET_ENV: "launcher-secret-0123456789"}
+    assert disagg.instance_secrets(args, {"secret_file": "/etc/kv"}) == {API_KEY_ENV: KEY}
+    assert SECRET_ENV not in disagg.child_environment({API_KEY_ENV: KEY})  # the proxy's
+    monkeypatch.delenv(SECRET_ENV)
+    fresh = {disagg.instance_secrets(_parse([]), {})[SECRET_ENV] for _ in range(2)}
+    assert len(fresh) == 2 and all(len(s) == 64 for s in fresh)
+    assert SECRET_ENV not in disagg.instance_secrets(_parse(["--kv-connector", "none"]), {})

@@ -210,12 +210,10 @@ def _die_with_parent(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-SECRET_VARS = (API_KEY_ENV, SECRET_ENV)
-
-
 def child_environment(own: dict[str, str]) -> dict[str, str]:
-    """The launcher's environment without its secrets, plus the child's own."""
-    env = {k: v for k, v in os.environ.items() if k not in SECRET_VARS}
+    """The launcher's environment without the KV side-channel secret (only instances get
+    it, in ``own``), plus the child's own variables."""
+    env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}
     return {**env, **own}
 
 
