@@ -84,17 +84,19 @@ def resolve_api_key(flag: str | None, key_file: str | None, environ: Mapping[str
 
 
 class ApiKeyMiddleware:
-    """Pure ASGI middleware: /v1/* needs ``Authorization: Bearer <api_key>``, else HTTP 401.
+    """Pure ASGI middleware: paths under ``protected`` (default /v1/*) need ``Authorization:
+    Bearer <api_key>``, else HTTP 401.
 
     It runs before routing and body parsing, so a bad key never reaches a handler.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str):
+    def __init__(self, app: ASGIApp, api_key: str, protected: tuple[str, ...] = ("/v1",)):
         self.app = app
         self._key = api_key.encode()
+        self._protected = protected
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1"):
+        if scope["type"] != "http" or not scope["path"].startswith(self._protected):
             await self.app(scope, receive, send)
             return
         header = Headers(scope=scope).get("authorization", "")
