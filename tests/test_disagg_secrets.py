@@ -131,3 +131,39 @@ def test_secrets_per_child(monkeypatch: pytest.MonkeyPatch) -> None:
     fresh = {disagg.instance_secrets(_parse([]), {})[SECRET_ENV] for _ in range(2)}
     assert len(fresh) == 2 and all(len(s) == 64 for s in fresh)
     assert SECRET_ENV not in disagg.instance_secrets(_parse(["--kv-connector", "none"]), {})
+
+
+def test_serving_side_channel_host_and_secret(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvferry.connector.nixl.serving import for_serving
+    from kvferry.entrypoints.cli import build_parser, engine_config_from_args
+
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+
+    def config(**extra):
+        kv = json.dumps(nixl("producer", **extra))
+        return engine_config_from_args(
+            build_parser().parse_args(["serve", str(tiny_llama), "--kv-transfer-config", kv])
+        )
+
+    def extra_of(cfg) -> dict:
+        return cfg.kv_transfer.kv_connector_extra_config
+
+    assert extra_of(for_serving(config(), "10.1.2.3", None, False))["side_channel_host"] == "10.1.2.3"
+    for wildcard in ("0.0.0.0", "::"):
+        assert "side_channel_host" not in extra_of(for_serving(config(), wildcard, None, False))
+    assert extra_of(for_serving(config(side_channel_host="10.9.9.9"), "10.1.2.3", None, False)) == {
+        "side_channel_host": "10.9.9.9"
+    }
+    with pytest.raises(ConfigError, match="would be unauthenticated"):
+        for_serving(config(), "127.0.0.1", None, True)
+    secret = tmp_path / "secret"
+    secret.write_text("a-long-enough-side-channel-secret")
+    assert extra_of(for_serving(config(), "127.0.0.1", str(secret), True))["secret_file"] == str(secret)
+    monkeypatch.setenv(SECRET_ENV, "a-long-enough-side-channel-secret")
+    for_serving(config(), "127.0.0.1", None, True)  # the variable will do
+    plain = engine_config_from_args(build_parser().parse_args(["serve", str(tiny_llama)]))
+    assert for_serving(plain, "127.0.0.1", None, True) is plain
+    with pytest.raises(ConfigError, match="needs the NixlConnector"):
+        for_serving(plain, "127.0.0.1", str(secret), False)

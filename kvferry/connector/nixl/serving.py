@@ -1,8 +1,8 @@
 """`kvferry serve` and the NixlConnector's side channel: where it binds, which secret, and
 whether the instance may start at all (docs/security.md).
 
-    side_channel_host  default: the instance's own --host (a wildcard --host keeps 127.0.0.1:
-                       the side channel's address is also what decoders are told to dial)
+    side_channel_host  default: the instance's own --host (a wildcard or IPv6 --host keeps
+                       127.0.0.1: the side channel's address is also what decoders dial)
     secret             --kv-transfer-secret-file, else $KVFERRY_KV_SECRET
     no secret          a loud warning; with an API key the instance refuses to start (its
                        HTTP API is protected, its KV would not be)
@@ -39,7 +39,7 @@ def for_serving(config: EngineConfig, host: str, secret_file: str | None, has_ap
     if secret_file is not None:
         extra["secret_file"] = secret_file
     if "side_channel_host" not in extra:
-        if host in WILDCARD_HOSTS:
+        if host in WILDCARD_HOSTS or ":" in host:  # (IPv6: the side channel speaks IPv4 only)
             logger.warning(
                 "--host %r: the KV side channel listens on 127.0.0.1 only; give side_channel_host "
                 "in kv_connector_extra_config for decoders on other hosts",
