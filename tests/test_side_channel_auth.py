@@ -52,6 +52,7 @@ PROMPTS = [
 ]
 LEASE_S = 60.0  # far longer than any test waits: held blocks must come back by release
 TIMEOUT_S = 3.0  # the decoders' handshake / check timeout
+DTYPE = ("--dtype", "float32")  # byte-identical to the colocated reference, whatever auto picks
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,9 @@ def servers(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         "stranger": (nixl("consumer", "fail", **fast), theirs),
     }
     started = {
-        name: start_server(tiny_llama, logs, name, kv, args=("--kv-transfer-secret-file", str(secret)))
+        name: start_server(
+            tiny_llama, logs, name, kv, args=("--kv-transfer-secret-file", str(secret), *DTYPE)
+        )
         for name, (kv, secret) in specs.items()
     }
     try:
@@ -80,7 +83,7 @@ def servers(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama: Path, servers: dict) -> dict[str, str]:
-    llm = LLM(str(tiny_llama), kv_cache_bytes=5 << 20)
+    llm = LLM(str(tiny_llama), kv_cache_bytes=5 << 20, dtype="float32")
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
     return {p: o.outputs[0].text for p, o in zip(PROMPTS, outs, strict=True)}
 
