@@ -126,3 +126,26 @@ def test_a_killed_engines_bytes_return_to_the_pool(pool_name):
     finally:
         child.kill()
         pool.close()
+
+
+def _config(pool: KVPoolSpec, **cache: object):  # noqa: ANN202 - KVCacheConfig
+    from types import SimpleNamespace
+
+    import torch
+
+    from kvferry.config import CacheConfig
+    from kvferry.kv.allocate import build_kv_cache_config
+    from kvferry.kv.spec import AttentionLayerKV
+
+    layers = [AttentionLayerKV(f"l{i}", 2, 32) for i in range(2)]  # 8 KiB per block and layer
+    config = CacheConfig(kv_allocator="elastic", kv_memory_pool=pool, **cache)
+    return build_kv_cache_config(SimpleNamespace(dtype=torch.float32), config, layers, 1 << 20, num_ranks=2)
+
+
+def test_an_engine_on_a_pool_may_grow_to_all_of_it_unless_asked_for_less(pool_name):
+    pool = KVPoolSpec(pool_name, 64 << 20)
+    whole = _config(pool)  # the 1 MiB fraction budget does not bind it: the pool does
+    block_bytes = 2 * 8192 * 2  # two layers, two TP ranks
+    assert whole.num_blocks == (64 << 20) // block_bytes and whole.pool_page_bytes == block_bytes * 2
+    assert _config(pool, kv_cache_bytes=1 << 20).num_blocks == 64  # asked: 1 MiB / 16 KiB per rank
+    assert _config(pool, num_gpu_blocks_override=1 << 20).num_blocks == whole.num_blocks  # capped

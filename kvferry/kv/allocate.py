@@ -46,8 +46,9 @@ def build_kv_cache_config(
     """Groups and tensors for `layers` (this rank's heads; tensor parallelism may give ranks
     different counts), holding the blocks `budget_bytes` pays for (kvferry.kv.budget), or
     `num_gpu_blocks_override` blocks. The KV cache takes the checkpoint's dtype. On a shared
-    KV memory pool no more blocks than the pool holds (`num_ranks` ranks' pages each).
-    Elastic pages fill whole `granularity`-byte pages of the device (default: the CPU's)."""
+    KV memory pool (`num_ranks` ranks' pages each) the engine may grow to the whole pool
+    unless a size or block count was asked for, and never beyond it. Elastic pages fill
+    whole `granularity`-byte pages of the device (default: the CPU's)."""
     specs = {layer.name: _spec(layer, cache_config.block_size, model_config.dtype) for layer in layers}
     groups = group_layers(specs)
     page_size = _uniform_page_size(groups)
@@ -58,10 +59,7 @@ def build_kv_cache_config(
     per_page = blocks_per_page(groups, granularity) if allocator is KVAllocator.ELASTIC else 1
     pool_page_bytes = page_size * group_size * per_page * num_ranks
     if cache_config.kv_memory_pool is not None:
-        pool_size = pool_size_bytes(cache_config.kv_memory_pool)
-        if num_blocks > pool_size // pool_page_bytes * per_page:
-            num_blocks = pool_size // pool_page_bytes * per_page
-            logger.info("KV cache capped at %d blocks: all the shared pool holds", num_blocks)
+        num_blocks = _pool_blocks(cache_config, num_blocks, pool_page_bytes // per_page)
     if num_blocks < 2:
         raise ConfigError(f"KV cache budget of {budget_bytes} bytes holds fewer than 2 blocks")
     capacity = _capacity(int(num_blocks), per_page)
@@ -82,6 +80,17 @@ def build_kv_cache_config(
     )
     logger.info("KV cache: %s", describe(config))
     return config
+
+
+def _pool_blocks(cache_config: CacheConfig, num_blocks: int, block_bytes: int) -> int:
+    """An engine on a shared pool: the whole pool by default (its pages are granted while it
+    runs), what was asked for if less, never more than the pool."""
+    pool_blocks = pool_size_bytes(cache_config.kv_memory_pool) // block_bytes
+    asked = cache_config.kv_cache_bytes is not None or cache_config.num_gpu_blocks_override is not None
+    if asked and num_blocks <= pool_blocks:
+        return num_blocks
+    logger.info("KV cache: %d blocks, all the shared pool holds", pool_blocks)
+    return pool_blocks
 
 
 def _capacity(num_blocks: int, per_page: int) -> int:
