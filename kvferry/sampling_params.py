@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from kvferry.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what the engine's batch tensors hold
 
 
 @dataclass
@@ -37,6 +38,7 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
+        self._validate_ints()
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be at least 1", "max_tokens")
         _check(self.temperature >= 0, "temperature must be non-negative", "temperature")
         _check(0 < self.top_p <= 1, "top_p must be in (0, 1]", "top_p")
@@ -57,6 +59,18 @@ class SamplingParams:
             "stop_token_ids",
         )
 
+    def _validate_ints(self) -> None:
+        """Integers are ints (not bools) within int64: a batch tensor must hold every one."""
+        ints = {
+            "max_tokens": self.max_tokens,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "logprobs": self.logprobs,
+        }
+        for name, value in ints.items():
+            _check(value is None or _is_int64(value), f"{name} must be a 64-bit integer", name)
+        _check(all(_is_int64(t) for t in self.stop_token_ids), "bad stop_token_ids", "stop_token_ids")
+
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
@@ -64,6 +78,10 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _is_int64(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and INT64_MIN <= value <= INT64_MAX
 
 
 def _check(ok: bool, message: str, param: str) -> None:

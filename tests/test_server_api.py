@@ -367,7 +367,8 @@ def test_api_key(server: Server) -> None:
     assert httpx.get(server.url + "/v1/models").status_code == 401
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0).models.list()
-    assert httpx.get(server.url + "/metrics").status_code == 200
+    assert httpx.get(server.url + "/metrics").status_code == 401  # the key guards it too
+    assert httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
 
 
 def test_bad_requests_leave_server_serving(server: Server) -> None:

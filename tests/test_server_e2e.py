@@ -111,7 +111,7 @@ def _http(url: str) -> httpx.Client:
 def _wait_idle(url: str, timeout: float = 10.0) -> str:
     deadline = time.monotonic() + timeout
     while True:
-        text = httpx.get(url + "/metrics").text
+        text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
         total = _metric(text, "kvferry:num_blocks")
         if (
             _metric(text, "kvferry:num_requests_running") == 0
@@ -180,7 +180,13 @@ def test_prefix_cache_hits_show_in_usage(url: str) -> None:
     second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
     assert first.usage.prompt_tokens == second.usage.prompt_tokens >= 32
     assert second.usage.prompt_tokens_details.cached_tokens >= 16
-    assert _metric(httpx.get(url + "/metrics").text, "kvferry:prefix_cache_hits_total") >= 16
+    assert (
+        _metric(
+            httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text,
+            "kvferry:prefix_cache_hits_total",
+        )
+        >= 16
+    )
 
 
 def test_aborted_stream_frees_blocks(url: str) -> None:

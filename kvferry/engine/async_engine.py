@@ -183,9 +183,13 @@ class AsyncEngine:
         engine fails this request and EngineDeadError when the core process is gone.
         """
         self._ensure_running()
-        if request_id in self._streams:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-        req = self.input_processor.process(request_id, prompt, params, kv_transfer_params)
+        self._check_new_id(request_id)
+        # Tokenizing a long prompt takes seconds: off the event loop, so /health and every
+        # other stream keep being served meanwhile.
+        req = await asyncio.to_thread(
+            self.input_processor.process, request_id, prompt, params, kv_transfer_params
+        )
+        self._check_new_id(request_id)  # taken while tokenizing
         stream = _Stream(RequestTiming(time.monotonic(), len(req.prompt_token_ids)))
         self._streams[request_id] = stream
         text = prompt if isinstance(prompt, str) else None
@@ -205,6 +209,10 @@ class AsyncEngine:
             if not stream.finished:
                 self._abort_stream(request_id, stream)
             self._streams.pop(request_id, None)
+
+    def _check_new_id(self, request_id: str) -> None:
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
 
     async def abort(self, request_id: str) -> None:
         """Abort a request: its ``generate`` ends (without a final output) and its blocks are freed."""

@@ -8,8 +8,10 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvferry.entrypoints.edge_options import add_edge_args
 from kvferry.errors import ConfigError, KVFerryError
 from kvferry.kv.budget import MemorySize
 
@@ -130,6 +132,13 @@ def kv_pool_option(name: str | None, size: int | None) -> KVPoolSpec | None:
     return KVPoolSpec(name, None if size is None else int(size))
 
 
+def default_served_name(model: str) -> str:
+    """A model path's base name (no .gguf), so answers never show the filesystem path;
+    anything else (a hub id, 'smollm2') as given."""
+    path = Path(model)
+    return path.name.removesuffix(".gguf") if path.exists() else model
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     from kvferry.config import CacheConfig, CompilationConfig, EngineConfig, ParallelConfig, SchedulerConfig
     from kvferry.model.resolve import resolve_model_config
@@ -140,7 +149,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         args.model,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
-        served_model_name=args.served_model_name,
+        served_model_name=args.served_model_name or default_served_name(args.model),
     )
     return EngineConfig(
         model=model,
@@ -170,11 +179,13 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     from kvferry.connector.nixl.serving import for_serving
-    from kvferry.entrypoints.openai.server import run_server
+    from kvferry.entrypoints.edge_options import limits_from_args
+    from kvferry.entrypoints.openai.server import HttpOptions, run_server
 
     config = engine_config_from_args(args)
     config = for_serving(config, args.host, args.kv_transfer_secret_file, args.api_key is not None)
-    run_server(config, host=args.host, port=args.port, api_key=args.api_key)
+    options = HttpOptions(args.host, args.port, args.api_key, args.metrics_public, limits_from_args(args))
+    run_server(config, options=options)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -261,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="visible in the process list: prefer $KVFERRY_API_KEY or --api-key-file",
     )
     add_api_key_file_arg(serve)
+    add_edge_args(serve)
     serve.add_argument(
         "--kv-transfer-secret-file",
         default=None,

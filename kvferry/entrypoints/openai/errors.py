@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -12,6 +11,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvferry.engine.async_engine import RequestFailedError
 from kvferry.engine.core_protocol import EngineDeadError
+from kvferry.entrypoints.edge import validation_message
 from kvferry.entrypoints.http_common import error_body
 from kvferry.errors import InvalidRequestError, KVFerryError, ModelNotFoundError
 
@@ -50,31 +50,8 @@ def exception_response(exc: BaseException) -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
 
-_UNION_TAGS = {"str", "int", "float", "bool", "none", "dict"}
-
-
-def _field_path(loc: tuple) -> list[str]:
-    """The field path of a pydantic error location, without 'body' and union member tags."""
-    path = []
-    for part in loc[1:] if loc and loc[0] == "body" else loc:
-        text = str(part)
-        if text in _UNION_TAGS or "[" in text or text[:1].isupper() or text.startswith("function-"):
-            break
-        path.append(text)
-    return path
-
-
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
-    if not errors:
-        return "invalid request body", None
-    first: dict[str, Any] = errors[0]
-    loc = _field_path(first.get("loc", ()))
-    if first.get("type") == "json_invalid":
-        return f"malformed JSON body: {first.get('msg', '')}", None
-    param = ".".join(loc) or None
-    where = f" ({param})" if param else ""
-    return f"{first.get('msg', 'invalid value')}{where}", param
+    return validation_message(list(exc.errors()))
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -1,16 +1,20 @@
 """OpenAI request bodies (pydantic) and their translation to SamplingParams.
 
 Fields follow OpenAI's API; the extras after ``# extras`` are kvferry's (as in vLLM).
-Unknown fields are ignored. Type errors become HTTP 400 (see errors.py).
+Unknown fields are ignored. Types are strict (no "1" for 1, no 1.0 for a token id, no 1 for
+true) and every integer fits int64 (what the engine's batch tensors hold); type errors
+become HTTP 400 (see kvferry/entrypoints/edge.py). The P/D proxy validates with the same
+models, so both refuse the same bodies.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvferry.entrypoints.edge import INT64_MAX, INT64_MIN
 from kvferry.errors import InvalidRequestError
 from kvferry.sampling_params import SamplingParams
 
@@ -18,32 +22,38 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]  # the vocabulary's bound is the engine's check
+_STRICT = ConfigDict(extra="ignore", strict=True)
+
 
 class StreamOptions(BaseModel):
+    model_config = _STRICT
+
     include_usage: bool = False
 
 
 class _CommonRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: Int64 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
+    n: Int64 = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
     # extras
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     kv_transfer_params: dict[str, Any] | None = None
@@ -78,8 +88,8 @@ Prompt = str | list[int]
 
 
 class CompletionRequest(_CommonRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    logprobs: Int64 | None = None
     echo: bool = False
     suffix: str | None = None
 
@@ -104,14 +114,14 @@ class CompletionRequest(_CommonRequest):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: str
     content: str | list[TextPart] | None = None
@@ -129,9 +139,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_CommonRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     add_generation_prompt: bool = True
 
     def to_sampling_params(self) -> SamplingParams:
@@ -149,6 +159,6 @@ class KVReleaseRequest(BaseModel):
     """POST /v1/kv_transfer/release: the KV kept for this finished request's remote consumer
     (the prefill's ``remote_request_id``) will not be read: free it now."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     request_id: str = Field(min_length=1)

@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from types import FrameType
 
 import uvicorn
@@ -28,6 +29,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvferry.config import EngineConfig
 from kvferry.engine.async_engine import AsyncEngine
 from kvferry.engine.core_protocol import EngineDeadError
+from kvferry.entrypoints.edge import parse_model, read_json
+from kvferry.entrypoints.edge_options import EdgeLimits, protected_paths
 from kvferry.entrypoints.http_common import ApiKeyMiddleware
 from kvferry.entrypoints.openai.errors import exception_response, install_error_handlers
 from kvferry.entrypoints.openai.metrics import make_registry
@@ -41,14 +44,26 @@ logger = logging.getLogger(__name__)
 METRICS_REFRESH_TIMEOUT_S = 1.0
 
 
-def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None) -> FastAPI:
-    """A FastAPI app serving ``engine`` under ``served_model_name``; /v1/* needs ``api_key`` if set."""
+def build_app(
+    engine: AsyncEngine,
+    served_model_name: str,
+    api_key: str | None = None,
+    limits: EdgeLimits | None = None,
+    metrics_public: bool = False,
+) -> FastAPI:
+    """A FastAPI app serving ``engine`` under ``served_model_name``.
+
+    With ``api_key`` set, /v1/* needs it, and so do /metrics and /openapi.json unless
+    ``metrics_public``. Request bodies are read and checked by kvferry/entrypoints/edge.py
+    within ``limits``.
+    """
+    limits = limits or EdgeLimits()
     app = FastAPI(title="kvferry", docs_url=None, redoc_url=None)
-    state = ServerState(engine, served_model_name)
+    state = ServerState(engine, served_model_name, aliases=(engine.model_config.model,))
     created = int(time.time())
     install_error_handlers(app)
     if api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, protected=protected_paths(metrics_public))
     v1 = APIRouter(prefix="/v1")
 
     @v1.get("/models")
@@ -58,23 +73,26 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             "object": "model",
             "created": created,
             "owned_by": "kvferry",
-            "root": engine.model_config.model,
+            "root": served_model_name,  # never the filesystem path
             "max_model_len": engine.model_config.max_model_len,
         }
         return {"object": "list", "data": [card]}
 
     @v1.post("/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    async def completions(request: Request) -> Response:
+        body = parse_model(CompletionRequest, await read_json(request, limits))
         return await create_completion(body, request, state)
 
     @v1.post("/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat_completions(request: Request) -> Response:
+        body = parse_model(ChatCompletionRequest, await read_json(request, limits))
         return await create_chat_completion(body, request, state)
 
     @v1.post("/kv_transfer/release")
-    async def release_kv(body: KVReleaseRequest) -> dict:
+    async def release_kv(request: Request) -> dict:
         """Free the KV kept for a finished prefill whose decoder will not come (404: unknown
         id; idempotent). The proxy calls it when its client leaves between the two legs."""
+        body = parse_model(KVReleaseRequest, await read_json(request, limits))
         engine.release_kv(body.request_id)
         return {"request_id": body.request_id, "released": True}
 
@@ -101,12 +119,24 @@ def _add_ops_routes(app: FastAPI, engine: AsyncEngine, served_model_name: str) -
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
+@dataclass(frozen=True)
+class HttpOptions:
+    """How the server meets clients: address, API key and what it guards, body limits."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    metrics_public: bool = False
+    limits: EdgeLimits = field(default_factory=EdgeLimits)
+
+
 def run_server(
     engine_config: EngineConfig,
     host: str = "127.0.0.1",
     port: int = 8000,
     api_key: str | None = None,
     log_level: str = "info",
+    options: HttpOptions | None = None,
 ) -> None:
     """Start the engine core process, then serve HTTP until SIGINT/SIGTERM; stop both.
 
@@ -114,19 +144,22 @@ def run_server(
     event in a stream), stops the engine core and returns. A signal while the model loads
     stops the loading core and returns as well.
     """
+    options = options or HttpOptions(host, port, api_key)
     with _signals_raise_stop():
         try:
-            _serve(engine_config, host, port, api_key, log_level)
+            _serve(engine_config, options, log_level)
         except _StopRequested as stop:
             logger.info("%s: server stopped", stop)
 
 
-def _serve(engine_config: EngineConfig, host: str, port: int, api_key: str | None, log_level: str) -> None:
+def _serve(engine_config: EngineConfig, options: HttpOptions, log_level: str) -> None:
     engine = AsyncEngine.from_config(engine_config)
+    name = engine_config.model.served_model_name
+    host, port = options.host, options.port
     try:
-        app = build_app(engine, engine_config.model.served_model_name, api_key)
+        app = build_app(engine, name, options.api_key, options.limits, options.metrics_public)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
-        logger.info("serving %s on http://%s:%d", engine_config.model.served_model_name, host, port)
+        logger.info("serving %s on http://%s:%d", name, host, port)
         _Server(config, on_exit=engine.stop).run()
     finally:
         engine.shutdown()

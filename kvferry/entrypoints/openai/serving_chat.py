@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -39,7 +40,9 @@ async def create_chat_completion(
     model = state.check_model(body.model)
     params = body.to_sampling_params()
     engine = state.engine
-    prompt = engine.input_processor.apply_chat_template(body.template_messages(), body.add_generation_prompt)
+    prompt = await asyncio.to_thread(  # a long conversation takes a while: off the event loop
+        engine.input_processor.apply_chat_template, body.template_messages(), body.add_generation_prompt
+    )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     gens = [engine.generate(prompt, params, request_id, body.kv_transfer_params)]
     meta = {"id": request_id, "created": int(time.time()), "model": model}

@@ -36,10 +36,11 @@ Streams = list[AsyncIterator[RequestOutput]]  # one generate() stream per prompt
 class ServerState:
     engine: AsyncEngine
     served_model_name: str
+    aliases: tuple[str, ...] = ()  # other names a request may use (the model argument as given)
 
     def check_model(self, requested: str | None) -> str:
-        """The model name to report; unknown names are 404 as in OpenAI's API."""
-        if requested is not None and requested != self.served_model_name:
+        """The model name to report (always the served one); unknown names are 404 as in OpenAI's API."""
+        if requested is not None and requested != self.served_model_name and requested not in self.aliases:
             raise ModelNotFoundError(f"The model `{requested}` does not exist.", param="model")
         return self.served_model_name
 

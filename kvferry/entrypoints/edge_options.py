@@ -1,0 +1,54 @@
+"""Options of the HTTP edge (kvferry/entrypoints/edge.py): body limits and what the API key
+guards, with their command-line flags. Light: the CLI imports it to build its parser."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from kvferry.errors import ConfigError
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+DEFAULT_MAX_JSON_DEPTH = 32
+API_PATHS = ("/v1",)
+OPS_PATHS = ("/metrics", "/openapi.json")  # they describe the deployment: the key's too, by default
+
+
+@dataclass(frozen=True)
+class EdgeLimits:
+    """What a request body may be: its size in bytes and the nesting depth of its JSON."""
+
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1 or self.max_json_depth < 1:
+            raise ConfigError("body size and JSON depth limits must be positive")
+
+
+# -- options ------------------------------------------------------------------------------
+
+
+def add_edge_args(parser: argparse.ArgumentParser) -> None:
+    """The request body limit and whether /metrics and /openapi.json need the API key."""
+    parser.add_argument(
+        "--max-request-body",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        metavar="BYTES",
+        help=f"larger request bodies get HTTP 413 (default {DEFAULT_MAX_BODY_BYTES})",
+    )
+    parser.add_argument(
+        "--metrics-public",
+        action="store_true",
+        help="/metrics and /openapi.json answer without the API key (by default they need it when one is set)",
+    )
+
+
+def limits_from_args(args: argparse.Namespace) -> EdgeLimits:
+    return EdgeLimits(max_body_bytes=args.max_request_body)
+
+
+def protected_paths(metrics_public: bool) -> tuple[str, ...]:
+    """The path prefixes the API key guards."""
+    return API_PATHS if metrics_public else API_PATHS + OPS_PATHS

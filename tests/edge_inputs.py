@@ -1,0 +1,124 @@
+"""Test helpers (no tests): hostile request bodies, one per class of bad input, and a load of
+good requests to run beside them. Shared by the instance and proxy edge tests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+
+import httpx
+
+JSON = {"content-type": "application/json"}
+
+
+@dataclass(frozen=True)
+class Bad:
+    """A body the edge must refuse with ``status`` and an OpenAI error body."""
+
+    name: str
+    path: str
+    raw: bytes
+    headers: dict[str, str] = field(default_factory=lambda: dict(JSON))
+    status: int = 400
+
+
+def _c(text: str) -> bytes:
+    return ('{"prompt": "hi", "max_tokens": 4, ' + text + "}").encode()
+
+
+def bad_inputs(vocab_size: int) -> list[Bad]:
+    c, chat = "/v1/completions", "/v1/chat/completions"
+    deep = '{"prompt": "hi", "x": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    nested = '{"prompt": "hi", "kv_transfer_params": {"a": ' + "[" * 100 + "]" * 100 + "}}"
+    msg = '{"messages": [{"role": "user", "content": "a\\udfffb"}], "max_tokens": 4}'
+    return [
+        Bad("seed 2**64", c, _c('"seed": 18446744073709551616, "temperature": 0.9')),
+        Bad("seed 2**63", c, _c('"seed": 9223372036854775808, "temperature": 0.9')),
+        Bad("top_k 2**63", c, _c('"top_k": 9223372036854775808')),
+        Bad("huge integer", c, _c('"seed": ' + "9" * 5000)),
+        Bad("logprobs 10**29", c, _c('"logprobs": 100000000000000000000000000000')),
+        Bad("max_tokens 2**64", c, b'{"prompt": "hi", "max_tokens": 18446744073709551616}'),
+        Bad("token id = vocab", c, b'{"prompt": [1, %d], "max_tokens": 4}' % vocab_size),
+        Bad("token id 2**63", c, b'{"prompt": [1, 9223372036854775808], "max_tokens": 4}'),
+        Bad("float token id", c, b'{"prompt": [1, 2.0], "max_tokens": 4}'),
+        Bad("bool token id", c, b'{"prompt": [1, true], "max_tokens": 4}'),
+        Bad("negative stop token", c, _c('"stop_token_ids": [-1]')),
+        Bad("lone surrogate", c, b'{"prompt": "a\\ud800b", "max_tokens": 4}'),
+        Bad("lone surrogate chat", chat, msg.encode()),
+        Bad("NaN", c, _c('"temperature": NaN')),
+        Bad("Infinity", c, _c('"top_p": Infinity')),
+        Bad("-Infinity", c, _c('"presence_penalty": -Infinity')),
+        Bad("deep nesting", c, deep.encode()),
+        Bad("nesting 100", c, nested.encode()),
+        Bad("stream string", c, _c('"stream": "yes"')),
+        Bad("stream int", chat, b'{"messages": [{"role": "user", "content": "hi"}], "stream": 1}'),
+        Bad("max_tokens bool", c, b'{"prompt": "hi", "max_tokens": true}'),
+        Bad("text/plain", c, _c('"seed": 1'), {"content-type": "text/plain"}),
+        Bad("form", c, b"prompt=hi", {"content-type": "application/x-www-form-urlencoded"}),
+        Bad("not UTF-8", c, b'{"prompt": "\xff\xfe", "max_tokens": 4}'),
+        Bad("not an object", c, b"[1, 2, 3]"),
+    ]
+
+
+# Bodies at the edges of what is valid: the engine must take them (no step fails).
+EXTREME_BUT_VALID = [
+    {"prompt": "hi", "max_tokens": 4, "seed": 2**63 - 1, "temperature": 0.9},
+    {"prompt": "hi", "max_tokens": 4, "seed": -(2**63), "temperature": 0.9},
+    {"prompt": "hi", "max_tokens": 4, "top_k": 2**63 - 1, "temperature": 0.9},
+    {"prompt": "hi", "max_tokens": 4, "stop_token_ids": [2**63 - 1]},
+]
+
+
+def check_refusal(resp: httpx.Response, bad: Bad) -> None:
+    assert resp.status_code == bad.status, (bad.name, resp.status_code, resp.text[:300])
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"], (bad.name, error)
+    assert error["type"] == "invalid_request_error", (bad.name, error)
+
+
+async def good_stream(client: httpx.AsyncClient, i: int) -> str:
+    body = {"prompt": f"The cat {i} sees a small bird", "max_tokens": 24, "stream": True, "temperature": 0}
+    body["ignore_eos"] = True
+    text = ""
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        async for line in resp.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                text += event["choices"][0]["text"]
+    return text
+
+
+async def good_json(client: httpx.AsyncClient, i: int) -> str:
+    body = {"messages": [{"role": "user", "content": f"Count to {i}"}], "max_tokens": 24, "ignore_eos": True}
+    resp = await client.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == 24
+    return resp.json()["choices"][0]["message"]["content"]
+
+
+async def hammer(client: httpx.AsyncClient, bads: list[Bad], rounds: int) -> list[httpx.Response]:
+    """Every bad body ``rounds`` times, and the extreme valid ones; the responses in order."""
+    out = []
+    for _ in range(rounds):
+        for bad in bads:
+            out.append(await client.post(bad.path, content=bad.raw, headers=bad.headers))
+        for body in EXTREME_BUT_VALID:
+            resp = await client.post("/v1/completions", json=body)
+            assert resp.status_code == 200, (body, resp.text)
+        await asyncio.sleep(0)
+    return out
+
+
+async def bad_beside_good(base_url: str, headers: dict[str, str], bads: list[Bad], rounds: int = 2) -> None:
+    """Good streams and answers run while the bad bodies arrive: every good one completes
+    (a full answer, no error event) and every bad one is refused."""
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=120) as client:
+        goods = [good_stream(client, i) for i in range(4)] + [good_json(client, i) for i in range(3)]
+        results = await asyncio.gather(hammer(client, bads, rounds), *goods)
+    responses = results[0]
+    for i, resp in enumerate(responses):
+        check_refusal(resp, bads[i % len(bads)])
+    assert all(results[1:])

@@ -1,0 +1,120 @@
+"""The instance's HTTP edge against hostile input: `kvferry serve` in its own process on a
+tiny model, driven over real HTTP. Every class of bad body is a 400/413 with an OpenAI error
+body, never a 500, and never fails other clients' requests; a huge prompt is tokenized off
+the event loop (/health keeps answering); /metrics and /openapi.json need the API key; the
+model is named, never shown by its path."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.edge_inputs import JSON, Bad, bad_beside_good, bad_inputs, check_refusal
+from tests.test_proxy_fakes import free_port, start_cli, stop, wait_healthy
+
+KEY = "sk-edge"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_BODY = 12_000_000
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    url = f"http://127.0.0.1:{free_port()}"
+    log = tmp_path_factory.mktemp("edge") / "serve.log"
+    args = ["--log-level", "WARNING", "serve", str(tiny_llama), "--port", url.rsplit(":", 1)[1]]
+    args += ["--kv-cache-memory", "0.01", "--max-request-body", str(MAX_BODY), "--enforce-eager"]
+    proc = start_cli(args, log)
+    try:
+        wait_healthy(proc, url, log)
+        yield url
+    finally:
+        codes = stop([proc])
+    assert codes == [0], log.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def server_with_key(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    url = f"http://127.0.0.1:{free_port()}"
+    log = tmp_path_factory.mktemp("edge_key") / "serve.log"
+    args = ["--log-level", "WARNING", "serve", str(tiny_llama), "--port", url.rsplit(":", 1)[1]]
+    args += ["--kv-cache-memory", "0.005", "--enforce-eager", "--api-key-file", str(log.parent / "key")]
+    (log.parent / "key").write_text(KEY)
+    proc = start_cli(args, log)
+    try:
+        wait_healthy(proc, url, log)
+        yield url
+    finally:
+        stop([proc])
+
+
+def _vocab(model: Path) -> int:
+    return json.loads((model / "config.json").read_text())["vocab_size"]
+
+
+def test_bad_inputs_are_400_and_others_finish(server: str, tiny_llama: Path) -> None:
+    asyncio.run(bad_beside_good(server, {}, bad_inputs(_vocab(tiny_llama))))
+    assert httpx.get(server + "/health").status_code == 200
+
+
+def test_body_over_the_limit_is_413(server: str) -> None:
+    big = b'{"prompt": "' + b"a" * MAX_BODY + b'"}'
+    too_large = Bad("too large", "/v1/completions", big, status=413)
+    check_refusal(httpx.post(server + "/v1/completions", content=big, headers=JSON, timeout=60), too_large)
+    chunked = httpx.post(server + "/v1/completions", content=iter([big[:1000], big[1000:]]), headers=JSON)
+    check_refusal(chunked, too_large)  # no Content-Length: counted while read
+
+
+def test_a_huge_prompt_does_not_stall_health(server: str) -> None:
+    """A prompt of ~8 MB takes seconds to tokenize; /health answers meanwhile."""
+    prompt = "The cat sees a small bird, and the dog runs. " * 180_000
+    gaps: list[float] = []
+    done = threading.Event()
+
+    def poll() -> None:
+        with httpx.Client(base_url=server, timeout=30) as http:
+            while not done.is_set():
+                start = time.monotonic()
+                assert http.get("/health").status_code == 200
+                gaps.append(time.monotonic() - start)
+                time.sleep(0.05)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        start = time.monotonic()
+        resp = httpx.post(server + "/v1/completions", json={"prompt": prompt, "max_tokens": 4}, timeout=120)
+        took = time.monotonic() - start
+    finally:
+        done.set()
+        poller.join()
+    assert resp.status_code == 400 and "maximum context length" in resp.json()["error"]["message"]
+    assert took > 1.0, "the prompt was not slow to tokenize: the test proves nothing"
+    assert len(gaps) > 5 and max(gaps) < 0.5 * took, (max(gaps), took)
+
+
+def test_metrics_and_openapi_need_the_key(server_with_key: str) -> None:
+    for path in ("/metrics", "/openapi.json"):
+        resp = httpx.get(server_with_key + path)
+        assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key", path
+        assert httpx.get(server_with_key + path, headers=AUTH).status_code == 200, path
+    assert httpx.get(server_with_key + "/health").status_code == 200
+
+
+def test_the_model_is_named_not_shown_by_path(server_with_key: str, tiny_llama: Path) -> None:
+    models = httpx.get(server_with_key + "/v1/models", headers=AUTH)
+    body = {"prompt": "hi", "max_tokens": 2}
+    answer = httpx.post(server_with_key + "/v1/completions", json=body, headers=AUTH, timeout=60)
+    assert models.json()["data"][0]["id"] == tiny_llama.name == answer.json()["model"]
+    for resp in (models, answer):
+        assert str(tiny_llama.parent) not in resp.text
+    by_path = httpx.post(
+        server_with_key + "/v1/completions", json={**body, "model": str(tiny_llama)}, headers=AUTH, timeout=60
+    )
+    assert by_path.status_code == 200 and by_path.json()["model"] == tiny_llama.name
