@@ -56,6 +56,7 @@ def test_a_page_is_returned_when_its_last_block_is_freed():
     assert pool.take_page_changes() == PageChanges(unmapped=(0,))
     pool.free_blocks(blocks[4:])
     assert pool.take_page_changes() == PageChanges(unmapped=(1,))
+    assert (pool.pages.pages_mapped_total, pool.pages.pages_returned_total) == (2, 2)
     assert pool.num_free_blocks == pool.num_blocks
     assert_balanced(pool)
 

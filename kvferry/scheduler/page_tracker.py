@@ -46,6 +46,8 @@ class PageTracker:
         self._unmapped: list[int] = []  # heap of pages with spare blocks and no pin (lazy)
         self._reported: list[bool] | None = None  # None: nothing reported yet (full sync next)
         self._dirty: set[int] = set()
+        self.pages_mapped_total = 0  # pages the workers were told to map, since start (metrics)
+        self.pages_returned_total = 0  # ... and to return
 
     @property
     def num_mapped(self) -> int:
@@ -153,6 +155,7 @@ class PageTracker:
             self._reported = [bool(p) for p in self.pins]
             self._dirty.clear()
             mapped = tuple(p for p, pinned in enumerate(self._reported) if pinned)
+            self.pages_mapped_total += len(mapped)
             return PageChanges(mapped=mapped, full_sync=True)
         mapped, unmapped = [], []
         for page in sorted(self._dirty):
@@ -161,4 +164,6 @@ class PageTracker:
                 (mapped if now else unmapped).append(page)
                 self._reported[page] = now
         self._dirty.clear()
+        self.pages_mapped_total += len(mapped)
+        self.pages_returned_total += len(unmapped)
         return PageChanges(mapped=tuple(mapped), unmapped=tuple(unmapped))
