@@ -143,9 +143,10 @@ def _config(pool: KVPoolSpec, **cache: object):  # noqa: ANN202 - KVCacheConfig
 
 
 def test_an_engine_on_a_pool_may_grow_to_all_of_it_unless_asked_for_less(pool_name):
-    pool = KVPoolSpec(pool_name, 64 << 20)
+    pool = KVPoolSpec(pool_name, (64 << 20) + 40000)  # 1.2 blocks over: whole pages only
     whole = _config(pool)  # the 1 MiB fraction budget does not bind it: the pool does
     block_bytes = 2 * 8192 * 2  # two layers, two TP ranks
     assert whole.num_blocks == (64 << 20) // block_bytes and whole.pool_page_bytes == block_bytes * 2
+    assert whole.num_blocks % whole.blocks_per_page == 0
     assert _config(pool, kv_cache_bytes=1 << 20).num_blocks == 64  # asked: 1 MiB / 16 KiB per rank
     assert _config(pool, num_gpu_blocks_override=1 << 20).num_blocks == whole.num_blocks  # capped

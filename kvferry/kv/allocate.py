@@ -59,7 +59,7 @@ def build_kv_cache_config(
     per_page = blocks_per_page(groups, granularity) if allocator is KVAllocator.ELASTIC else 1
     pool_page_bytes = page_size * group_size * per_page * num_ranks
     if cache_config.kv_memory_pool is not None:
-        num_blocks = _pool_blocks(cache_config, num_blocks, pool_page_bytes // per_page)
+        num_blocks = _pool_blocks(cache_config, num_blocks, pool_page_bytes, per_page)
     if num_blocks < 2:
         raise ConfigError(f"KV cache budget of {budget_bytes} bytes holds fewer than 2 blocks")
     capacity = _capacity(int(num_blocks), per_page)
@@ -82,10 +82,10 @@ def build_kv_cache_config(
     return config
 
 
-def _pool_blocks(cache_config: CacheConfig, num_blocks: int, block_bytes: int) -> int:
+def _pool_blocks(cache_config: CacheConfig, num_blocks: int, page_bytes: int, per_page: int) -> int:
     """An engine on a shared pool: the whole pool by default (its pages are granted while it
-    runs), what was asked for if less, never more than the pool."""
-    pool_blocks = pool_size_bytes(cache_config.kv_memory_pool) // block_bytes
+    runs), what was asked for if less, never more than the pool's whole pages."""
+    pool_blocks = pool_size_bytes(cache_config.kv_memory_pool) // page_bytes * per_page
     asked = cache_config.kv_cache_bytes is not None or cache_config.num_gpu_blocks_override is not None
     if asked and num_blocks <= pool_blocks:
         return num_blocks

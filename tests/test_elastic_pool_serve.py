@@ -1,0 +1,61 @@
+"""Two `kvferry serve` processes serving different models on one shared KV memory pool
+smaller than the sum of their peaks: a burst on one, then a burst on the other, and the
+second completes without preemption; two eager servers splitting the same memory in halves
+cannot (the second preempts)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from kvferry.kv.shared_pool import KVPoolSpec
+from tests.test_pd_support import Server, start_server, stop, wait_healthy, wait_idle
+
+POOL = "4MiB"  # one burst of either model fits; both bursts at once would not
+HALF = "2MiB"
+PROMPTS = [f"the cat {i} sees a dog and the red ball in the morning " * 4 for i in range(24)]
+COMMON = ("--dtype", "float32", "--enforce-eager", "--max-num-batched-tokens", "512")
+
+
+@pytest.fixture(scope="module")
+def pool_name() -> Iterator[str]:
+    name = f"test-serve-{uuid.uuid4().hex[:8]}"
+    yield name
+    KVPoolSpec(name).path.unlink(missing_ok=True)
+
+
+def _start(models: list[Path], logs: Path, tag: str, args: tuple[str, ...]) -> list[Server]:
+    servers = [start_server(m, logs, f"{tag}{i}", args=(*COMMON, *args)) for i, m in enumerate(models)]
+    wait_healthy(servers)
+    return servers
+
+
+def _burst(server: Server) -> None:
+    body = {"max_tokens": 96, "temperature": 0, "ignore_eos": True}
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        codes = list(pool.map(lambda p: server.post({**body, "prompt": p}, timeout=300).status_code, PROMPTS))
+    assert codes == [200] * len(PROMPTS)
+    wait_idle(server)
+
+
+@pytest.mark.parametrize("mode", ["elastic_pool", "eager_halves"])
+def test_second_burst_needs_the_first_engines_memory(tiny_llama, tiny_qwen2, tmp_path, pool_name, mode):
+    if mode == "elastic_pool":
+        args = ("--kv-allocator", "elastic", "--kv-memory-pool", pool_name, "--kv-pool-size", POOL)
+    else:
+        args = ("--kv-cache-memory", HALF)
+    servers = _start([tiny_qwen2, tiny_llama], tmp_path, mode, args)
+    try:
+        for server in servers:  # qwen2's burst, then llama's (the larger)
+            _burst(server)
+        preemptions = servers[1].metrics().get("num_preemptions", 0.0)
+        if mode == "elastic_pool":
+            assert preemptions == 0
+        else:
+            assert preemptions > 0
+    finally:
+        assert stop(servers) == [0, 0]
