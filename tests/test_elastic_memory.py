@@ -123,3 +123,15 @@ def test_pages_hold_whole_os_pages_for_any_head_count():
 def test_elastic_memory_is_refused_off_cpu_and_cuda():
     with pytest.raises(ConfigError, match="works on CPU and CUDA memory"):
         allocate_kv_memory(elastic_config(), "meta")
+
+
+def test_pages_are_committed_by_a_write_where_the_kernel_cannot_populate():
+    memory = ElasticKVMemory(elastic_config())
+    memory._populate = False  # as after MADV_POPULATE_WRITE failed with EINVAL
+    memory.apply(PageChanges(mapped=(2,), full_sync=True))
+    assert_accounted(memory)
+    tensor = memory.kv_caches["g0.l0"]
+    tensor[:, 2 * memory.blocks_per_page].fill_(3.0)
+    memory.apply(PageChanges(mapped=(5,)))  # committing another page keeps page 2's bytes
+    assert torch.all(tensor[:, 2 * memory.blocks_per_page] == 3.0)
+    assert_accounted(memory)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvferry.errors import ConfigError
 from kvferry.kv.pages import PageChanges, page_runs
 from kvferry.kv.spec import KVCacheConfig, KVCacheSpec
 from kvferry.kv.usage import KVMemoryUsage
@@ -155,7 +156,13 @@ class ElasticKVMemory:
 
 
 def _reserve(config: KVCacheConfig, size_bytes: int, spec: KVCacheSpec) -> _Region:
-    buffer = mmap.mmap(-1, size_bytes, flags=mmap.MAP_PRIVATE | MAP_NORESERVE)
+    try:
+        buffer = mmap.mmap(-1, size_bytes, flags=mmap.MAP_PRIVATE | MAP_NORESERVE)
+    except OSError as exc:  # e.g. vm.overcommit_memory=2, which counts reserved space
+        raise ConfigError(
+            f"cannot reserve {size_bytes} bytes of address space for elastic KV memory ({exc}); "
+            "use --kv-allocator eager or a smaller KV cache"
+        ) from exc
     buffer.madvise(mmap.MADV_NOHUGEPAGE)
     shape = config.layout.shape(config.virtual_num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
     tensor = torch.frombuffer(buffer, dtype=spec.dtype).view(shape)
