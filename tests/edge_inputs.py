@@ -95,7 +95,6 @@ async def good_json(client: httpx.AsyncClient, i: int) -> str:
     body = {"messages": [{"role": "user", "content": f"Count to {i}"}], "max_tokens": 24, "ignore_eos": True}
     resp = await client.post("/v1/chat/completions", json=body)
     assert resp.status_code == 200, resp.text
-    assert resp.json()["usage"]["completion_tokens"] == 24
     return resp.json()["choices"][0]["message"]["content"]
 
 

@@ -315,7 +315,8 @@ def test_upstream_error_keeps_status_and_body(deploy) -> None:
     assert json.loads(lines[0][6:])["choices"][0]["text"] == FIRST
     assert json.loads(lines[1][6:])["error"]["message"] == "decode0 refuses" and lines[2] == "data: [DONE]"
     d.prefill[0].fail_status = 404
-    resp = httpx.post(d.url + "/v1/chat/completions", json={"messages": [], "stream": True}, timeout=10)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+    resp = httpx.post(d.url + "/v1/chat/completions", json=chat, timeout=10)
     assert resp.status_code == 404 and resp.json()["error"]["message"] == "prefill0 refuses"
 
 
@@ -352,7 +353,8 @@ def test_api_key_models_and_metrics(deploy) -> None:
     assert httpx.get(d.url + "/v1/models", headers=auth).json()["data"][0]["owned_by"] == "decode0"
     bad = httpx.post(d.url + "/v1/completions", content=b"{nope", headers=auth)
     assert bad.status_code == 400 and "malformed JSON" in bad.json()["error"]["message"]
-    metrics = httpx.get(d.url + "/metrics").text
+    assert httpx.get(d.url + "/metrics").status_code == 401  # the key guards it too
+    metrics = httpx.get(d.url + "/metrics", headers=auth).text
     assert 'kvferry_proxy:requests_total{endpoint="/v1/completions",status="200"} 1.0' in metrics
     assert "kvferry_proxy:instance_healthy" in metrics
 

@@ -122,7 +122,7 @@ def test_upstream_errors_pass_through(urls: dict[str, str]) -> None:
 
 
 def _metric(url: str, name: str, **labels: str) -> float:
-    for line in httpx.get(url + "/metrics").text.splitlines():
+    for line in httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text.splitlines():
         key, _, value = line.rpartition(" ")
         if key.split("{")[0] == name and all(f'{k}="{v}"' in key for k, v in labels.items()):
             return float(value)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -21,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvferry.entrypoints.edge_options import EdgeLimits, protected_paths
 from kvferry.entrypoints.http_common import (
     CLIENT_CLOSED_STATUS,
     ApiKeyMiddleware,
@@ -28,13 +28,15 @@ from kvferry.entrypoints.http_common import (
     until_disconnect,
 )
 from kvferry.entrypoints.proxy.config import ProxyConfig, normalize_url
-from kvferry.entrypoints.proxy.errors import BadRequestError, ProxyError, error_body, install_error_handlers
+from kvferry.entrypoints.proxy.errors import ProxyError, error_body, install_error_handlers
 from kvferry.entrypoints.proxy.health import health_loop
 from kvferry.entrypoints.proxy.metrics import ProxyMetrics
-from kvferry.entrypoints.proxy.pd import CHAT, COMPLETIONS, ProxyContext, check_body, complete
+from kvferry.entrypoints.proxy.pd import CHAT, COMPLETIONS, ProxyContext, complete
 from kvferry.entrypoints.proxy.pool import InstancePool, make_policy
 from kvferry.entrypoints.proxy.streaming import open_stream
 from kvferry.entrypoints.proxy.upstream import Upstream
+from kvferry.entrypoints.proxy.validate import checked_body
+from kvferry.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +57,11 @@ def make_context(config: ProxyConfig, client: httpx.AsyncClient) -> ProxyContext
 
 def make_client(config: ProxyConfig) -> httpx.AsyncClient:
     timeout = httpx.Timeout(config.read_timeout_s, connect=config.connect_timeout_s)
-    limits = httpx.Limits(max_connections=config.max_connections, max_keepalive_connections=256)
+    limits = httpx.Limits(
+        max_connections=config.max_connections,
+        max_keepalive_connections=256,
+        keepalive_expiry=config.keepalive_expiry_s,
+    )
     return httpx.AsyncClient(timeout=timeout, limits=limits)
 
 
@@ -81,20 +87,22 @@ def build_app(config: ProxyConfig) -> FastAPI:
     app.state.proxy = ctx
     install_error_handlers(app)
     if config.api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
-    _add_openai_routes(app, ctx)
+        app.add_middleware(
+            ApiKeyMiddleware, api_key=config.api_key, protected=protected_paths(config.metrics_public)
+        )
+    _add_openai_routes(app, ctx, config.limits)
     _add_ops_routes(app, ctx)
     return app
 
 
-def _add_openai_routes(app: FastAPI, ctx: ProxyContext) -> None:
+def _add_openai_routes(app: FastAPI, ctx: ProxyContext, limits: EdgeLimits) -> None:
     @app.post(COMPLETIONS)
     async def completions(request: Request) -> Response:
-        return await _generate(ctx, COMPLETIONS, request)
+        return await _generate(ctx, COMPLETIONS, request, limits)
 
     @app.post(CHAT)
     async def chat(request: Request) -> Response:
-        return await _generate(ctx, CHAT, request)
+        return await _generate(ctx, CHAT, request, limits)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -116,11 +124,11 @@ def _add_ops_routes(app: FastAPI, ctx: ProxyContext) -> None:
         return Response(generate_latest(ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-async def _generate(ctx: ProxyContext, path: str, request: Request) -> Response:
+async def _generate(ctx: ProxyContext, path: str, request: Request, limits: EdgeLimits) -> Response:
     start = time.monotonic()
     status = 200
     try:
-        body = check_body(await _json(request))
+        body = await checked_body(request, path, limits)
         headers = _forwarded(request)
         if body.get("stream"):
             events = await until_disconnect(request, open_stream(ctx, path, body, headers, start))
@@ -129,7 +137,7 @@ async def _generate(ctx: ProxyContext, path: str, request: Request) -> Response:
     except ClientDisconnected:
         status = CLIENT_CLOSED_STATUS
         return Response(status_code=status)
-    except ProxyError as exc:
+    except (ProxyError, InvalidRequestError) as exc:
         status = exc.status_code
         raise
     except Exception:
@@ -137,14 +145,6 @@ async def _generate(ctx: ProxyContext, path: str, request: Request) -> Response:
         raise
     finally:
         ctx.metrics.request(path, status)
-
-
-async def _json(request: Request) -> object:
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except ValueError as exc:
-        raise BadRequestError(f"malformed JSON body: {exc}") from exc
 
 
 def _forwarded(request: Request) -> dict[str, str]:

@@ -8,9 +8,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvferry.entrypoints.http_common import error_body
-from kvferry.errors import KVFerryError
+from kvferry.errors import InvalidRequestError, KVFerryError
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +54,25 @@ class NoHealthyInstanceError(ProxyError):
     error_type = "service_unavailable_error"
 
 
+class UpstreamTimeoutError(ProxyError):
+    """An instance stopped answering for longer than the read timeout: HTTP 504."""
+
+    status_code = 504
+    error_type = "gateway_timeout"
+
+
+# An instance's refusals the client should see as they are (its own request's fault, or a
+# load the client may retry later); any other status is the instance's failure: 502.
+PASSED_STATUSES = frozenset({400, 401, 403, 404, 409, 413, 415, 422, 429, 503})
+
+
 class UpstreamHTTPError(ProxyError):
-    """An instance answered with an error: its status and body go to the client unchanged."""
+    """An instance answered with an error: a refusal (PASSED_STATUSES) with an OpenAI body
+    goes to the client unchanged; anything else is a 502 naming the instance."""
 
     def __init__(self, status_code: int, content: bytes, role: str, url: str) -> None:
-        self.status_code = status_code
+        self.upstream_status = status_code
+        self.status_code = status_code if status_code in PASSED_STATUSES else 502
         self.content = content
         self.role = role
         self.url = url
@@ -68,10 +83,16 @@ class UpstreamHTTPError(ProxyError):
             parsed = json.loads(self.content)
         except ValueError:
             parsed = None
-        if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
+        openai_shaped = isinstance(parsed, dict) and isinstance(parsed.get("error"), dict)
+        if openai_shaped and self.status_code == self.upstream_status:
             return parsed
+        if openai_shaped:
+            detail = str(parsed["error"].get("message"))[:500]
+            return error_body(f"{self.message}: {detail}", "bad_gateway")
         text = self.content.decode("utf-8", "replace")[:500]
-        return error_body(f"{self.message}: {text}", "upstream_error")
+        return error_body(
+            f"{self.message}: {text}", "upstream_error" if self.status_code < 500 else "bad_gateway"
+        )
 
     def response(self) -> Response:
         body = self.body()
@@ -84,6 +105,15 @@ def install_error_handlers(app: FastAPI) -> None:
         if not isinstance(exc, UpstreamHTTPError):
             logger.warning("request failed: %s", exc.message)
         return exc.response()
+
+    @app.exception_handler(InvalidRequestError)
+    async def _on_invalid(_: Request, exc: InvalidRequestError) -> Response:
+        return JSONResponse(error_body(exc.message, exc.error_type, exc.param), exc.status_code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http(_: Request, exc: StarletteHTTPException) -> Response:
+        err_type = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), err_type), exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _on_any(_: Request, exc: Exception) -> Response:

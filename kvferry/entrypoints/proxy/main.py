@@ -6,7 +6,8 @@ import argparse
 import logging
 import signal
 
-from kvferry.entrypoints.proxy.config import POLICIES, ProxyConfig
+from kvferry.entrypoints.edge_options import add_edge_args, limits_from_args
+from kvferry.entrypoints.proxy.config import DEFAULT_READ_TIMEOUT_S, POLICIES, ProxyConfig
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +22,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--health-interval", type=float, default=5.0, help="seconds between health checks")
     parser.add_argument("--health-timeout", type=float, default=2.0)
     parser.add_argument("--connect-timeout", type=float, default=5.0)
-    parser.add_argument("--read-timeout", type=float, default=None, help="seconds; default: none")
+    parser.add_argument(
+        "--read-timeout",
+        type=float,
+        default=DEFAULT_READ_TIMEOUT_S,
+        help="seconds an instance may stay silent on a leg (a whole non-streamed answer, or "
+        f"between stream events) before the client gets a 504; 0: no limit (default {DEFAULT_READ_TIMEOUT_S:g})",
+    )
+    add_edge_args(parser)
     parser.add_argument(
         "--no-early-first-token",
         dest="early_first_token",
@@ -39,8 +47,10 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         health_interval_s=args.health_interval,
         health_timeout_s=args.health_timeout,
         connect_timeout_s=args.connect_timeout,
-        read_timeout_s=args.read_timeout,
+        read_timeout_s=args.read_timeout or None,
         early_first_token=args.early_first_token,
+        limits=limits_from_args(args),
+        metrics_public=args.metrics_public,
     )
 
 

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvferry.entrypoints.http_common import gather_or_cancel
-from kvferry.entrypoints.proxy.errors import BadRequestError
 from kvferry.entrypoints.proxy.metrics import ProxyMetrics
 from kvferry.entrypoints.proxy.pool import Instance, InstancePool
 from kvferry.entrypoints.proxy.upstream import Upstream
@@ -158,12 +157,6 @@ def wants_logprobs(path: str, body: dict) -> bool:
     if path == CHAT:
         return bool(body.get("logprobs"))
     return body.get("logprobs") is not None
-
-
-def check_body(body: Any) -> dict:
-    if not isinstance(body, dict):
-        raise BadRequestError("the request body must be a JSON object")
-    return body
 
 
 @dataclass(frozen=True)

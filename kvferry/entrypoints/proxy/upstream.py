@@ -1,8 +1,12 @@
 """Calls to instances over one pooled httpx.AsyncClient.
 
 A refused connection (nothing was sent) marks the instance unhealthy and the request
-goes to the next healthy instance of the role; any other failure is a 502 at once. An
+goes to the next healthy instance of the role. A pooled keep-alive connection the instance
+closed meanwhile (it answered nothing: no status line) is not a failure: the request goes
+again to the same instance on another connection (up to STALE_RETRIES times). An instance
+silent for longer than the read timeout is a 504; any other failure is a 502 at once. An
 instance's error answer becomes an ``UpstreamHTTPError`` carrying its status and body.
+Streams are parsed by their SSE framing (sse.py).
 """
 
 from __future__ import annotations
@@ -14,16 +18,21 @@ from typing import Any
 
 import httpx
 
-from kvferry.entrypoints.proxy.errors import UpstreamHTTPError, UpstreamUnavailableError
+from kvferry.entrypoints.proxy.errors import UpstreamHTTPError, UpstreamTimeoutError, UpstreamUnavailableError
 from kvferry.entrypoints.proxy.metrics import ProxyMetrics
 from kvferry.entrypoints.proxy.pool import Instance, InstancePool
+from kvferry.entrypoints.proxy.sse import sse_data
 
 logger = logging.getLogger(__name__)
 
 SSE_DONE = object()  # what iter_sse yields for "data: [DONE]"
 RELEASE_KV_PATH = "/v1/kv_transfer/release"
 RELEASE_TIMEOUT_S = 5.0
+STALE_RETRIES = 2
 _RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout)
+# Before the status line: the instance closed a pooled connection (keep-alive expiry) as
+# the request was sent on it; the request was not answered, so it may be sent again.
+_STALE = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 
 class UpstreamStream:
@@ -38,14 +47,15 @@ class UpstreamStream:
     async def events(self) -> AsyncIterator[Any]:
         """Parsed JSON payloads of ``data:`` lines, then SSE_DONE."""
         try:
-            async for line in self.response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == "[DONE]":
+            async for data in sse_data(self.response.aiter_text()):
+                if data.strip() == "[DONE]":
                     yield SSE_DONE
                     return
-                yield json.loads(payload)
+                yield self._parse(data)
+        except httpx.TimeoutException as exc:
+            raise UpstreamTimeoutError(
+                f"{self.pool.role} instance {self.instance.url} sent nothing for too long: {type(exc).__name__}"
+            ) from exc
         except httpx.HTTPError as exc:
             raise UpstreamUnavailableError(
                 f"{self.pool.role} instance {self.instance.url} broke the stream: {type(exc).__name__}: {exc}"
@@ -53,6 +63,14 @@ class UpstreamStream:
         raise UpstreamUnavailableError(
             f"{self.pool.role} instance {self.instance.url} ended the stream early"
         )
+
+    def _parse(self, data: str) -> Any:
+        try:
+            return json.loads(data)
+        except ValueError as exc:
+            raise UpstreamUnavailableError(
+                f"{self.pool.role} instance {self.instance.url} sent an event that is not JSON: {data[:200]!r}"
+            ) from exc
 
     async def aclose(self) -> None:
         if self._closed:
@@ -89,9 +107,7 @@ class Upstream:
         (the instance's lease frees it in the end)."""
         url = inst.url + RELEASE_KV_PATH
         try:
-            resp = await self.client.post(
-                url, json={"request_id": request_id}, headers=headers, timeout=RELEASE_TIMEOUT_S
-            )
+            resp = await self._post_idempotent(url, {"request_id": request_id}, headers)
         except httpx.HTTPError as exc:
             self.metrics.upstream(pool.role, inst.url, "error")
             logger.warning(
@@ -103,6 +119,15 @@ class Upstream:
             logger.warning(
                 "%s refused to release %s: HTTP %d %s", inst.url, request_id, resp.status_code, resp.text
             )
+
+    async def _post_idempotent(self, url: str, body: dict, headers: dict[str, str]) -> httpx.Response:
+        for attempt in range(STALE_RETRIES + 1):
+            try:
+                return await self.client.post(url, json=body, headers=headers, timeout=RELEASE_TIMEOUT_S)
+            except _STALE:
+                if attempt == STALE_RETRIES:
+                    raise
+        raise AssertionError("unreachable")
 
     async def get_json(self, pool: InstancePool, path: str, headers: dict[str, str]) -> dict:
         _, resp = await self._send(pool, "GET", path, None, headers, stream=False)
@@ -157,20 +182,55 @@ class Upstream:
         headers: dict[str, str],
         stream: bool,
     ) -> httpx.Response:
-        request = self.client.build_request(method, inst.url + path, json=body, headers=headers)
         try:
-            resp = await self.client.send(request, stream=stream)
+            resp = await self._send_fresh(pool, inst, method, path, body, headers)
+            if resp.status_code != 200:
+                content = await _read_all(resp)
+                self.metrics.upstream(pool.role, inst.url, str(resp.status_code))
+                raise UpstreamHTTPError(resp.status_code, content, pool.role, inst.url)
+            if not stream:
+                await _read_all(resp)
         except _RETRYABLE:
             raise
+        except httpx.TimeoutException as exc:
+            self.metrics.upstream(pool.role, inst.url, "timeout")
+            raise UpstreamTimeoutError(
+                f"{pool.role} instance {inst.url} did not answer in time: {type(exc).__name__}"
+            ) from exc
         except httpx.HTTPError as exc:
             self.metrics.upstream(pool.role, inst.url, "error")
             raise UpstreamUnavailableError(
                 f"{pool.role} instance {inst.url} failed: {type(exc).__name__}: {exc}"
             ) from exc
-        if resp.status_code != 200:
-            content = await resp.aread()
-            await resp.aclose()
-            self.metrics.upstream(pool.role, inst.url, str(resp.status_code))
-            raise UpstreamHTTPError(resp.status_code, content, pool.role, inst.url)
         self.metrics.upstream(pool.role, inst.url, "200")
         return resp
+
+    async def _send_fresh(
+        self,
+        pool: InstancePool,
+        inst: Instance,
+        method: str,
+        path: str,
+        body: dict | None,
+        headers: dict[str, str],
+    ) -> httpx.Response:
+        """The response's status and headers; sent again on another connection when a pooled
+        one turns out closed before any answer (see _STALE)."""
+        for attempt in range(STALE_RETRIES + 1):
+            request = self.client.build_request(method, inst.url + path, json=body, headers=headers)
+            try:
+                return await self.client.send(request, stream=True)
+            except _STALE as exc:
+                if attempt == STALE_RETRIES:
+                    raise
+                self.metrics.upstream(pool.role, inst.url, "stale_connection")
+                logger.info("%s: %s before an answer; sending again", inst.url, type(exc).__name__)
+        raise AssertionError("unreachable")
+
+
+async def _read_all(resp: httpx.Response) -> bytes:
+    """The body of a response opened as a stream, then the response closed."""
+    try:
+        return await resp.aread()
+    finally:
+        await resp.aclose()

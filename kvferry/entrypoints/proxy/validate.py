@@ -1,0 +1,25 @@
+"""The proxy's edge: a client's body is read and checked with the instances' own rules (the
+same size limit, strict JSON and request models, kvferry/entrypoints/edge.py), so what an
+instance would refuse is refused here up front, with the same status and body, before any
+leg starts or a stream commits to HTTP 200."""
+
+from __future__ import annotations
+
+from fastapi import Request
+
+from kvferry.entrypoints.edge import parse_model, read_json
+from kvferry.entrypoints.edge_options import EdgeLimits
+from kvferry.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from kvferry.entrypoints.proxy.pd import CHAT, COMPLETIONS
+
+
+async def checked_body(request: Request, path: str, limits: EdgeLimits) -> dict:
+    """The client's body (to forward as sent) once it passed the instances' checks."""
+    body = await read_json(request, limits)
+    if path == COMPLETIONS:
+        completion = parse_model(CompletionRequest, body)
+        completion.prompts()
+        completion.to_sampling_params()
+    elif path == CHAT:
+        parse_model(ChatCompletionRequest, body).to_sampling_params()
+    return body
