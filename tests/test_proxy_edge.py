@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvferry.entrypoints.proxy.app import build_app
 from kvferry.entrypoints.proxy.config import ProxyConfig
@@ -223,3 +223,46 @@ def test_a_silent_decoder_times_out_and_the_prefill_is_released() -> None:
     assert resp.status_code == 504 and resp.json()["error"]["type"] == "gateway_timeout"
     assert took < 10
     assert prefill.released == ["prefill0-0"]
+
+
+class SlowPrefill(FakeInstance):
+    """A prefill instance that takes ``delay`` for "slow" prompts and refuses "bad" ones at once."""
+
+    async def _answer(self, body: dict, chat: bool):
+        if body.get("prompt") == "bad":
+            self.requests.append(body)
+            return JSONResponse({"error": {"message": "bad", "type": "invalid_request_error"}}, 400)
+        return await super()._answer(body, chat)
+
+
+def _wait_released(prefill: FakeInstance, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not prefill.released and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_leg_cancelled_while_its_prefill_answers_releases_the_kv(stream: bool) -> None:
+    """The client leaves while the prefill is running: its answer, arriving later, is released."""
+    prefill, decode = SlowPrefill("prefill0"), FakeInstance("decode0")
+    prefill.delay = 1.0
+    with ExitStack() as stack:
+        urls = [stack.enter_context(serve_in_thread(f.app)) for f in (prefill, decode)]
+        proxy = stack.enter_context(_proxy([urls[0]], [urls[1]]))
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(proxy + "/v1/completions", json={"prompt": "slow", "stream": stream}, timeout=0.3)
+        _wait_released(prefill)
+    assert prefill.released == ["prefill0-0"] and not decode.requests
+
+
+def test_a_batch_whose_other_prompt_is_refused_releases_the_kv() -> None:
+    prefill, decode = SlowPrefill("prefill0"), FakeInstance("decode0")
+    prefill.delay = 1.0
+    with ExitStack() as stack:
+        urls = [stack.enter_context(serve_in_thread(f.app)) for f in (prefill, decode)]
+        proxy = stack.enter_context(_proxy([urls[0]], [urls[1]]))
+        resp = httpx.post(proxy + "/v1/completions", json={"prompt": ["slow", "bad"]}, timeout=10)
+        assert resp.status_code == 400
+        _wait_released(prefill)
+    # the fake names the kept KV after its request count when it answers: both had arrived
+    assert prefill.released == ["prefill0-1"] and not decode.requests

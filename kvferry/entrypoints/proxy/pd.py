@@ -168,10 +168,33 @@ class Prefilled:
 
 
 async def run_prefill(ctx: ProxyContext, path: str, body: dict, headers: dict[str, str]) -> Prefilled:
+    """The prefill's answer. A leg cancelled meanwhile (its client left, another leg of the
+    batch failed) leaves the prefill request running: its answer may already be on the way,
+    with KV kept for it that only its ``remote_request_id`` can release. The answer is then
+    awaited in the background and that KV released (see ``release_when_answered``)."""
     start = time.monotonic()
-    inst, response = await ctx.upstream.post_json(ctx.prefill, path, prefill_body(path, body), headers)
+    work = ctx.upstream.post_json(ctx.prefill, path, prefill_body(path, body), headers)
+    task = asyncio.ensure_future(work)
+    try:
+        inst, response = await asyncio.shield(task)
+    except asyncio.CancelledError:
+        ctx.spawn(release_when_answered(ctx, task, headers))
+        raise
     ctx.metrics.prefill_done(time.monotonic() - start)
     return Prefilled(inst, response)
+
+
+async def release_when_answered(ctx: ProxyContext, task: asyncio.Future, headers: dict[str, str]) -> None:
+    """A cancelled leg's prefill: once it answers, release the KV it kept for the leg."""
+    try:
+        inst, response = await task
+    except asyncio.CancelledError:
+        task.cancel()  # the proxy is stopping
+        raise
+    except Exception as exc:  # no answer: nothing is kept for the leg
+        logger.info("the prefill of a cancelled leg failed: %s", exc)
+        return
+    release_abandoned(ctx, Prefilled(inst, response), headers)
 
 
 async def run_leg(ctx: ProxyContext, path: str, body: dict, headers: dict[str, str]) -> dict:

@@ -11,6 +11,7 @@ Streams are parsed by their SSE framing (sse.py).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -28,6 +29,8 @@ logger = logging.getLogger(__name__)
 SSE_DONE = object()  # what iter_sse yields for "data: [DONE]"
 RELEASE_KV_PATH = "/v1/kv_transfer/release"
 RELEASE_TIMEOUT_S = 5.0
+RELEASE_ATTEMPTS = 4
+RELEASE_BACKOFF_S = 0.25
 STALE_RETRIES = 2
 _RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout)
 # Before the status line: the instance closed a pooled connection (keep-alive expiry) as
@@ -103,8 +106,19 @@ class Upstream:
     async def release_kv(
         self, pool: InstancePool, inst: Instance, request_id: str, headers: dict[str, str]
     ) -> None:
-        """Ask ``inst`` to free the KV it keeps for ``request_id``; failures are only logged
-        (the instance's lease frees it in the end)."""
+        """Ask ``inst`` to free the KV it keeps for ``request_id``, again after a transport
+        error or a 5xx (RELEASE_ATTEMPTS in all, backing off); a final failure is only logged
+        (the instance's lease frees the KV in the end)."""
+        for attempt in range(RELEASE_ATTEMPTS):
+            if attempt:
+                await asyncio.sleep(RELEASE_BACKOFF_S * 2 ** (attempt - 1))
+            if await self._release_once(pool, inst, request_id, headers):
+                return
+
+    async def _release_once(
+        self, pool: InstancePool, inst: Instance, request_id: str, headers: dict[str, str]
+    ) -> bool:
+        """One release request; whether it is settled (done, or refused for good)."""
         url = inst.url + RELEASE_KV_PATH
         try:
             resp = await self._post_idempotent(url, {"request_id": request_id}, headers)
@@ -113,12 +127,13 @@ class Upstream:
             logger.warning(
                 "could not release %s on %s: %s: %s", request_id, inst.url, type(exc).__name__, exc
             )
-            return
+            return False
         self.metrics.upstream(pool.role, inst.url, str(resp.status_code))
         if resp.status_code != 200:
             logger.warning(
                 "%s refused to release %s: HTTP %d %s", inst.url, request_id, resp.status_code, resp.text
             )
+        return resp.status_code < 500
 
     async def _post_idempotent(self, url: str, body: dict, headers: dict[str, str]) -> httpx.Response:
         for attempt in range(STALE_RETRIES + 1):
