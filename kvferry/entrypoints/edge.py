@@ -161,6 +161,14 @@ def _field_path(loc: tuple) -> list[str]:
     return path
 
 
+def _union_members(errors: list[Any], param: str) -> str:
+    """The union members pydantic tried, from its error locations: "str, list[int], ..."."""
+    depth = param.count(".") + 1
+    members = [str(loc[depth]) for e in errors if len(loc := tuple(e.get("loc", ()))) > depth]
+    names = [m.replace("constrained-int", "int") for m in dict.fromkeys(members)]
+    return ", ".join(names)
+
+
 def validation_message(errors: list[Any]) -> tuple[str, str | None]:
     """(message, param) for pydantic's error list: its first error, with the field named."""
     if not errors:
@@ -169,5 +177,9 @@ def validation_message(errors: list[Any]) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         return f"malformed JSON body: {first.get('msg', '')}", None
     param = ".".join(_field_path(first.get("loc", ()))) or None
+    msg = first.get("msg", "invalid value")
+    same_field = {".".join(_field_path(e.get("loc", ()))) for e in errors} == {param}
+    if param and len(errors) > 1 and same_field:  # a union: every accepted form failed
+        return f"{param} has none of the accepted forms ({_union_members(errors, param)})", param
     where = f" ({param})" if param else ""
-    return f"{first.get('msg', 'invalid value')}{where}", param
+    return f"{msg}{where}", param

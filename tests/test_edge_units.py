@@ -1,0 +1,75 @@
+"""Units of the HTTP edge: strict JSON parsing, request models' refusals, SSE framing."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvferry.entrypoints.edge import check_content_type, parse_json, parse_model
+from kvferry.entrypoints.openai.protocol import CompletionRequest
+from kvferry.entrypoints.proxy.sse import SSEDecoder
+from kvferry.errors import InvalidRequestError
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"a": NaN}',
+        b'{"a": -Infinity}',
+        b'{"a": 9223372036854775808}',
+        b'{"a": -9223372036854775809}',
+        b'{"a": ' + b"1" * 5000 + b"}",
+        b'{"a": "\\ud800"}',
+        b'{"\\udc00": 1}',
+        b"[" * 33 + b"]" * 33,
+        b"[" * 100_000 + b"]" * 100_000,
+        b'{"a": "\xff"}',
+        b"{nope",
+    ],
+)
+def test_parse_json_refuses(raw: bytes) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        parse_json(raw)
+    assert info.value.status_code == 400
+
+
+def test_parse_json_takes_the_edges() -> None:
+    raw = b'{"a": [9223372036854775807, -9223372036854775808, 1.5e300, "\\ud83d\\ude00"]}'
+    assert parse_json(raw) == {"a": [2**63 - 1, -(2**63), 1.5e300, "\U0001f600"]}
+    assert parse_json(b"[" * 32 + b"]" * 32)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": [1, 2.0]}, "prompt"),
+        ({"prompt": [1, True]}, "prompt"),
+        ({"prompt": "x", "stream": "true"}, "stream"),
+        ({"prompt": "x", "max_tokens": True}, "max_tokens"),
+        ({"prompt": "x", "seed": 2**63}, "seed"),
+        ({"prompt": "x", "top_k": -(2**63) - 1}, "top_k"),
+        ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
+    ],
+)
+def test_request_models_are_strict_and_int64(body: dict, param: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        parse_model(CompletionRequest, body)
+    assert info.value.param.split(".")[0] == param
+
+
+@pytest.mark.parametrize(
+    "content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data"]
+)
+def test_only_json_content_types(content_type: str) -> None:
+    with pytest.raises(InvalidRequestError):
+        check_content_type(content_type)
+    check_content_type("application/json; charset=utf-8")
+    check_content_type(None)
+
+
+def test_sse_framing_keeps_unicode_separators_and_handles_split_line_ends() -> None:
+    decoder = SSEDecoder()
+    stream = 'data: {"t": "a\u2028b\u2029c\x85d\x0be"}\r\n\r\n: keep-alive\n\ndata: x\rdata: y\r\n\r\ndata: [DONE]\n\n'
+    events = []
+    for i in range(0, len(stream), 3):  # every split point, CR LF across pieces included
+        events += decoder.feed(stream[i : i + 3])
+    assert events == ['{"t": "a\u2028b\u2029c\x85d\x0be"}', "x\ny", "[DONE]"]
