@@ -89,7 +89,7 @@ def deployment(
     kv = nixl("producer", lease_s=LEASE_S)
     secret = logs / "kv-secret"  # an instance with an API key refuses an unauthenticated side channel
     secret.write_text("a-shared-side-channel-secret")
-    args = ("--api-key", KEY, "--kv-transfer-secret-file", str(secret))
+    args = ("--api-key", KEY, "--metrics-public", "--kv-transfer-secret-file", str(secret))
     prefiller = start_server(tiny_llama, logs, "prefill", kv, args=args)
     decoder = stalled_decoder()
     try:
