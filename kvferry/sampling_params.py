@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from kvferry.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what the engine's batch tensors hold
+FLOAT32_TINY, FLOAT32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38  # smallest normal, largest
 
 
 @dataclass
@@ -39,6 +41,7 @@ class SamplingParams:
 
     def validate(self) -> None:
         self._validate_ints()
+        self._validate_floats()
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be at least 1", "max_tokens")
         _check(self.temperature >= 0, "temperature must be non-negative", "temperature")
         _check(0 < self.top_p <= 1, "top_p must be in (0, 1]", "top_p")
@@ -58,6 +61,23 @@ class SamplingParams:
             "bad stop_token_ids",
             "stop_token_ids",
         )
+
+    def _validate_floats(self) -> None:
+        """Floats are finite and survive float32 (the batch tensors): a positive top_p or
+        repetition_penalty must not round to 0, a temperature must not overflow."""
+        floats = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+        }
+        for name, value in floats.items():
+            ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            _check(ok and abs(value) <= FLOAT32_MAX, f"{name} must be finite, at most {FLOAT32_MAX:g}", name)
+        for name in ("top_p", "repetition_penalty"):
+            _check(floats[name] >= FLOAT32_TINY, f"{name} is too small (at least {FLOAT32_TINY:g})", name)
 
     def _validate_ints(self) -> None:
         """Integers are ints (not bools) within int64: a batch tensor must hold every one."""

@@ -8,6 +8,7 @@ from kvferry.entrypoints.edge import check_content_type, parse_json, parse_model
 from kvferry.entrypoints.openai.protocol import CompletionRequest
 from kvferry.entrypoints.proxy.sse import SSEDecoder
 from kvferry.errors import InvalidRequestError
+from kvferry.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize(
@@ -73,3 +74,22 @@ def test_sse_framing_keeps_unicode_separators_and_handles_split_line_ends() -> N
     for i in range(0, len(stream), 3):  # every split point, CR LF across pieces included
         events += decoder.feed(stream[i : i + 3])
     assert events == ['{"t": "a\u2028b\u2029c\x85d\x0be"}', "x\ny", "[DONE]"]
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"seed": 2**64},
+        {"top_k": 2**63},
+        {"max_tokens": True},
+        {"stop_token_ids": [2**70]},
+        {"temperature": float("inf")},
+        {"temperature": 1e308},  # inf in float32
+        {"top_p": 1e-300},  # 0 in float32: the nucleus would keep nothing
+        {"repetition_penalty": 1e-300},  # 0 in float32: a division by zero
+        {"presence_penalty": float("nan")},
+    ],
+)
+def test_sampling_params_refuse_what_a_batch_tensor_cannot_hold(kw: dict) -> None:
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(**kw)
