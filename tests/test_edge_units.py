@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvferry.entrypoints.edge import check_content_type, parse_json, parse_model
+from kvferry.entrypoints.http_common import sse
 from kvferry.entrypoints.openai.protocol import CompletionRequest
 from kvferry.entrypoints.proxy.sse import SSEDecoder
 from kvferry.errors import InvalidRequestError
@@ -93,3 +96,10 @@ def test_sse_framing_keeps_unicode_separators_and_handles_split_line_ends() -> N
 def test_sampling_params_refuse_what_a_batch_tensor_cannot_hold(kw: dict) -> None:
     with pytest.raises(InvalidRequestError):
         SamplingParams(**kw)
+
+
+def test_sse_events_are_one_line_even_for_splitlines() -> None:
+    obj = {"text": 'a\u2028b\u2029c\x85d\x0be"f\\'}
+    event = sse(obj)
+    assert event.endswith("\n\n") and event.splitlines() == [event[:-2], ""]
+    assert json.loads(event.removeprefix("data: ")) == obj

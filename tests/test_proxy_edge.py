@@ -102,6 +102,7 @@ def test_stream_with_line_separators_arrives_whole() -> None:
     events = [e.removeprefix("data: ") for e in raw.split("\n\n") if e]
     assert events[-1] == "data: [DONE]".removeprefix("data: ")
     assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == "".join(SEPARATORS)
+    assert len([line for line in raw.splitlines() if line]) == len(events)  # one line each, even so
 
 
 @pytest.mark.parametrize(("upstream", "client"), [(400, 400), (404, 404), (500, 502), (418, 502), (302, 502)])

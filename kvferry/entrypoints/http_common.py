@@ -33,9 +33,15 @@ def error_body(message: str, err_type: str, param: str | None = None, code: str 
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
+# Line breaks to str.splitlines (so to many clients' SSE line readers, httpx's included)
+# that JSON leaves raw: escaped, the event stays one line for them too (same JSON value).
+_SPLITLINES_ESCAPES = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(obj: dict[str, Any]) -> str:
-    """One server-sent event carrying ``obj`` as compact JSON."""
-    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+    """One server-sent event carrying ``obj`` as compact JSON, on one line for any reader."""
+    text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).translate(_SPLITLINES_ESCAPES)
+    return f"data: {text}\n\n"
 
 
 def chat_role_chunk(meta: dict[str, Any]) -> dict[str, Any]:
