@@ -211,7 +211,7 @@ def test_a_pooled_connection_the_instance_closed_is_retried() -> None:
 
 def test_a_silent_decoder_times_out_and_the_prefill_is_released() -> None:
     prefill, decode = FakeInstance("prefill0"), FakeInstance("decode0")
-    decode.delay = 30.0
+    decode.delay = 3.0  # far beyond the read timeout
     with ExitStack() as stack:
         urls = [stack.enter_context(serve_in_thread(f.app)) for f in (prefill, decode)]
         proxy = stack.enter_context(_proxy([urls[0]], [urls[1]], read_timeout_s=0.5))
@@ -267,3 +267,38 @@ def test_a_batch_whose_other_prompt_is_refused_releases_the_kv() -> None:
         _wait_released(prefill)
     # the fake names the kept KV after its request count when it answers: both had arrived
     assert prefill.released == ["prefill0-1"] and not decode.requests
+
+
+def _hanging_decoder() -> FastAPI:
+    """A decode instance that streams one chunk, then says nothing more."""
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    async def events() -> AsyncIterator[str]:
+        choice = {"index": 0, "text": "Hello", "logprobs": None, "finish_reason": None}
+        yield f"data: {json.dumps({'id': 'x', 'choices': [choice]})}\n\n"
+        await asyncio.sleep(3)  # far beyond the read timeout
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> StreamingResponse:
+        await request.body()
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+def test_a_decoder_silent_mid_stream_ends_the_stream_with_a_timeout_error() -> None:
+    prefill = FakeInstance("prefill0")
+    with ExitStack() as stack:
+        urls = [stack.enter_context(serve_in_thread(app)) for app in (prefill.app, _hanging_decoder())]
+        proxy = stack.enter_context(_proxy([urls[0]], [urls[1]], read_timeout_s=0.5))
+        start = time.monotonic()
+        body = {"prompt": "hi", "stream": True}
+        with httpx.stream("POST", proxy + "/v1/completions", json=body, timeout=20) as resp:
+            events = [line for line in resp.iter_lines() if line]
+        took = time.monotonic() - start
+    assert resp.status_code == 200 and events[-1] == "data: [DONE]" and took < 10
+    assert json.loads(events[-2].removeprefix("data: "))["error"]["type"] == "gateway_timeout"
