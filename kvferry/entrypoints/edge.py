@@ -23,13 +23,12 @@ from starlette.requests import Request
 
 from kvferry.entrypoints.edge_options import DEFAULT_MAX_JSON_DEPTH, EdgeLimits
 from kvferry.errors import InvalidRequestError
+from kvferry.sampling_params import INT64_MAX, INT64_MIN
 
 logger = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
 
-INT64_MIN = -(2**63)
-INT64_MAX = 2**63 - 1
 _MAX_INT_DIGITS = 20  # int64 has at most 19 digits: longer literals are refused unparsed
 
 
