@@ -14,9 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvferry.entrypoints.edge import INT64_MAX, INT64_MIN
 from kvferry.errors import InvalidRequestError
-from kvferry.sampling_params import SamplingParams
+from kvferry.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
 logger = logging.getLogger(__name__)
 
