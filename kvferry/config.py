@@ -15,7 +15,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def parse_dtype(name: str, model_dtype: torch.dtype | None) -> torch.dtype:
-    """Resolve --dtype. 'auto' takes the checkpoint's dtype on GPU, float32 on CPU."""
+    """Resolve --dtype. 'auto' takes the checkpoint's dtype on GPU, float32 on CPU: bf16 is
+    faster where oneDNN computes it natively (kvferry.cpu_features), but its results
+    depend on the batch's composition, so P/D and TP runs would not match a colocated
+    engine token for token; ask for it with --dtype bfloat16."""
     if name == "auto":
         if not torch.cuda.is_available():
             return torch.float32

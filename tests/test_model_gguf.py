@@ -25,7 +25,7 @@ ATOL = 5e-4  # logits reach ~40 here
 def smollm2(smollm2_gguf: Path):
     from transformers import LlamaForCausalLM
 
-    cfg = resolve_model_config(str(smollm2_gguf))
+    cfg = resolve_model_config(str(smollm2_gguf), dtype="float32")  # the reference's
     ours = load_model(cfg)
     ref = LlamaForCausalLM(cfg.hf_config).eval()
     missing, unexpected = ref.load_state_dict(gguf_state_dict(smollm2_gguf), strict=False)
@@ -120,8 +120,8 @@ def test_tiny_gguf_matches_its_source(tiny_model: Path, tmp_path: Path, quantize
     from safetensors.torch import load_file
 
     path = write_tiny_gguf(tiny_model, tmp_path / "tiny.gguf", quantize=quantize)
-    cfg = resolve_model_config(str(path))
-    source = resolve_model_config(str(tiny_model))
+    cfg = resolve_model_config(str(path), dtype="float32")
+    source = resolve_model_config(str(tiny_model), dtype="float32")
     assert cfg.architecture == source.architecture and cfg.num_layers == source.num_layers
     assert cfg.hf_config.tie_word_embeddings == source.hf_config.tie_word_embeddings
     weights = gguf_state_dict(path) if quantize else load_file(str(tiny_model / "model.safetensors"))

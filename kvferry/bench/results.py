@@ -6,12 +6,18 @@ import json
 import platform
 from pathlib import Path
 
+from kvferry.cpu_features import read_cpu_features
+
 
 def host_facts() -> dict:
-    """The torch thread count and the CPU the numbers were taken on."""
+    """The torch thread count and the CPU the numbers were taken on (with its flags)."""
     import torch
 
-    return {"threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine()}
+    return {
+        "threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(),
+        "cpu": read_cpu_features().summary(),
+    }
 
 
 def save_json(doc: dict, output: str | Path) -> Path:

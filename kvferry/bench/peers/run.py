@@ -24,18 +24,6 @@ PD_NOT_BUILT = {
 ENGINE_FAILURES = (offline.DriverError, LaunchError, RuntimeError, subprocess.TimeoutExpired, OSError)
 
 
-def cpu_flags() -> dict:
-    """Whether the CPU has AVX-512 and AMX (vLLM's fast CPU kernels need them)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return {}
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    flags = line.split(":", 1)[-1].split()
-    wide = sorted(f for f in flags if f.startswith(("avx512", "amx")))
-    return {"avx2": "avx2" in flags, "avx512": any(f.startswith("avx512") for f in wide), "wide_flags": wide}
-
-
 def make_setup(args: argparse.Namespace, model_dir: Path, vllm_venv: Path | None) -> Setup:
     output = Path(args.output)
     work_dir = Path(args.work_dir) if args.work_dir else output.with_name(output.stem + "-work")
@@ -108,7 +96,7 @@ def run_peers(args: argparse.Namespace) -> dict:
     doc: dict = {"bench": "peers", "model": args.model, "model_dir": str(model_dir), "dtype": args.dtype}
     doc |= {"engines": engines, "parts": parts, "cores": setup.cores, "max_model_len": setup.max_model_len}
     doc |= {"max_num_seqs": setup.max_num_seqs, "kv_cache_gib": setup.kv_cache_gib}
-    doc |= {**host_facts(), "cpu": cpu_flags(), "work_dir": str(setup.work_dir)}
+    doc |= {**host_facts(), "work_dir": str(setup.work_dir)}
     if "offline" in parts:
         doc["offline"] = offline_part(setup, engines, command.offline_shape(args))
     if "serve" in parts:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from kvferry.config import ModelConfig
+from kvferry.cpu_features import native_half_precision
 from kvferry.model.layers.linear import PackableLinear
 from kvferry.model.layers.parallel import TPGroup
 from kvferry.model.loader.gguf_weights import gguf_state_dict, iter_gguf_weights
@@ -72,19 +73,12 @@ def load_model(
 
 
 def compute_dtype(dtype: torch.dtype, device: str | torch.device) -> torch.dtype:
-    """The dtype a model with `dtype` weights computes in on `device`.
-
-    Without AVX512/AMX (oneDNN's half-precision paths), torch's CPU bf16 GEMM runs ~7x
-    slower than float32 (measured 10 vs 67 GFLOP/s per core on an AVX2 EPYC), so half
-    precision computes in float32 there; the KV cache keeps the requested dtype.
-    """
+    """The dtype a model with `dtype` weights computes in on `device`: half precision
+    computes in float32 on a CPU without native half-precision GEMMs (far slower there,
+    kvferry.cpu_features); the KV cache keeps the requested dtype."""
     if torch.device(device).type != "cpu" or dtype == torch.float32:
         return dtype
-    if dtype == torch.bfloat16:
-        native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    else:
-        native = torch.ops.mkldnn._is_mkldnn_fp16_supported()
-    return dtype if native else torch.float32
+    return dtype if native_half_precision(dtype) else torch.float32
 
 
 def pack_linear_weights(model: nn.Module) -> int:
