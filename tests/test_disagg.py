@@ -56,6 +56,13 @@ def test_engine_options_pass_through_and_roles_get_their_connector() -> None:
         "--no-prefix-caching",
     ]
     assert disagg.engine_argv(_parse([])) == []
+    edge = _parse(["m", "--metrics-public", "--max-request-body", "1000"])
+    assert (
+        disagg.engine_argv(edge)
+        == disagg.edge_argv(edge)
+        == ["--max-request-body", "1000", "--metrics-public"]
+    )
+    assert disagg.edge_argv(_parse(["m", "--dtype", "float32"])) == []
     config = json.loads(
         disagg.kv_transfer_json("NixlConnector", "prefill", {"lease_s": 10}, 5600, "recompute")
     )

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvferry.connector.nixl.auth import SECRET_ENV
+from kvferry.entrypoints.edge_options import add_edge_args
 from kvferry.entrypoints.http_common import API_KEY_ENV
 from kvferry.errors import ConfigError, KVFerryError
 from kvferry.worker.cpu_placement import available_cores, format_core_list
@@ -76,11 +77,25 @@ class Child:
 
 
 def _engine_parser() -> argparse.ArgumentParser:
+    """`kvferry serve`'s engine and HTTP-edge options: what disagg passes to its instances."""
     from kvferry.entrypoints.cli import add_engine_args
 
     parser = argparse.ArgumentParser(add_help=False)
     add_engine_args(parser)
+    add_edge_args(parser)
     return parser
+
+
+def _edge_actions() -> list[argparse.Action]:
+    parser = argparse.ArgumentParser(add_help=False)
+    add_edge_args(parser)
+    return [a for a in parser._actions if a.option_strings]
+
+
+def edge_argv(args: argparse.Namespace) -> list[str]:
+    """The HTTP-edge options given (body limit, public metrics), for the proxy: it guards
+    the same edge as the instances."""
+    return _argv(args, _edge_actions())
 
 
 def _passthrough_actions() -> list[argparse.Action]:
@@ -125,8 +140,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_argv(args: argparse.Namespace) -> list[str]:
     """The engine options given on the command line, as `kvferry serve` arguments."""
+    return _argv(args, _passthrough_actions())
+
+
+def _argv(args: argparse.Namespace, actions: list[argparse.Action]) -> list[str]:
+    """`actions`' options that differ from their defaults, as command-line arguments."""
     argv: list[str] = []
-    for action in _passthrough_actions():
+    for action in actions:
         value = getattr(args, action.dest, action.default)
         if value == action.default:
             continue
@@ -402,6 +422,7 @@ def plan_proxy(args: argparse.Namespace, instances: list[Child], log_dir: Path) 
     cmd += ["--prefill"] + [c.url for c in instances if c.name.startswith("prefill")]
     cmd += ["--decode"] + [c.url for c in instances if c.name.startswith("decode")]
     cmd += ["--host", args.host, "--port", str(args.port), "--policy", args.policy]
+    cmd += edge_argv(args)
     env = {API_KEY_ENV: args.api_key} if args.api_key else {}
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     return Child("proxy", cmd, f"http://{host}:{args.port}", log_dir / "proxy.log", env)
