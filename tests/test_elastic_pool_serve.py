@@ -34,12 +34,20 @@ def _start(models: list[Path], logs: Path, tag: str, args: tuple[str, ...]) -> l
     return servers
 
 
-def _burst(server: Server) -> None:
+def _burst(server: Server) -> dict[str, float]:
+    """Run the burst; the /metrics sample with the most resident KV memory seen meanwhile."""
     body = {"max_tokens": 96, "temperature": 0, "ignore_eos": True}
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        codes = list(pool.map(lambda p: server.post({**body, "prompt": p}, timeout=300).status_code, PROMPTS))
+    with ThreadPoolExecutor(len(PROMPTS) + 1) as pool:
+        calls = [pool.submit(server.post, {**body, "prompt": p}, timeout=300) for p in PROMPTS]
+        peak = server.metrics()
+        while not all(c.done() for c in calls):
+            sample = server.metrics()
+            if sample["kv_resident_bytes"] > peak["kv_resident_bytes"]:
+                peak = sample
+        codes = [c.result().status_code for c in calls]
     assert codes == [200] * len(PROMPTS)
     wait_idle(server)
+    return peak
 
 
 @pytest.mark.parametrize("mode", ["elastic_pool", "eager_halves"])
@@ -50,12 +58,30 @@ def test_second_burst_needs_the_first_engines_memory(tiny_llama, tiny_qwen2, tmp
         args = ("--kv-cache-memory", HALF)
     servers = _start([tiny_qwen2, tiny_llama], tmp_path, mode, args)
     try:
-        for server in servers:  # qwen2's burst, then llama's (the larger)
-            _burst(server)
-        preemptions = servers[1].metrics().get("num_preemptions", 0.0)
+        peaks = [_burst(server) for server in servers]  # qwen2's burst, then llama's (the larger)
+        metrics = [server.metrics() for server in servers]
+        preemptions = metrics[1].get("num_preemptions", 0.0)
         if mode == "elastic_pool":
             assert preemptions == 0
+            _check_pool_metrics(peaks, metrics)
         else:
             assert preemptions > 0
+            for m in metrics:  # eager: everything committed from the start, no pool
+                assert m["kv_resident_bytes"] == m["kv_reserved_bytes"] > 0
+                assert m["kv_pool_size_bytes"] == 0
     finally:
         assert stop(servers) == [0, 0]
+
+
+def _check_pool_metrics(peaks: list[dict[str, float]], ends: list[dict[str, float]]) -> None:
+    """/metrics of two engines on one pool: during its burst each engine holds pages of the
+    pool (resident memory within its share, below its reserved capacity); idle afterwards,
+    every page it mapped is returned and the pool is empty."""
+    pool_bytes = 4 << 20  # POOL
+    for peak, end in zip(peaks, ends, strict=True):
+        assert peak["kv_pool_size_bytes"] == end["kv_pool_size_bytes"] == pool_bytes
+        assert 0 < peak["kv_resident_bytes"] <= peak["kv_pool_held_bytes"] <= peak["kv_pool_used_bytes"]
+        assert peak["kv_pool_used_bytes"] <= pool_bytes
+        assert peak["kv_resident_bytes"] < peak["kv_reserved_bytes"]
+        assert end["kv_resident_bytes"] == end["kv_pool_held_bytes"] == end["kv_pool_used_bytes"] == 0
+        assert end["kv_pages_mapped"] == end["kv_pages_returned"] > 0

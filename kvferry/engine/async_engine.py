@@ -32,6 +32,7 @@ from kvferry.engine.core_protocol import EngineDeadError, Outputs
 from kvferry.engine.input_processor import InputProcessor
 from kvferry.engine.output_processor import OutputProcessor
 from kvferry.errors import InvalidRequestError, KVFerryError, UnknownRequestError
+from kvferry.kv.usage import KVMemoryStats
 from kvferry.messages.engine_core import EngineCoreOutput
 from kvferry.outputs import RequestOutput
 from kvferry.sampling_params import SamplingParams
@@ -101,7 +102,10 @@ def _request_error(message: str | None, invalid_param: str | None) -> KVFerryErr
 
 def _stats_from_wire(raw: dict) -> EngineStats:
     names = {f.name for f in dataclasses.fields(EngineStats)}
-    return EngineStats(**{k: v for k, v in raw.items() if k in names})
+    fields = {k: v for k, v in raw.items() if k in names}
+    if isinstance(fields.get("kv_memory"), dict):
+        fields["kv_memory"] = KVMemoryStats(**fields["kv_memory"])
+    return EngineStats(**fields)
 
 
 class AsyncEngine:

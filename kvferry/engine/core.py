@@ -13,6 +13,7 @@ from kvferry.engine.profile_run import size_kv_cache
 from kvferry.engine.warmup import warmup_steps
 from kvferry.executor.base import Executor
 from kvferry.kv.spec import KVCacheConfig
+from kvferry.kv.usage import KVMemoryStats
 from kvferry.messages.engine_core import EngineCoreOutput, EngineCoreRequest
 from kvferry.messages.kv_connector import KVConnectorOutput
 from kvferry.scheduler.output import SchedulerOutput
@@ -34,6 +35,7 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of those, tokens found
     num_preemptions: int = 0
     kv_connector: dict[str, float] = field(default_factory=dict)  # running totals of connector stats
+    kv_memory: KVMemoryStats = field(default_factory=KVMemoryStats)
 
 
 def make_executor(config: EngineConfig) -> Executor:
@@ -127,6 +129,7 @@ class EngineCore:
             prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions,
             kv_connector=dict(self._connector_totals),
+            kv_memory=s.kv_cache_manager.memory_stats(),
         )
 
     def _maybe_log(self) -> None:

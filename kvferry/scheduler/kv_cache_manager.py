@@ -8,6 +8,7 @@ import weakref
 from kvferry.kv.pages import PageChanges
 from kvferry.kv.shared_pool import PoolPageBudget, SharedKVPool
 from kvferry.kv.spec import KVCacheConfig
+from kvferry.kv.usage import KVMemoryStats
 from kvferry.scheduler.block_pool import BlockPool, KVCacheBlock
 from kvferry.scheduler.hashing import BlockHasher
 from kvferry.scheduler.output import BlockIds
@@ -67,6 +68,24 @@ class KVCacheManager:
         if isinstance(self.pool.budget, PoolPageBudget):
             self.pool.budget.pool.close()
             self.pool.budget = None
+
+    def memory_stats(self) -> KVMemoryStats:
+        """KV memory reserved and committed (all ranks), and the shared pool's share."""
+        page_bytes = self.config.pool_page_bytes
+        pages = self.pool.pages
+        mapped = self.config.num_pages if pages is None else pages.num_reported_mapped
+        budget = self.pool.budget
+        pool = budget.pool if isinstance(budget, PoolPageBudget) else None
+        return KVMemoryStats(
+            reserved_bytes=self.config.num_pages * page_bytes,
+            committed_bytes=mapped * page_bytes,
+            pages_mapped=mapped,
+            pages_mapped_total=mapped if pages is None else pages.pages_mapped_total,
+            pages_returned_total=0 if pages is None else pages.pages_returned_total,
+            pool_size_bytes=0 if pool is None else pool.size_bytes,
+            pool_used_bytes=0 if pool is None else pool.used_bytes(),
+            pool_held_bytes=0 if pool is None else pool.held_bytes(),
+        )
 
     @property
     def num_groups(self) -> int:

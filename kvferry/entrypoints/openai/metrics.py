@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvferry.engine.async_engine import AsyncEngine, IterationStats
+from kvferry.kv.usage import KVMemoryStats
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +116,15 @@ class EngineStatsCollector(Collector):
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
             ("num_preemptions", "Requests preempted.", s.num_preemptions),
         ]
+        gauges += _kv_memory_gauges(s.kv_memory)
+        counters += [
+            (
+                "kv_pages_mapped",
+                "KV memory pages the workers were told to map.",
+                s.kv_memory.pages_mapped_total,
+            ),
+            ("kv_pages_returned", "KV memory pages returned to the host.", s.kv_memory.pages_returned_total),
+        ]
         for key, val in sorted((s.kv_connector or {}).items()):
             counters.append(("kv_connector_" + key, f"KV connector counter {key}.", val))
         for name, doc, val in gauges:
@@ -128,6 +138,25 @@ class EngineStatsCollector(Collector):
         metric = family(PREFIX + name, doc, labels=["model_name"])
         metric.add_metric([self.model_name], float(val))
         return metric
+
+
+def _kv_memory_gauges(m: KVMemoryStats) -> tuple[tuple[str, str, float], ...]:
+    return (
+        (
+            "kv_reserved_bytes",
+            "KV capacity reserved, all ranks (address space when elastic).",
+            m.reserved_bytes,
+        ),
+        (
+            "kv_resident_bytes",
+            "KV memory committed now, all ranks (all of it when eager).",
+            m.committed_bytes,
+        ),
+        ("kv_pages_resident", "KV memory pages mapped now.", m.pages_mapped),
+        ("kv_pool_size_bytes", "The shared KV memory pool's budget (0: no pool).", m.pool_size_bytes),
+        ("kv_pool_used_bytes", "Bytes of the shared pool held by all its engines.", m.pool_used_bytes),
+        ("kv_pool_held_bytes", "Bytes of the shared pool this engine holds.", m.pool_held_bytes),
+    )
 
 
 def make_registry(engine: AsyncEngine, model_name: str) -> CollectorRegistry:
