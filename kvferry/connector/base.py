@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from kvferry.errors import KVFerryError
+from kvferry.kv.layout_choice import LayoutParty
 from kvferry.kv.spec import KVCacheConfig, Layout
 from kvferry.messages.kv_connector import KVConnectorOutput, KVConnectorStats
 
@@ -121,6 +122,13 @@ class KVConnectorBase:
         """Resolve, once and before any half is built, settings every half must agree on
         (e.g. an engine id or a port chosen at start-up). Default: unchanged."""
         return engine_config
+
+    @classmethod
+    def layout_parties(cls, engine_config: EngineConfig) -> list[LayoutParty]:
+        """Who in this connector touches the KV tensors, and the layouts each accepts
+        (invariant 5; the engine picks one every party accepts). Default: the class's
+        `supported_layouts`."""
+        return [LayoutParty(cls.__name__, cls.supported_layouts)]
 
     @classmethod
     def validate_kv_transfer_params(cls, transfer_config: KVTransferConfig, params: dict | None) -> None:

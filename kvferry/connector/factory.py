@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import logging
@@ -10,6 +11,7 @@ from collections.abc import Callable
 from kvferry.config import EngineConfig, KVTransferConfig
 from kvferry.connector.base import KVConnectorBase, KVConnectorRole
 from kvferry.errors import ConfigError
+from kvferry.kv.layout_choice import allocator_party, choose_layout
 from kvferry.kv.spec import KVCacheConfig
 
 logger = logging.getLogger(__name__)
@@ -54,10 +56,21 @@ def resolve_connector_class(config: KVTransferConfig) -> type[KVConnectorBase]:
 
 
 def prepare_engine_config(engine_config: EngineConfig) -> EngineConfig:
-    """The config with the connector's start-up decisions applied (see KVConnectorBase.prepare_config)."""
-    if not engine_config.kv_transfer.enabled:
-        return engine_config
-    return resolve_connector_class(engine_config.kv_transfer).prepare_config(engine_config)
+    """The config with the connector's start-up decisions applied (see KVConnectorBase.prepare_config)
+    and the KV layout every party accepts (kvferry.kv.layout_choice)."""
+    if engine_config.kv_transfer.enabled:
+        engine_config = resolve_connector_class(engine_config.kv_transfer).prepare_config(engine_config)
+    return with_negotiated_layout(engine_config)
+
+
+def with_negotiated_layout(engine_config: EngineConfig) -> EngineConfig:
+    """The config whose cache layout the allocator and every connector accept (invariant 5)."""
+    cache = engine_config.cache
+    parties = [allocator_party(cache.kv_allocator)]
+    if engine_config.kv_transfer.enabled:
+        parties += resolve_connector_class(engine_config.kv_transfer).layout_parties(engine_config)
+    layout = choose_layout(cache.layout, parties)
+    return dataclasses.replace(engine_config, cache=dataclasses.replace(cache, layout=layout))
 
 
 def kv_params_validator(engine_config: EngineConfig) -> Callable[[dict | None], None] | None:

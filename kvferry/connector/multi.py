@@ -27,6 +27,7 @@ from kvferry.config import KVTransferConfig
 from kvferry.connector.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
 from kvferry.connector.factory import resolve_connector_class
 from kvferry.errors import ConfigError
+from kvferry.kv.layout_choice import LayoutParty
 from kvferry.messages.kv_connector import KVConnectorOutput
 
 if TYPE_CHECKING:
@@ -121,6 +122,15 @@ class MultiConnector(KVConnectorBase):
         return dataclasses.replace(
             engine_config, kv_transfer=dataclasses.replace(parent, kv_connector_extra_config=extra)
         )
+
+    @classmethod
+    def layout_parties(cls, engine_config: EngineConfig) -> list[LayoutParty]:
+        """Every child's parties: the engine's layout must suit all of them."""
+        return [
+            party
+            for cfg in child_engine_configs(engine_config)
+            for party in resolve_connector_class(cfg.kv_transfer).layout_parties(cfg)
+        ]
 
     @classmethod
     def validate_kv_transfer_params(cls, transfer_config: KVTransferConfig, params: dict | None) -> None:

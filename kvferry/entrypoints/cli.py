@@ -57,7 +57,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-chunked-prefill", action="store_true")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--executor", default="uniproc", choices=["uniproc", "multiproc", "ray"])
-    parser.add_argument("--kv-layout", default="NHD", choices=["NHD", "HND"])
+    parser.add_argument(
+        "--kv-layout",
+        default="NHD",
+        choices=["NHD", "HND"],
+        help="preferred KV layout: kept when the allocator and every connector accept it",
+    )
     parser.add_argument(
         "--kv-allocator",
         default="eager",

@@ -137,6 +137,7 @@ def describe(config: KVCacheConfig) -> str:
     """One line: blocks, groups (spec and layer count), tensors."""
     groups = ", ".join(f"{_spec_name(g.spec)} x{len(g.layer_names)}" for g in config.groups)
     line = f"{config.num_blocks} blocks of {config.block_size} tokens; groups: {groups}; {len(config.tensors)} tensors"
+    line += f"; layout {config.layout.value}"
     if config.is_elastic:
         line += f"; elastic: {config.virtual_num_blocks} reserved, pages of {config.blocks_per_page} blocks"
     return line
