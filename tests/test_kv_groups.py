@@ -61,10 +61,14 @@ def test_full_attention_keeps_one_group_and_one_tensor_per_layer() -> None:
     assert hybrid.num_blocks == 3 * config.num_blocks  # a block spans 2 layers, not 6
 
 
-def test_layers_with_other_page_sizes_are_refused_with_the_sizes() -> None:
+def test_smaller_pages_are_padded_to_the_largest_and_unpaddable_ones_refused() -> None:
     layers = [AttentionLayerKV("a", 2, 16), AttentionLayerKV("b", 2, 32, sliding_window=8)]
-    with pytest.raises(ConfigError, match="page sizes"):
-        kv_config(layers)
+    config = kv_config(layers)
+    full, window = (config.groups[config.group_of(name)].spec for name in ("a", "b"))
+    assert (full.head_size, full.head_padding) == (32, 16) and window.head_padding == 0
+    assert full.page_size_bytes == window.page_size_bytes
+    with pytest.raises(ConfigError, match="cannot be padded"):
+        kv_config([AttentionLayerKV("a", 3, 16), AttentionLayerKV("b", 2, 32, sliding_window=8)])
 
 
 def _request(req_id: str, num_prompt: int, max_tokens: int) -> EngineCoreRequest:

@@ -7,6 +7,12 @@ layers), the allocation is hybrid: every group gets the same number of layers (a
 with more layers is split into several groups), and tensor i is shared by layer i of
 every group. One block id then means the same bytes in every group, and one block pool
 hands ids out to all groups, so they never collide. A block holds `group_size` pages.
+
+Groups whose pages differ in size (Gemma 4's full-attention layers: another head size and
+KV head count) are padded to the largest page: each stored head of a smaller group is
+widened with zeros (`KVCacheSpec.head_padding`), so every tensor, connector and the one
+block pool still see one page size. The cost is the padding itself, at most the
+difference between the largest page and the group's own in each block of a padded group.
 """
 
 from __future__ import annotations
@@ -50,8 +56,8 @@ def build_kv_cache_config(
     unless a size or block count was asked for, and never beyond it. Elastic pages fill
     whole `granularity`-byte pages of the device (default: the CPU's)."""
     specs = {layer.name: _spec(layer, cache_config.block_size, model_config.dtype) for layer in layers}
-    groups = group_layers(specs)
-    page_size = _uniform_page_size(groups)
+    groups = pad_to_one_page_size(group_layers(specs))
+    page_size = groups[0].spec.page_size_bytes
     group_size = len(groups[0].layer_names)
     num_blocks = cache_config.num_gpu_blocks_override or budget_bytes // (page_size * group_size)
     allocator = cache_config.kv_allocator
@@ -123,14 +129,25 @@ def group_layers(specs: dict[str, KVCacheSpec]) -> tuple[KVCacheGroup, ...]:
     )
 
 
-def _uniform_page_size(groups: tuple[KVCacheGroup, ...]) -> int:
-    sizes = {g.spec.page_size_bytes for g in groups}
-    if len(sizes) > 1:
+def pad_to_one_page_size(groups: tuple[KVCacheGroup, ...]) -> tuple[KVCacheGroup, ...]:
+    """Groups with pages smaller than the largest get wider stored heads (zero padding) to
+    fill it; refused when the largest page is no whole number of the group's head rows."""
+    largest = max(g.spec.page_size_bytes for g in groups)
+    return tuple(replace(g, spec=_padded(g.spec, largest)) for g in groups)
+
+
+def _padded(spec: KVCacheSpec, page_bytes: int) -> KVCacheSpec:
+    if spec.page_size_bytes == page_bytes:
+        return spec
+    per_head_value = 2 * spec.block_size * spec.num_kv_heads * spec.dtype.itemsize
+    if page_bytes % per_head_value:
         raise ConfigError(
-            "KV cache groups with different page sizes (layers with other KV heads or head "
-            f"sizes) are not supported yet: {sorted(sizes)} bytes per block"
+            f"KV cache groups with pages of {spec.page_size_bytes} and {page_bytes} bytes: "
+            f"{spec.num_kv_heads} KV heads of size {spec.head_size} cannot be padded to fill "
+            f"{page_bytes} bytes per block"
         )
-    return sizes.pop()
+    stored = page_bytes // per_head_value
+    return replace(spec, head_size=stored, head_padding=spec.head_padding + stored - spec.head_size)
 
 
 def describe(config: KVCacheConfig) -> str:
@@ -145,7 +162,9 @@ def describe(config: KVCacheConfig) -> str:
 
 def _spec_name(spec: KVCacheSpec) -> str:
     window = getattr(spec, "sliding_window", 0)
-    return f"window {window}" if window else "full"
+    name = f"window {window}" if window else "full"
+    heads = f"{spec.num_kv_heads}x{spec.head_size - spec.head_padding}"
+    return f"{name} ({heads}, padded to {spec.head_size})" if spec.head_padding else f"{name} ({heads})"
 
 
 def with_num_blocks(config: KVCacheConfig, num_blocks: int) -> KVCacheConfig:
@@ -170,16 +189,7 @@ def allocate_kv_caches(config: KVCacheConfig, device: torch.device | str) -> dic
     ids never collide."""
     caches: dict[str, torch.Tensor] = {}
     for tensor_spec in config.tensors:
-        shapes = {_shape(config, name) for name in tensor_spec.shared_by}
-        assert len(shapes) == 1, f"layers sharing a tensor differ in shape: {shapes}"
         spec = config.groups[config.group_of(tensor_spec.shared_by[0])].spec
-        tensor = torch.zeros(shapes.pop(), dtype=spec.dtype, device=device)
-        assert tensor.numel() * tensor.element_size() == tensor_spec.size_bytes
-        for layer_name in tensor_spec.shared_by:
-            caches[layer_name] = tensor
+        tensor = torch.zeros(tensor_spec.size_bytes // spec.dtype.itemsize, dtype=spec.dtype, device=device)
+        caches.update(config.layer_views(tensor_spec, tensor))
     return caches
-
-
-def _shape(config: KVCacheConfig, layer_name: str) -> tuple[int, ...]:
-    spec = config.groups[config.group_of(layer_name)].spec
-    return config.layout.shape(config.virtual_num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)

@@ -70,8 +70,7 @@ class ElasticKVMemory:
             spec = config.groups[config.group_of(tensor_spec.shared_by[0])].spec
             region = _reserve(config, tensor_spec.size_bytes, spec)
             self.regions.append(region)
-            for layer_name in tensor_spec.shared_by:
-                self.kv_caches[layer_name] = region.tensor
+            self.kv_caches.update(config.layer_views(tensor_spec, region.tensor))
         logger.info(
             "elastic KV memory: %d bytes reserved in %d mappings, pages of %d blocks",
             sum(t.size_bytes for t in config.tensors),

@@ -182,8 +182,7 @@ class CudaElasticKVMemory:
             )
             tensor = raw.view(spec.dtype).view(shape)
             self.regions.append(_Region(ptr, size, half, config.virtual_num_blocks, tensor))
-            for layer_name in tensor_spec.shared_by:
-                self.kv_caches[layer_name] = tensor
+            self.kv_caches.update(config.layer_views(tensor_spec, tensor))
 
     @property
     def page_bytes(self) -> int:

@@ -37,10 +37,15 @@ class KVAllocator(str, Enum):
 
 @dataclass(frozen=True)
 class KVCacheSpec:
+    """One layer's blocks. `head_size` is what the tensor stores per head: groups whose
+    pages are smaller than the largest are padded to it (kvferry.kv.allocate), the last
+    `head_padding` values of each stored head being zeros the layer never reads."""
+
     block_size: int
     num_kv_heads: int  # per rank
     head_size: int
     dtype: torch.dtype
+    head_padding: int = 0
 
     @property
     def page_size_bytes(self) -> int:
@@ -77,7 +82,9 @@ class AttentionLayerKV:
     def spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         if self.sliding_window is None:
             return FullAttentionSpec(block_size, self.num_kv_heads, self.head_size, dtype)
-        return SlidingWindowSpec(block_size, self.num_kv_heads, self.head_size, dtype, self.sliding_window)
+        return SlidingWindowSpec(
+            block_size, self.num_kv_heads, self.head_size, dtype, sliding_window=self.sliding_window
+        )
 
 
 @dataclass(frozen=True)
@@ -142,3 +149,14 @@ class KVCacheConfig:
         sizes = {g.spec.block_size for g in self.groups}
         assert len(sizes) == 1, "all groups share one block size"
         return sizes.pop()
+
+    def layer_shape(self, layer_name: str) -> tuple[int, ...]:
+        """The shape of `layer_name`'s view of its tensor (its group's spec, the layout)."""
+        spec = self.groups[self.group_of(layer_name)].spec
+        return self.layout.shape(self.virtual_num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+
+    def layer_views(self, tensor_spec: KVCacheTensor, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each sharing layer's view of one allocated tensor, in its own shape: the pages are
+        equal, the groups' KV heads and head sizes may differ (Gemma 4's full layers)."""
+        assert tensor.is_contiguous() and tensor.numel() * tensor.element_size() == tensor_spec.size_bytes
+        return {name: tensor.view(self.layer_shape(name)) for name in tensor_spec.shared_by}

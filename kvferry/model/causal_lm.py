@@ -109,17 +109,20 @@ class CausalLM(nn.Module):
         return [attn.layer_name for attn in self.attention_layers()]
 
     def kv_layers(self) -> list[AttentionLayerKV]:
-        """What each attention layer caches on this rank (kvferry.kv.allocate groups them)."""
+        """What each attention layer owning a KV cache caches on this rank (kvferry.kv.allocate
+        groups them); layers sharing another layer's KV own none."""
         return [
             AttentionLayerKV(attn.layer_name, attn.num_kv_heads, attn.head_dim, attn.sliding_window)
             for attn in self.attention_layers()
+            if attn.owns_kv
         ]
 
     def set_hook_placement(self, placement: HookPlacement) -> None:
-        """How every attention layer calls the connector's per-layer hooks (graph_ops)."""
+        """How every attention layer owning a KV cache calls the connector's per-layer hooks
+        (graph_ops); a layer sharing another's KV calls none."""
         self.hook_placement = placement
         for attn in self.attention_layers():
-            attn.hooks = placement
+            attn.hooks = placement if attn.owns_kv else HookPlacement.NONE
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors (HF names, unsharded) in; returns the parameter names set."""

@@ -74,14 +74,16 @@ class Gemma3Attention(nn.Module):
 
 
 class Gemma3MLP(nn.Module):
-    def __init__(self, config: Any, tp: TPGroup, dtype: torch.dtype):
+    """Gated tanh-GELU MLP of the Gemma models; `intermediate` overrides the config's width."""
+
+    def __init__(self, config: Any, tp: TPGroup, dtype: torch.dtype, intermediate: int | None = None):
         super().__init__()
         activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
         if activation not in GELU_TANH:
             raise ModelLoadError(
                 f"Gemma MLP activation {activation!r} is not supported ({', '.join(GELU_TANH)})"
             )
-        inter = config.intermediate_size
+        inter = intermediate or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], False, tp, dtype)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, False, tp, dtype)
 
@@ -162,7 +164,6 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     model_type gemma3: the 4B, 12B and 27B releases): the language model under
     `language_model.`; the vision tower and projector are not loaded (text prompts only)."""
 
-    TEXT_PREFIX = "language_model."
     VISION_PREFIXES = (
         "vision_tower.",
         "multi_modal_projector.",
@@ -174,9 +175,16 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         super().__init__(config.get_text_config(), tp, dtype)
 
     def _target(self, name: str) -> tuple[str | None, object]:
-        if name.startswith(self.VISION_PREFIXES):
-            return None, None
-        name = name.removeprefix("model.").removeprefix(self.TEXT_PREFIX)
-        if not name.startswith(("model.", "lm_head.")):
-            name = f"model.{name}"  # transformers 5 saves model.language_model.<layers...>
-        return super()._target(name)
+        text_name = language_model_name(name, self.VISION_PREFIXES)
+        return (None, None) if text_name is None else super()._target(text_name)
+
+
+def language_model_name(name: str, other_prefixes: tuple[str, ...]) -> str | None:
+    """A multimodal checkpoint's tensor name as its text model names it (`model.layers...`,
+    `lm_head...`); None for the towers and projectors under `other_prefixes`."""
+    if name.startswith(other_prefixes):
+        return None
+    name = name.removeprefix("model.").removeprefix("language_model.")
+    if not name.startswith(("model.", "lm_head.")):
+        name = f"model.{name}"  # transformers 5 saves model.language_model.<layers...>
+    return name

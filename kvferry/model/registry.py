@@ -19,6 +19,8 @@ ARCHITECTURES = MappingProxyType(
         "MistralForCausalLM": ("kvferry.model.llama", "MistralForCausalLM"),
         "Gemma3ForCausalLM": ("kvferry.model.gemma3", "Gemma3ForCausalLM"),
         "Gemma3ForConditionalGeneration": ("kvferry.model.gemma3", "Gemma3ForConditionalGeneration"),
+        "Gemma4ForCausalLM": ("kvferry.model.gemma4", "Gemma4ForCausalLM"),
+        "Gemma4ForConditionalGeneration": ("kvferry.model.gemma4", "Gemma4ForConditionalGeneration"),
     }
 )
 
@@ -31,6 +33,8 @@ MODEL_TYPES = MappingProxyType(
         "mistral": "MistralForCausalLM",
         "gemma3_text": "Gemma3ForCausalLM",
         "gemma3": "Gemma3ForConditionalGeneration",
+        "gemma4_text": "Gemma4ForCausalLM",
+        "gemma4": "Gemma4ForConditionalGeneration",
     }
 )
 

@@ -163,6 +163,15 @@ def _load_dir_config(source: ModelSource, model: str) -> tuple[Any, str, tuple[i
     return hf_config, architecture, _dir_eos_ids(source.local_dir, hf_config)
 
 
+def _first_layer_config(text: Any) -> Any:
+    """The config of the first layer: per-layer attributes of a heterogeneous transformers
+    config (Gemma 4's full-attention layers have their own head size) are read per layer,
+    the global config refuses them. The model reads every layer's own (kvferry.kv.spec)."""
+    if getattr(text, "is_heterogeneous", False):
+        return text.per_layer_config[0]
+    return text
+
+
 def _checkpoint_dtype(hf_config: Any) -> torch.dtype | None:
     value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(value, str):
@@ -198,6 +207,7 @@ def resolve_model_config(
         hf_config, architecture, eos_ids = _load_dir_config(source, model)
         checkpoint_dtype = _checkpoint_dtype(hf_config)
     text = text_config(hf_config)
+    first_layer = _first_layer_config(text)
     heads = int(text.num_attention_heads)
     hidden = int(text.hidden_size)
     return ModelConfig(
@@ -210,8 +220,8 @@ def resolve_model_config(
         vocab_size=int(text.vocab_size),
         num_layers=int(text.num_hidden_layers),
         num_attention_heads=heads,
-        num_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
-        head_dim=int(getattr(text, "head_dim", None) or hidden // heads),
+        num_kv_heads=int(getattr(first_layer, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(first_layer, "head_dim", None) or hidden // heads),
         hidden_size=hidden,
         eos_token_ids=eos_ids,
         gguf_file=str(source.gguf_file) if source.gguf_file is not None else None,

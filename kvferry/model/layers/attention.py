@@ -13,6 +13,11 @@ older than that, and positions of a chunk no later token sees, may be the null b
 
 The cache must hold finite values everywhere (allocate it zeroed): padded decode slots
 are masked out, but NaN/inf garbage would still poison the weighted sum.
+
+A cache may store heads wider than the layer's (KV cache groups padded to one page size,
+kvferry.kv.allocate): the layer writes its heads zero-padded and reads back the first
+`head_dim` values of each. A layer that shares another layer's KV (`kv_owner`) reads the
+owner's cache and metadata, attends the owner's k/v of the step, and writes nothing.
 """
 
 from __future__ import annotations
@@ -40,7 +45,11 @@ logger = logging.getLogger(__name__)
 def write_kv(
     kv_cache: torch.Tensor, layout: Layout, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
 ) -> None:
-    """Store k, v [T, kv_heads, head_dim] at flat slots (block_id * block_size + offset)."""
+    """Store k, v [T, kv_heads, head_dim] at flat slots (block_id * block_size + offset),
+    zero-padded to the cache's head size when it stores wider heads."""
+    pad = kv_cache.shape[-1] - k.shape[-1]
+    if pad:
+        k, v = F.pad(k, (0, pad)), F.pad(v, (0, pad))
     if layout is Layout.NHD:
         flat = kv_cache.flatten(1, 2)  # [2, num_blocks * block_size, H, D] (a view)
         flat[0].index_copy_(0, slots, k.to(flat.dtype))
@@ -112,10 +121,13 @@ def attend(
     layer_name: str,
     scale: float,
     window: int,
+    write: bool = True,
 ) -> None:
     """One layer's paged attention into `out`: q [T, heads, D], k and v [T, kv_heads, D].
 
     `window` > 0: a sliding window of that many positions (0: full attention).
+    `layer_name` is the layer owning the KV cache; `write` False: a layer sharing that
+    cache (its k/v are the owner's, already written this step).
 
     Writes this step's k/v into the layer's cache, then attends the decodes in one call and
     each run of prefill spans. This is the `kvferry::paged_attention` operator: a captured
@@ -128,7 +140,8 @@ def attend(
     if q.shape[0] > num_tokens:
         out[num_tokens:].zero_()
         k, v = k[:num_tokens], v[:num_tokens]
-    write_kv(kv_cache, ctx.layout, k, v, attn.slot_mapping)
+    if write:
+        write_kv(kv_cache, ctx.layout, k, v, attn.slot_mapping)
     score = Scores(scale, window)
     if attn.num_decodes:
         out[: attn.num_decodes] = _decode(q[: attn.num_decodes], kv_cache, ctx, attn, score)
@@ -176,7 +189,7 @@ def _decode(
     """All decode tokens in one SDPA call; a query head group shares its KV head."""
     batch, heads, head_dim = q.shape
     kv = gather_kv(kv_cache, ctx.layout, attn.decode_block_table, ctx.workspace)  # [2, B, H, L, D]
-    kv = kv.to(q.dtype)
+    kv = kv[..., :head_dim].to(q.dtype)
     kv_heads, length = kv.shape[2], kv.shape[3]
     key_pos = torch.arange(length, device=q.device)  # [L], or [B, L] from each table's start
     if attn.decode_start_pos is not None:
@@ -246,11 +259,13 @@ def _span_kv(
     block_size = kv_cache.shape[2] if ctx.layout is Layout.NHD else kv_cache.shape[3]
     if not window:
         kv = gather_kv(kv_cache, ctx.layout, span.block_table[: -(-total // block_size)], ctx.workspace)
+        kv = kv[..., : k.shape[-1]]
         return kv[0, :, :total], kv[1, :, :total], 0
     first = _first_visible_block(context, window, block_size)
     table = span.block_table[first : -(-context // block_size)]
     start = first * block_size
-    cached = gather_kv(kv_cache, ctx.layout, table, ctx.workspace)[:, :, : context - start].to(k.dtype)
+    cached = gather_kv(kv_cache, ctx.layout, table, ctx.workspace)[:, :, : context - start, : k.shape[-1]]
+    cached = cached.to(k.dtype)
     keys = torch.cat((cached[0], k.transpose(0, 1)), dim=1)
     values = torch.cat((cached[1], v.transpose(0, 1)), dim=1)
     return keys, values, start
@@ -269,6 +284,9 @@ class PagedAttention(nn.Module):
     The attention itself is the `kvferry::paged_attention` operator (kvferry.model.graph_ops):
     a captured graph calls it on every execution with the step's context. Connector hooks
     wrap it as `hooks` says (set by the model runner from the connector's declarations).
+
+    `kv_owner`: the layer whose KV cache this one shares (Gemma 4's `num_kv_shared_layers`);
+    it owns no cache, writes nothing and calls no hooks (the owner's cover its KV).
     """
 
     def __init__(
@@ -279,6 +297,7 @@ class PagedAttention(nn.Module):
         head_dim: int,
         scale: float,
         sliding_window: int | None = None,
+        kv_owner: str | None = None,
     ):
         super().__init__()
         assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
@@ -289,7 +308,12 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window  # None: full attention
+        self.kv_owner = kv_owner  # None: this layer owns its KV cache
         self.hooks = HookPlacement.NONE
+
+    @property
+    def owns_kv(self) -> bool:
+        return self.kv_owner is None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """q [T, heads*D] or [T, heads, D]; k, v likewise with kv_heads. Returns [T, heads*D]."""
@@ -300,11 +324,14 @@ class PagedAttention(nn.Module):
         out = torch.empty_like(q)
         graph_ops.before_attention(self.hooks, out, ctx, self.layer_name)
         window = self.sliding_window or 0
-        torch.ops.kvferry.paged_attention(q, k, v, out, ctx, self.layer_name, self.scale, window)
+        cache_layer = self.kv_owner or self.layer_name
+        torch.ops.kvferry.paged_attention(
+            q, k, v, out, ctx, cache_layer, self.scale, window, self.kv_owner is None
+        )
         graph_ops.after_attention(self.hooks, out, ctx, self.layer_name)
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
 
 @attend.register_fake
-def _(q, k, v, out, ctx, layer_name, scale, window) -> None:  # noqa: ANN001 - the operator's signature
+def _(q, k, v, out, ctx, layer_name, scale, window, write=True) -> None:  # noqa: ANN001 - the operator's signature
     return None

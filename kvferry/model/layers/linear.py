@@ -150,6 +150,31 @@ class QKVParallelLinear(ColumnParallelLinear):
         return qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
 
 
+class QueryParallelLinear(ColumnParallelLinear):
+    """The query projection alone, split by heads as QKVParallelLinear splits it (a layer
+    that reads another layer's KV: Gemma 4's KV-shared layers)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        tp: TPGroup,
+        dtype: torch.dtype | None = None,
+    ):
+        self.head_dim = head_dim
+        self.shard = tp.heads(num_heads, num_kv_heads)
+        self.num_heads, self.num_kv_heads = self.shard.num_heads, self.shard.num_kv_heads
+        out_local = self.num_heads * head_dim
+        super().__init__(hidden_size, num_heads * head_dim, bias, tp, dtype, out_local=out_local)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        src = loaded.narrow(0, self.shard.q_start * self.head_dim, param.shape[0])
+        copy_checked(param.data, src, "query projection")
+
+
 class RowParallelLinear(PackableLinear):
     """y = x W^T + b with W split by input columns; partial sums are all-reduced.
 

@@ -1,4 +1,4 @@
-"""RMSNorm, with an optional fused residual add; Gemma's (1 + w) RMSNorm."""
+"""RMSNorm, with an optional fused residual add; Gemma's (offset + w) RMSNorm; an unscaled one."""
 
 from __future__ import annotations
 
@@ -41,22 +41,34 @@ class RMSNorm(nn.Module):
 
 
 class GemmaRMSNorm(nn.Module):
-    """Gemma's RMSNorm: y = x / rms(x) * (1 + w), in float32, cast back to x's dtype.
+    """Gemma's RMSNorm: y = x / rms(x) * (offset + w), in float32, cast back to x's dtype.
 
-    The checkpoint stores w; the parameter holds 1 + w in float32 (added at load, as the
-    reference adds it in float32 on every call).
+    The checkpoint stores w; the parameter holds offset + w in float32 (added at load, as
+    the reference adds it in float32 on every call). Gemma 1-3 store w around 0 (offset 1);
+    Gemma 4 stores the scale itself (offset 0).
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, weight_offset: float = 1.0):
         super().__init__()
         self.eps = eps
+        self.weight_offset = weight_offset
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=torch.float32), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
-    @staticmethod
-    def weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-        copy_checked(param.data, 1.0 + loaded.float(), "Gemma RMSNorm weight")
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        copy_checked(param.data, self.weight_offset + loaded.float(), "Gemma RMSNorm weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps)
         return normed.to(x.dtype)
+
+
+class UnscaledRMSNorm(nn.Module):
+    """y = x / rms(x) in float32, cast back to x's dtype; no weight (Gemma 4's value norm)."""
+
+    def __init__(self, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)

@@ -1,6 +1,6 @@
 """Rotary position embedding (rotate-half / NeoX style) with a precomputed cos/sin cache.
 
-Supported `rope_type`s: default, linear, llama3.
+Supported `rope_type`s: default, linear, llama3, proportional (Gemma 4).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from torch import nn
 from kvferry.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
+
+ROPE_TYPES = ("default", "linear", "llama3", "proportional")
 
 
 def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
@@ -65,7 +67,20 @@ def inverse_frequencies(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
         return inv_freq / float(params["factor"])
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, params)
-    raise ModelLoadError(f"rope scaling type {kind!r} is not supported (default, linear, llama3)")
+    if kind == "proportional":
+        return _proportional_inv_freq(head_dim, base, params)
+    raise ModelLoadError(f"rope scaling type {kind!r} is not supported ({', '.join(ROPE_TYPES)})")
+
+
+def _proportional_inv_freq(head_dim: int, base: float, params: dict[str, Any]) -> torch.Tensor:
+    """Gemma 4's global layers: the first `partial_rotary_factor` of the frequency pairs
+    rotate with exponents over the whole head_dim; the remaining pairs do not rotate
+    (frequency 0: cos 1, sin 0); all divided by `factor`."""
+    rotated = int(float(params.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+    exponents = torch.arange(0, 2 * rotated, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = torch.zeros(head_dim // 2, dtype=torch.float32)
+    inv_freq[:rotated] = 1.0 / (base**exponents)
+    return inv_freq / float(params.get("factor", 1.0))
 
 
 class RotaryEmbedding(nn.Module):
