@@ -62,6 +62,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="measure the NixlConnector between a prefill and a decode engine of MODEL instead",
     )
     parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[1000, 4000], help="with --connector")
+    for side in ("prefill", "decode"):
+        parser.add_argument(
+            f"--{side}-layout",
+            default="NHD",
+            choices=["NHD", "HND"],
+            help=f"with --connector: the {side} KV layout",
+        )
 
 
 @dataclass(frozen=True)
@@ -311,7 +318,7 @@ def plot(doc: dict, path: Path) -> bool:
 # ---- --connector MODEL: the NixlConnector between two engines ------------------------------
 
 
-def connector_config(args: argparse.Namespace, role: str):
+def connector_config(args: argparse.Namespace, role: str, layout: str):
     """An engine of args.connector whose pool holds the longest prompt and a few blocks more."""
     from kvferry.config import CacheConfig, EngineConfig, KVTransferConfig
     from kvferry.model.resolve import resolve_model_config
@@ -322,7 +329,7 @@ def connector_config(args: argparse.Namespace, role: str):
     blocks = -(-(longest + 1) // block_size) + 4
     return EngineConfig(
         model=model,
-        cache=CacheConfig(block_size=block_size, num_gpu_blocks_override=blocks),
+        cache=CacheConfig(block_size=block_size, num_gpu_blocks_override=blocks, layout=layout),
         kv_transfer=KVTransferConfig("NixlConnector", kv_role=role),
     )
 
@@ -404,9 +411,9 @@ def run_connector(args: argparse.Namespace) -> dict:
 
     from kvferry.engine.core import EngineCore
 
-    prefiller = EngineCore(connector_config(args, "producer"))
+    prefiller = EngineCore(connector_config(args, "producer", args.prefill_layout))
     try:
-        decoder = EngineCore(connector_config(args, "consumer"))
+        decoder = EngineCore(connector_config(args, "consumer", args.decode_layout))
         try:
             rows = connector_rows(args, prefiller, decoder)
         finally:
@@ -416,6 +423,7 @@ def run_connector(args: argparse.Namespace) -> dict:
     doc = {
         "bench": "transfer_connector",
         "model": args.connector,
+        "layouts": {"prefill": args.prefill_layout, "decode": args.decode_layout},
         "iters": args.iters,
         **host_facts(),
         "results": rows,
