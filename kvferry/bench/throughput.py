@@ -21,11 +21,26 @@ def time_kvferry(config, prompts: list[list[int]], output_len: int, temperature:
     llm = LLM.from_config(config)
     params = SamplingParams(max_tokens=output_len, temperature=temperature, top_p=top_p, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm caches
+    clipped_before = [g.blocks_clipped_total for g in llm.stats().kv_groups]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"seconds": elapsed, "generated_tokens": generated, "tokens_per_s": generated / elapsed}
+    groups = [
+        {
+            "group": g.group,
+            "kind": g.kind,
+            "layers": g.num_layers,
+            "blocks_clipped": g.blocks_clipped_total - before,
+        }
+        for g, before in zip(llm.stats().kv_groups, clipped_before, strict=True)
+    ]
+    return {
+        "seconds": elapsed,
+        "generated_tokens": generated,
+        "tokens_per_s": generated / elapsed,
+        "kv_groups": groups,
+    }
 
 
 def time_hf(config, prompts: list[list[int]], output_len: int, temperature: float, top_p: float) -> dict:

@@ -32,7 +32,7 @@ from kvferry.engine.core_protocol import EngineDeadError, Outputs
 from kvferry.engine.input_processor import InputProcessor
 from kvferry.engine.output_processor import OutputProcessor
 from kvferry.errors import InvalidRequestError, KVFerryError, UnknownRequestError
-from kvferry.kv.usage import KVMemoryStats
+from kvferry.kv.usage import KVGroupStats, KVMemoryStats
 from kvferry.messages.engine_core import EngineCoreOutput
 from kvferry.outputs import RequestOutput
 from kvferry.sampling_params import SamplingParams
@@ -105,6 +105,7 @@ def _stats_from_wire(raw: dict) -> EngineStats:
     fields = {k: v for k, v in raw.items() if k in names}
     if isinstance(fields.get("kv_memory"), dict):
         fields["kv_memory"] = KVMemoryStats(**fields["kv_memory"])
+    fields["kv_groups"] = [KVGroupStats(**g) for g in fields.get("kv_groups", ())]
     return EngineStats(**fields)
 
 

@@ -13,7 +13,7 @@ from kvferry.engine.profile_run import size_kv_cache
 from kvferry.engine.warmup import warmup_steps
 from kvferry.executor.base import Executor
 from kvferry.kv.spec import KVCacheConfig
-from kvferry.kv.usage import KVMemoryStats
+from kvferry.kv.usage import KVGroupStats, KVMemoryStats
 from kvferry.messages.engine_core import EngineCoreOutput, EngineCoreRequest
 from kvferry.messages.kv_connector import KVConnectorOutput
 from kvferry.scheduler.output import SchedulerOutput
@@ -36,6 +36,7 @@ class EngineStats:
     num_preemptions: int = 0
     kv_connector: dict[str, float] = field(default_factory=dict)  # running totals of connector stats
     kv_memory: KVMemoryStats = field(default_factory=KVMemoryStats)
+    kv_groups: list[KVGroupStats] = field(default_factory=list)  # one per KV cache group
 
 
 def make_executor(config: EngineConfig) -> Executor:
@@ -130,6 +131,7 @@ class EngineCore:
             num_preemptions=s.num_preemptions,
             kv_connector=dict(self._connector_totals),
             kv_memory=s.kv_cache_manager.memory_stats(),
+            kv_groups=list(s.kv_cache_manager.group_stats()),
         )
 
     def _maybe_log(self) -> None:

@@ -30,3 +30,15 @@ class KVMemoryStats:
     pool_size_bytes: int = 0  # the shared pool's budget
     pool_used_bytes: int = 0  # held by every engine on the pool
     pool_held_bytes: int = 0  # held by this engine
+
+
+@dataclass(frozen=True)
+class KVGroupStats:
+    """One KV cache group now: what its requests hold, and what its window saved."""
+
+    group: int
+    kind: str  # "full" or "window N"
+    num_layers: int
+    blocks_in_use: int  # distinct blocks its requests hold
+    bytes_in_use: int  # the memory those blocks take, all tensors and ranks
+    blocks_clipped_total: int  # blocks full attention would have held, since start

@@ -7,8 +7,8 @@ import weakref
 
 from kvferry.kv.pages import PageChanges
 from kvferry.kv.shared_pool import PoolPageBudget, SharedKVPool
-from kvferry.kv.spec import KVCacheConfig
-from kvferry.kv.usage import KVMemoryStats
+from kvferry.kv.spec import KVCacheConfig, KVCacheSpec, SlidingWindowSpec
+from kvferry.kv.usage import KVGroupStats, KVMemoryStats
 from kvferry.scheduler.block_pool import BlockPool, KVCacheBlock
 from kvferry.scheduler.hashing import BlockHasher
 from kvferry.scheduler.output import BlockIds
@@ -85,6 +85,23 @@ class KVCacheManager:
             pool_size_bytes=0 if pool is None else pool.size_bytes,
             pool_used_bytes=0 if pool is None else pool.used_bytes(),
             pool_held_bytes=0 if pool is None else pool.held_bytes(),
+        )
+
+    def group_stats(self) -> tuple[KVGroupStats, ...]:
+        """Per group: blocks and bytes in use now, blocks saved by window clipping so far.
+        A block id takes its slot in every tensor whichever group holds it (hybrid
+        allocation), so every group's block costs the same bytes."""
+        block_bytes = self.config.pool_page_bytes // self.config.blocks_per_page
+        return tuple(
+            KVGroupStats(
+                group=gid,
+                kind=_group_kind(group.spec),
+                num_layers=len(group.layer_names),
+                blocks_in_use=(in_use := manager.num_blocks_in_use),
+                bytes_in_use=in_use * block_bytes,
+                blocks_clipped_total=manager.num_blocks_clipped,
+            )
+            for gid, (group, manager) in enumerate(zip(self.config.groups, self.managers, strict=True))
         )
 
     @property
@@ -192,3 +209,7 @@ class KVCacheManager:
 
     def has_page_changes(self) -> bool:
         return self.pool.has_page_changes()
+
+
+def _group_kind(spec: KVCacheSpec) -> str:
+    return f"window {spec.sliding_window}" if isinstance(spec, SlidingWindowSpec) else "full"

@@ -32,6 +32,14 @@ class SingleTypeManager(ABC):
         self.block_size = spec.block_size
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks already registered in the cache
+        # Table entries a full-attention group would have held and this one does not (window
+        # clipping): never allocated, or freed while their request ran. Since start (metrics).
+        self.num_blocks_clipped = 0
+
+    @property
+    def num_blocks_in_use(self) -> int:
+        """Distinct blocks the group's requests hold now (the null block excluded)."""
+        return len({b.block_id for table in self.req_to_blocks.values() for b in table if not b.is_null})
 
     def blocks(self, req_id: str) -> list[KVCacheBlock]:
         return self.req_to_blocks.get(req_id, [])
@@ -184,6 +192,7 @@ class SlidingWindowManager(SingleTypeManager):
             return []
         start = max(len(held), self._first_real_block(num_tokens))
         new_blocks = [self.null_block] * (start - len(held)) + self.pool.get_new_blocks(total - start)
+        self.num_blocks_clipped += start - len(held)
         held.extend(new_blocks)
         return new_blocks
 
@@ -200,6 +209,7 @@ class SlidingWindowManager(SingleTypeManager):
         dropped = [held[i] for i in range(start, first_needed) if not held[i].is_null]
         held[start:first_needed] = [self.null_block] * (first_needed - start)
         self.num_skipped[req_id] = first_needed
+        self.num_blocks_clipped += len(dropped)
         self.pool.free_blocks(reversed(dropped))
 
     def free(self, req_id: str) -> None:

@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvferry.engine.async_engine import AsyncEngine, IterationStats
-from kvferry.kv.usage import KVMemoryStats
+from kvferry.kv.usage import KVGroupStats, KVMemoryStats
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +131,29 @@ class EngineStatsCollector(Collector):
             yield self._sample(GaugeMetricFamily, name, doc, val)
         for name, doc, val in counters:
             yield self._sample(CounterMetricFamily, name, doc, val)
+        yield from self._kv_groups(s.kv_groups)
+
+    def _kv_groups(self, groups: list[KVGroupStats]) -> Iterator[Metric]:
+        """Per KV cache group (labels group and kind): blocks and bytes in use, and blocks
+        saved by window clipping."""
+        labels = ["model_name", "group", "kind"]
+        blocks = GaugeMetricFamily(
+            PREFIX + "kv_group_blocks", "KV blocks a group's requests hold.", labels=labels
+        )
+        nbytes = GaugeMetricFamily(
+            PREFIX + "kv_group_bytes", "KV memory a group's blocks take.", labels=labels
+        )
+        clipped = CounterMetricFamily(
+            PREFIX + "kv_group_blocks_clipped",
+            "Blocks a sliding window saved (vs full attention).",
+            labels=labels,
+        )
+        for g in groups:
+            key = [self.model_name, str(g.group), g.kind]
+            blocks.add_metric(key, float(g.blocks_in_use))
+            nbytes.add_metric(key, float(g.bytes_in_use))
+            clipped.add_metric(key, float(g.blocks_clipped_total))
+        yield from (blocks, nbytes, clipped)
 
     def _sample(
         self, family: type[GaugeMetricFamily | CounterMetricFamily], name: str, doc: str, val
