@@ -29,10 +29,10 @@ def _engine_mismatch(remote: RemotePrefill, info: EngineInfo, local: LocalEngine
     if info.engine_id != remote.engine_id:
         return f"remote_engine_id {remote.engine_id!r} is not the engine at {where} ({info.engine_id!r})"
     if info.compat_hash != local.compat:
-        return (
-            f"the engine at {where} serves an incompatible model or KV cache "
-            f"(model, dtype, KV heads, head size or layers differ: {info.compat_hash} != {local.compat})"
+        difference = group_difference(info.groups, local.groups) or (
+            f"model, dtype, KV heads, head size or layers differ: {info.compat_hash} != {local.compat}"
         )
+        return f"the engine at {where} serves an incompatible model or KV cache ({difference})"
     if info.block_size != local.block_size:
         return (
             f"the engine at {where} uses KV blocks of {info.block_size} tokens, this one {local.block_size}"
@@ -40,6 +40,28 @@ def _engine_mismatch(remote: RemotePrefill, info: EngineInfo, local: LocalEngine
     if info.tp_size != remote.tp_size or len(info.ranks) != info.tp_size:
         return f"remote_tp_size is {remote.tp_size}, the engine at {where} runs {info.tp_size} ranks"
     return None
+
+
+def group_difference(remote: Sequence[GroupInfo], local: Sequence[GroupInfo]) -> str | None:
+    """The first way the remote engine's KV cache groups differ from this one's, in words
+    (KV heads per rank are left out: tensor-parallel sizes may differ); None if they agree."""
+    if len(remote) != len(local):
+        return f"{len(remote)} KV cache groups there, {len(local)} here ({_kinds(remote)} vs {_kinds(local)})"
+    for gid, (there, here) in enumerate(zip(remote, local, strict=True)):
+        for what, a, b in (
+            ("kind", there.kind, here.kind),
+            ("sliding window", there.sliding_window, here.sliding_window),
+            ("stored head size", there.head_size, here.head_size),
+            ("dtype", there.dtype, here.dtype),
+            ("layers", there.layer_names, here.layer_names),
+        ):
+            if a != b:
+                return f"KV cache group {gid}: {what} {a} there, {b} here"
+    return None
+
+
+def _kinds(groups: Sequence[GroupInfo]) -> str:
+    return ", ".join(f"window {g.sliding_window}" if g.kind == "sliding" else g.kind for g in groups)
 
 
 def check_remote(
