@@ -1,7 +1,10 @@
 """P/D over NIXL with the tiny Gemma 3 (sliding and full layers in shared tensors): outputs
 equal a colocated engine's for prefill/decode TP (1,1), (1,2), (2,1), (2,2), the TP=2
 decoder converting NHD to HND on receive; the bytes read are exactly the blocks each
-group's window sees; every pool ends all free."""
+group's window sees; every pool ends all free. The tiny Gemma 4 likewise for TP (1,1) and
+(1,2) (HND), its KV-shared layers transferred once (they own no KV), its sliding groups'
+padded pages read as stored; a decoder whose KV cache groups differ from the prefiller's
+answers 400 naming the difference."""
 
 from __future__ import annotations
 
@@ -141,5 +144,133 @@ def test_registration_is_one_region_per_distinct_tensor(
         config = llm.engine.scheduler.kv_cache_manager.config
         assert len(config.tensors) == 2 and sum(len(t.shared_by) for t in config.tensors) == 6
         assert registered == [len(config.tensors)]
+    finally:
+        llm.engine.shutdown()
+
+
+# ---- Gemma 4: KV-shared layers, full layers with wider heads (sliding pages padded) ----
+
+GEMMA4_PAGE = BLOCK * 2 * 32 * 4 * 2  # every group's block: 2 KV heads stored as 32 floats, K and V
+GEMMA4_SLIDING_GROUPS = 4  # layers 0, 1, 3, 4; the full group is layer 2; layers 5-7 own no KV
+
+
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_hybrid_model("gemma4", tmp_path_factory.mktemp("tiny_gemma4_pd"))
+
+
+@pytest.fixture(scope="module")
+def gemma4_servers(gemma4: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
+    logs = tmp_path_factory.mktemp("pd_gemma4")
+    started = {
+        "p1": start_server(gemma4, logs, "g4p1", nixl("producer"), args=CHUNK),
+        "d1": start_server(gemma4, logs, "g4d1", nixl("consumer"), args=CHUNK),
+        "d2": start_server(gemma4, logs, "g4d2", nixl("consumer"), tp=2, layout="HND", args=CHUNK),
+    }
+    try:
+        wait_healthy(list(started.values()))
+        yield started
+    finally:
+        codes = stop(list(started.values()))
+    assert codes == [0, 0, 0], {s.name: s.tail() for s in started.values()}
+
+
+@pytest.fixture(scope="module")
+def gemma4_reference(gemma4: Path, prompts: list) -> list[str]:
+    llm = LLM(str(gemma4), kv_cache_bytes=5 << 20, max_num_batched_tokens=64)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    return [o.outputs[0].text for o in outs]
+
+
+@pytest.mark.parametrize("decode_name", ["d1", "d2"])
+def test_gemma4_pd_equals_colocated(gemma4_servers, prompts, gemma4_reference, decode_name) -> None:
+    """TP (1,1), and (1,2) with the decoder converting NHD to HND (padded heads included)."""
+    prefiller, decoder = gemma4_servers["p1"], gemma4_servers[decode_name]
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda p: _pd(prefiller, decoder, p), prompts))
+    for prompt, (text, cached, params), expected in zip(prompts, results, gemma4_reference, strict=True):
+        assert text == expected, prompt
+        assert cached == params["remote_num_tokens"] - 1
+    wait_idle(decoder)
+    wait_idle(prefiller)
+
+
+def _gemma4_visible_bytes(num_loaded: int) -> int:
+    """The full group's every block and each sliding group's window-visible blocks, one
+    (padded) page each: the KV-shared layers add nothing (their source's KV is read once)."""
+    full = -(-num_loaded // BLOCK)
+    sliding = full - max(0, num_loaded - WINDOW + 1) // BLOCK
+    return (full + GEMMA4_SLIDING_GROUPS * sliding) * GEMMA4_PAGE
+
+
+def test_gemma4_decoder_reads_each_window_and_shared_layers_once(gemma4_servers) -> None:
+    prefiller, decoder = gemma4_servers["p1"], gemma4_servers["d1"]
+    gen = torch.Generator().manual_seed(12)
+    for length in (40, 73, 200, 161):
+        prompt = torch.randint(10, 800, (length,), generator=gen).tolist()
+        before = decoder.metrics()["kv_connector_nixl_bytes_read"]
+        _, cached, _ = _pd(prefiller, decoder, prompt)
+        read = decoder.metrics()["kv_connector_nixl_bytes_read"] - before
+        assert cached == length - 1 and read == _gemma4_visible_bytes(length - 1), (length, read)
+    wait_idle(decoder)
+    wait_idle(prefiller)
+
+
+def test_a_decoder_with_other_kv_groups_refuses_naming_the_difference(
+    servers, gemma4_servers, prompts
+) -> None:
+    """Gemma 3's prefill handed to a Gemma 4 decoder: HTTP 400 naming how the groups differ;
+    the decoder keeps serving and the prefill stays held for the right decoder (then freed)."""
+    prompt = prompts[3]
+    params = prefill(servers["p1"], prompt)
+    resp = decode(gemma4_servers["d1"], prompt, params, MAX_TOKENS)
+    assert resp.status_code == 400, resp.text
+    message = resp.json()["error"]["message"]
+    assert "3 KV cache groups there, 5 here" in message, message
+    wait_idle(gemma4_servers["d1"])
+    _pd(gemma4_servers["p1"], gemma4_servers["d1"], prompt)  # still serving
+    assert decode(servers["d1"], prompt, params, MAX_TOKENS).status_code == 200
+    for server in (*servers.values(), *gemma4_servers.values()):
+        wait_idle(server)
+
+
+def test_group_difference_names_the_window() -> None:
+    from kvferry.connector.nixl.protocol import GroupInfo
+    from kvferry.connector.nixl.validate import group_difference
+
+    def groups(window: int) -> list[GroupInfo]:
+        return [
+            GroupInfo("sliding", 16, 2, 32, "float32", window, ["a"]),
+            GroupInfo("full", 16, 2, 32, "float32", 0, ["b"]),
+        ]
+
+    assert group_difference(groups(10), groups(10)) is None
+    assert group_difference(groups(10), groups(12)) == "KV cache group 0: sliding window 10 there, 12 here"
+    one_kv_head = [GroupInfo("sliding", 16, 1, 32, "float32", 10, ["a"]), groups(10)[1]]
+    assert group_difference(groups(10), one_kv_head) is None  # another TP size: fine
+
+
+def test_gemma4_registration_is_one_region_per_distinct_tensor(
+    gemma4: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a real engine with the NIXL connector: the 5 layers owning KV (of 8) in 1 tensor,
+    1 region registered; the KV-shared layers are in none."""
+    from kvferry.connector.nixl.agent import Agent
+
+    registered: list[int] = []
+    real_register = Agent.register
+
+    def observe(self: Agent, regions: list) -> None:
+        registered.append(len(regions))
+        real_register(self, regions)
+
+    monkeypatch.setattr(Agent, "register", observe)
+    kv = KVTransferConfig("NixlConnector", kv_role="producer")
+    llm = make_llm(gemma4, kv_transfer=kv, enforce_eager=True)
+    try:
+        config = llm.engine.scheduler.kv_cache_manager.config
+        layers = [name for t in config.tensors for name in t.shared_by]
+        assert len(layers) == 5 and not any(f"layers.{i}." in name for name in layers for i in (5, 6, 7))
+        assert registered == [len(config.tensors)] == [1]
     finally:
         llm.engine.shutdown()
