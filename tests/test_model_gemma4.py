@@ -7,10 +7,13 @@ preemption, over two tensor-parallel ranks; the KV-shared layers own no KV tenso
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
 
+from kvferry.errors import ModelLoadError
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.model.gemma4 import Gemma4ForCausalLM
 from kvferry.sampling_params import SamplingParams
@@ -144,3 +147,24 @@ def test_shared_layers_read_their_source_layers_cache() -> None:
         kv.name for kv in model.kv_layers()
     ]
     assert model.model.layers[2].self_attn.attn.head_dim == GEMMA4_GLOBAL_HEAD_DIM
+
+
+def test_config_and_weights_that_disagree_are_a_load_error(gemma4, tmp_path: Path) -> None:
+    """The full layers' head size edited in config.json: the error names the shapes."""
+    model_dir, _, _ = gemma4("gemma4")
+    edited = tmp_path / "edited"
+    shutil.copytree(model_dir, edited)
+    config = json.loads((edited / "config.json").read_text())
+    config["per_layer_config"] = {key: {"head_dim": 16} for key in config["per_layer_config"]}
+    (edited / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="checkpoint shape"):
+        make_llm(edited, enforce_eager=True)
+
+
+def test_mixture_of_experts_is_refused() -> None:
+    from tests.fixtures.tiny_hybrid import hybrid_config
+
+    config = hybrid_config("gemma4", vocab_size=64, eos_id=0)
+    config.enable_moe_block = True
+    with pytest.raises(ModelLoadError, match="mixture-of-experts"):
+        Gemma4ForCausalLM(config)
