@@ -28,6 +28,16 @@ def parse_dtype(name: str, model_dtype: torch.dtype | None) -> torch.dtype:
     return DTYPES[name]
 
 
+class WeightQuantization(str, Enum):
+    """How linear weights are stored (--quantization)."""
+
+    NONE = "none"  # the model's dtype
+    INT4 = "int4"  # weight-only int4 in groups of 32, bf16 scales and zeros (CPU)
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What the model is: resolved from a local dir, a hub id in the HF cache, or a GGUF file."""
@@ -47,6 +57,13 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     gguf_file: str | None = None  # set when the weights come from a GGUF file
     local_dir: str | None = None  # directory holding config/tokenizer/weights
+    # --quantization: how linear weights are stored (kvferry.model.layers.int4); "int4" coerced
+    quantization: WeightQuantization = WeightQuantization.NONE
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "quantization", _member(WeightQuantization, self.quantization, "quantization")
+        )
 
 
 def _member(enum: type[Enum], value: object, what: str) -> Enum:

@@ -14,6 +14,7 @@ from kvferry.config import (
     KVTransferConfig,
     ParallelConfig,
     SchedulerConfig,
+    WeightQuantization,
 )
 from kvferry.engine.llm import LLM
 from kvferry.model.resolve import resolve_model_config
@@ -49,8 +50,11 @@ def make_llm(
     executor: str = "uniproc",
     enforce_eager: bool = False,
     device: str = "cpu",
+    quantization: WeightQuantization = WeightQuantization.NONE,
 ) -> LLM:
-    model = resolve_model_config(str(model_dir), dtype="float32", max_model_len=max_model_len)
+    model = resolve_model_config(
+        str(model_dir), dtype="float32", max_model_len=max_model_len, quantization=quantization
+    )
     config = EngineConfig(
         model=model,
         cache=CacheConfig(

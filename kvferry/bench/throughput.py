@@ -66,6 +66,7 @@ def run_throughput_bench(args, config_from_args) -> dict:
         "bench": "throughput",
         "model": config.model.served_model_name,
         "dtype": str(config.model.dtype).removeprefix("torch."),
+        "quantization": str(config.model.quantization),
         "num_prompts": args.num_prompts,
         "input_len": args.input_len,
         "output_len": args.output_len,

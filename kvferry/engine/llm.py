@@ -13,6 +13,7 @@ from kvferry.config import (
     EngineConfig,
     ParallelConfig,
     SchedulerConfig,
+    WeightQuantization,
 )
 from kvferry.engine.core import EngineCore, EngineStats
 from kvferry.engine.input_processor import InputProcessor
@@ -61,8 +62,11 @@ class LLM:
         seed: int = 0,
         enforce_eager: bool = False,
         kv_allocator: KVAllocator | str = KVAllocator.EAGER,
+        quantization: WeightQuantization | str = WeightQuantization.NONE,
     ):
-        model_config = resolve_model_config(model, dtype=dtype, max_model_len=max_model_len)
+        model_config = resolve_model_config(
+            model, dtype=dtype, max_model_len=max_model_len, quantization=quantization
+        )
         config = EngineConfig(
             model=model_config,
             cache=CacheConfig(

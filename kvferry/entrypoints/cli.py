@@ -34,6 +34,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "model", nargs="?", default=DEFAULT_MODEL, help="local dir, cached hub id, .gguf or 'smollm2'"
     )
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--quantization",
+        default="none",
+        choices=["none", "int4"],
+        help="int4: weight-only int4 linears (CPU; faster small-batch decode, see docs/benchmarks.md)",
+    )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--block-size", type=int, default=16)
@@ -155,6 +161,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         served_model_name=args.served_model_name or default_served_name(args.model),
+        quantization=args.quantization,
     )
     return EngineConfig(
         model=model,

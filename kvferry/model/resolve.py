@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kvferry.config import ModelConfig, parse_dtype
+from kvferry.config import ModelConfig, WeightQuantization, parse_dtype
 from kvferry.errors import ModelLoadError
 from kvferry.model.loader.gguf_config import gguf_model_info
 from kvferry.model.registry import MODEL_TYPES, check_supported
@@ -196,6 +196,7 @@ def resolve_model_config(
     dtype: str = "auto",
     max_model_len: int | None = None,
     served_model_name: str | None = None,
+    quantization: WeightQuantization | str = WeightQuantization.NONE,
 ) -> ModelConfig:
     """Resolve `model` to a ModelConfig (see module docstring for the accepted forms)."""
     source = locate_model(model)
@@ -226,4 +227,5 @@ def resolve_model_config(
         eos_token_ids=eos_ids,
         gguf_file=str(source.gguf_file) if source.gguf_file is not None else None,
         local_dir=str(source.local_dir),
+        quantization=quantization,  # coerced and checked by ModelConfig
     )

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvferry.config import WeightQuantization
 from kvferry.model.layers.linear import PackableLinear, copy_checked
 from kvferry.model.layers.parallel import TPGroup
 
@@ -55,8 +56,12 @@ class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
         self.weight = embedding.weight
         self.tied = True
 
-    def pack_weight(self, keep_plain: bool = False) -> bool:
-        return super().pack_weight(keep_plain=keep_plain or self.tied)  # the embedding reads it
+    def pack_weight(
+        self, keep_plain: bool = False, quantization: WeightQuantization = WeightQuantization.NONE
+    ) -> bool:
+        # The embedding reads a tied weight. The head stays in the model's dtype under int4:
+        # logits are where 4-bit rounding shows most (GGUF keeps it at 8 bits or more).
+        return super().pack_weight(keep_plain or self.tied, WeightQuantization.NONE)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.tp.all_gather(self.matmul(hidden))

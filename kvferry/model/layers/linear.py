@@ -14,8 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvferry.config import WeightQuantization
 from kvferry.errors import ModelLoadError
-from kvferry.model.layers.packed import PackedWeight, can_pack, pack, packed_linear
+from kvferry.model.layers.int4 import Int4Weight, can_quantize_int4
+from kvferry.model.layers.packed import PackedWeight, can_pack, pack
 from kvferry.model.layers.parallel import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -32,24 +34,36 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
 
 
 class PackableLinear(nn.Module):
-    """A linear whose weight may be packed for the CPU GEMM once loaded (see layers.packed)."""
+    """A linear whose weight may be packed once loaded: for the CPU GEMM (layers.packed),
+    or as weight-only int4 (layers.int4, --quantization int4)."""
 
-    packed: PackedWeight | None = None
+    packed: PackedWeight | Int4Weight | None = None
 
-    def pack_weight(self, keep_plain: bool = False) -> bool:
+    def pack_weight(
+        self, keep_plain: bool = False, quantization: WeightQuantization = WeightQuantization.NONE
+    ) -> bool:
         """Pack the loaded weight; the plain one is released unless `keep_plain` (it is
         shared, e.g. a tied embedding). Loading weights afterwards is not supported."""
-        if self.packed is not None or self.weight is None or not can_pack(self.weight):
+        if self.packed is not None or self.weight is None:
             return False
-        self.packed = pack(self.weight)
+        self.packed = _packed_form(self.weight, quantization)
+        if self.packed is None:
+            return False
         if not keep_plain:
             self.register_parameter("weight", None)
         return True
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed is not None:
-            return packed_linear(x, self.packed, bias)
+            return self.packed.linear(x, bias)
         return F.linear(x, self.weight, bias)
+
+
+def _packed_form(weight: torch.Tensor, quantization: WeightQuantization) -> PackedWeight | Int4Weight | None:
+    """int4 where asked and the shape allows, else oneDNN's packed float32, else None."""
+    if quantization is WeightQuantization.INT4 and can_quantize_int4(weight):
+        return Int4Weight(weight)
+    return pack(weight) if can_pack(weight) else None
 
 
 class ColumnParallelLinear(PackableLinear):

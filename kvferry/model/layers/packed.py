@@ -36,13 +36,18 @@ class PackedWeight(OpaqueBase):
         self.tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
         self.out_features = int(weight.shape[0])
 
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return packed_linear(x, self, bias)
+
     def __reduce__(self) -> tuple[type, tuple[str]]:
         """For the compiler's cache key: a reference, not the weight (an mkldnn tensor does
         not pickle, which would turn the compiled-graph cache off)."""
         return str, (type(self).__qualname__,)
 
 
-register_opaque_type(PackedWeight, typ="reference", members={"out_features": MemberType.USE_REAL})
+register_opaque_type(
+    PackedWeight, typ="reference", members={"out_features": MemberType.USE_REAL, "linear": MemberType.INLINED}
+)
 
 
 def pack(weight: torch.Tensor, batch_hint: int = BATCH_HINT) -> PackedWeight:

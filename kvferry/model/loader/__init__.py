@@ -8,8 +8,10 @@ import time
 import torch
 from torch import nn
 
-from kvferry.config import ModelConfig
+from kvferry.config import ModelConfig, WeightQuantization
 from kvferry.cpu_features import native_half_precision
+from kvferry.errors import ConfigError
+from kvferry.model.layers.int4 import Int4Weight
 from kvferry.model.layers.linear import PackableLinear
 from kvferry.model.layers.parallel import TPGroup
 from kvferry.model.loader.gguf_weights import gguf_state_dict, iter_gguf_weights
@@ -35,6 +37,8 @@ def load_model(
     """
     tp = tp or TPGroup()
     start = time.perf_counter()
+    if model_config.quantization is WeightQuantization.INT4 and torch.device(device).type != "cpu":
+        raise ConfigError(f"--quantization int4 runs on CPU only (its kernel is the CPU's), not on {device}")
     cls = model_class(model_config.architecture)
     dtype = compute_dtype(model_config.dtype, device)
     with torch.device(device):
@@ -53,7 +57,7 @@ def load_model(
         weights = ((name, tensor.to(model_config.dtype).to(dtype)) for name, tensor in weights)
     model.load_weights(weights)
     model.eval()
-    pack_linear_weights(model)
+    pack_linear_weights(model, model_config.quantization)
     threads = torch.get_num_threads()
     if (
         torch.device(device).type == "cpu"
@@ -81,9 +85,12 @@ def compute_dtype(dtype: torch.dtype, device: str | torch.device) -> torch.dtype
     return dtype if native_half_precision(dtype) else torch.float32
 
 
-def pack_linear_weights(model: nn.Module) -> int:
-    """Pack every packable linear weight of a loaded model; returns how many were packed."""
-    count = sum(m.pack_weight() for m in model.modules() if isinstance(m, PackableLinear))
+def pack_linear_weights(model: nn.Module, quantization: WeightQuantization = WeightQuantization.NONE) -> int:
+    """Pack every packable linear weight of a loaded model (as int4 where asked and the
+    shape allows); returns how many were packed."""
+    linears = [m for m in model.modules() if isinstance(m, PackableLinear)]
+    count = sum(m.pack_weight(quantization=quantization) for m in linears)
+    int4 = sum(isinstance(m.packed, Int4Weight) for m in linears)
     if count:
-        logger.info("packed %d linear weights for the CPU GEMM", count)
+        logger.info("packed %d linear weights (%d as weight-only int4) for the CPU GEMM", count, int4)
     return count

@@ -1,0 +1,102 @@
+"""Weight-only int4 linears for the CPU (`--quantization int4`).
+
+A decode step at small batches reads every weight once per token, so its time is the
+weights' bytes over memory bandwidth. Stored as 4-bit integers in groups of 32 input
+features with a bfloat16 scale and zero point per group, a weight takes 1/8 of its
+float32 bytes; torch's CPU kernel (`_weight_int4pack_mm_for_cpu`) multiplies bfloat16
+activations by it directly. Each output row depends only on its own input row (no
+batch-size-dependent kernel choice), so a request's numbers do not depend on what it is
+batched with: P/D and colocated engines agree byte for byte, as in float32.
+
+The quantization is round-to-nearest, asymmetric per group: w ~ (q - 8) * scale + zero,
+q in 0..15. A GGUF Q4_0/Q4_1 checkpoint (the embedded SmolLM2) already holds weights of
+that form in groups of 32, so for it the only loss is rounding the scale and zero point
+to bfloat16. Weights whose input width is not a multiple of the group stay float32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._library.opaque_object import MemberType, register_opaque_type
+from torch._opaque_base import OpaqueBase
+
+GROUP_SIZE = 32  # input features per scale and zero point (GGUF's Q4 block)
+INNER_K_TILES = 2  # the CPU kernel's packing parameter
+
+
+def can_quantize_int4(weight: torch.Tensor) -> bool:
+    """A 2-D CPU weight whose input width splits into whole groups (and packs evenly)."""
+    out_features, in_features = weight.shape
+    return (
+        weight.device.type == "cpu"
+        and in_features % GROUP_SIZE == 0
+        and in_features % (INNER_K_TILES * 16) == 0
+        and out_features % 16 == 0
+    )
+
+
+class Int4Weight(OpaqueBase):
+    """An [out, in] weight as packed int4 values plus per-group bf16 scales and zeros."""
+
+    def __init__(self, weight: torch.Tensor):
+        q, scales_zeros = quantize_groups(weight.detach().float())
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INNER_K_TILES)
+        self.scales_zeros = scales_zeros  # [in / GROUP_SIZE, out, 2]
+        self.out_features = int(weight.shape[0])
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.kvferry.int4_linear(x, self, bias, self.out_features)
+
+    def __reduce__(self) -> tuple[type, tuple[str]]:
+        """For the compiler's cache key: a reference, not the weight."""
+        return str, (type(self).__qualname__,)
+
+
+register_opaque_type(
+    Int4Weight, typ="reference", members={"out_features": MemberType.USE_REAL, "linear": MemberType.INLINED}
+)
+
+
+def quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round-to-nearest asymmetric int4 per group: (q [out, in] int32 in 0..15,
+    scales and zeros [in / GROUP_SIZE, out, 2] bf16) with w ~ (q - 8) * scale + zero."""
+    out_features, in_features = weight.shape
+    groups = weight.reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale = ((high - low) / 15).clamp_min(torch.finfo(torch.bfloat16).tiny).bfloat16()
+    zero = (low + 8 * scale.float()).bfloat16()
+    base = zero.float() - 8 * scale.float()  # the value q = 0 stands for, as the kernel sees it
+    q = ((groups - base[..., None]) / scale.float()[..., None]).round().clamp(0, 15)
+    scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
+    return q.reshape(out_features, in_features).to(torch.int32), scales_zeros
+
+
+def dequantize_groups(q: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
+    """The float32 [out, in] weight that `quantize_groups`' result stands for."""
+    scale, zero = (
+        scales_zeros[..., i].float().transpose(0, 1).repeat_interleave(GROUP_SIZE, 1) for i in (0, 1)
+    )
+    return (q.float() - 8) * scale + zero
+
+
+def int4_matmul(rows: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
+    """[m, in] bf16 rows times the int4 weight: [m, out] bf16 (rounded from float32 sums)."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, weight.packed, GROUP_SIZE, weight.scales_zeros)
+
+
+@torch.library.custom_op("kvferry::int4_linear", mutates_args=())
+def int4_linear_op(
+    x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] == 0:
+        out = x.new_empty(0, out_features)
+    else:
+        out = int4_matmul(rows.to(torch.bfloat16), weight).to(x.dtype)
+    out = out.reshape(*x.shape[:-1], out_features)
+    return out if bias is None else out + bias
+
+
+@int4_linear_op.register_fake
+def _(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)

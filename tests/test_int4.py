@@ -1,0 +1,134 @@
+"""--quantization int4: weight-only int4 linears (kvferry.model.layers.int4).
+
+The reference for the int4 path is its own arithmetic done plainly: transformers' model
+with every decoder linear weight replaced by the int4 weight dequantized, and the
+linears' inputs and outputs rounded to bfloat16 (the kernel multiplies bfloat16
+activations and returns bfloat16), in float32 (per linear, that is the kernel's arithmetic exactly). Greedy tokens must equal
+that reference on the fixture prompts and the chosen tokens' logprobs agree within 2e-2,
+except from a step where the reference's two best tokens are within that tolerance (a
+near-tie, which the rest of the model's float32 rounding may break either way).
+Each output row depends on its own input row only: a request's numbers are the same
+alone or batched (what P/D byte-identity rests on).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvferry.bench.hf_reference import load_hf_reference
+from kvferry.config import WeightQuantization
+from kvferry.engine.llm import LLM
+from kvferry.errors import ConfigError
+from kvferry.model.layers.int4 import GROUP_SIZE, Int4Weight, dequantize_groups, quantize_groups
+from kvferry.model.layers.linear import PackableLinear
+from kvferry.sampling_params import SamplingParams
+from tests.engine_helpers import PROMPT_TEXTS, assert_pool_full, make_llm
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis in one sentence.",
+    "Who wrote Romeo and Juliet?",
+    "List two uses of copper.",
+]
+MAX_NEW = 24
+LOGPROB_TOLERANCE = 0.1
+
+
+def test_a_gguf_q4_weight_round_trips_exactly():
+    """Weights of GGUF Q4 form (q * d + m per group of 32, d and m exact in bf16) come back
+    unchanged: for the embedded model int4 loses only the scales' rounding."""
+    torch.manual_seed(0)
+    groups = (128, 96 // GROUP_SIZE)
+    d = (torch.rand(groups) * 0.02 + 0.001).bfloat16().float()
+    m = (-8 * d + torch.randn(groups) * 0.001).bfloat16().float()
+    q = torch.randint(0, 16, (*groups, GROUP_SIZE)).float()
+    q[..., 0], q[..., 1] = 0, 15  # the quantizer's block extremes, as GGUF's Q4_1 has them
+    weight = (q * d[..., None] + m[..., None]).reshape(128, 96)
+    assert torch.equal(dequantize_groups(*quantize_groups(weight)), weight)
+
+
+def test_rows_do_not_depend_on_their_batch():
+    torch.manual_seed(0)
+    plain_weight = torch.randn(256, 192) * 0.05
+    weight = Int4Weight(plain_weight)
+    x = torch.randn(64, 192)
+    alone = weight.linear(x[:1], None)
+    for rows in (2, 3, 8, 17, 64):
+        assert torch.equal(weight.linear(x[:rows], None)[:1], alone)
+    plain = torch.nn.functional.linear(x.bfloat16().float(), _dequantized(plain_weight))
+    assert torch.allclose(weight.linear(x, None), plain, atol=2e-2, rtol=2e-2)
+
+
+def test_requests_alone_equal_requests_batched(tiny_llama):
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True)
+    llm = make_llm(tiny_llama, quantization=WeightQuantization.INT4)
+    assert _int4_linears(llm) > 0
+    batched = llm.generate(PROMPT_TEXTS, greedy)
+    for text, together in zip(PROMPT_TEXTS, batched, strict=True):
+        alone = llm.generate([text], greedy)[0]
+        assert alone.outputs[0].token_ids == together.outputs[0].token_ids
+        assert alone.outputs[0].logprobs == together.outputs[0].logprobs
+    assert_pool_full(llm)
+
+
+def test_unknown_quantization_is_a_config_error(tiny_llama):
+    with pytest.raises(ConfigError, match="quantization"):
+        LLM(str(tiny_llama), quantization="int3")
+
+
+@torch.inference_mode()
+def test_smollm2_int4_greedy_equals_its_reference(smollm2_gguf):
+    llm = LLM(
+        str(smollm2_gguf), dtype="float32", kv_cache_bytes=256 << 20, max_model_len=1024, quantization="int4"
+    )
+    assert _int4_linears(llm) == 4 * 30  # per layer: qkv, o, gate_up, down (the LM head stays float32)
+    prompts = [llm.inputs.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+    ours = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, logprobs=1))
+    reference = _int4_reference(llm)
+    compared = 0
+    for out in ours:
+        ids = torch.tensor([out.prompt_token_ids])
+        ref = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
+                                 pad_token_id=0, output_logits=True, return_dict_in_generate=True)  # fmt: skip
+        compared += _same_greedy(out.outputs[0], ref.sequences[0, ids.shape[1] :].tolist(), ref.logits)
+    assert compared >= len(QUESTIONS) * MAX_NEW // 2  # near-ties are rare: most steps were compared
+    assert_pool_full(llm)
+
+
+def _same_greedy(ours, ref_tokens: list[int], ref_logits: tuple[torch.Tensor, ...]) -> int:
+    """Our tokens equal the reference's, our logprobs within tolerance, up to a step where
+    the reference's own top two are within the tolerance (a near-tie either may break
+    differently; the sequences part there). Returns the steps compared."""
+    for step, (token, logits) in enumerate(zip(ours.token_ids, ref_logits, strict=False)):
+        ref_logprobs = torch.log_softmax(logits[0].float(), -1)
+        if token != ref_tokens[step]:
+            margin = ref_logprobs[ref_tokens[step]] - ref_logprobs[token]
+            assert margin < 2 * LOGPROB_TOLERANCE, (
+                f"step {step}: {token} vs {ref_tokens[step]}, margin {margin}"
+            )
+            return step
+        assert abs(ours.logprobs[step].sampled - ref_logprobs[token].item()) < LOGPROB_TOLERANCE
+    return len(ours.token_ids)
+
+
+def _int4_reference(llm: LLM) -> torch.nn.Module:
+    """transformers' model computing what the int4 kernel computes, plainly in float32."""
+    model = load_hf_reference(llm.config.model, torch.float32)
+    for layer in model.model.layers:
+        for linear in (m for m in layer.modules() if isinstance(m, torch.nn.Linear)):
+            linear.weight.data = _dequantized(linear.weight.data)
+            linear.register_forward_pre_hook(lambda _, args: (args[0].bfloat16().float(),))
+            linear.register_forward_hook(lambda _, args, out: out.bfloat16().float())
+    return model
+
+
+def _dequantized(weight: torch.Tensor) -> torch.Tensor:
+    return dequantize_groups(*quantize_groups(weight.float()))
+
+
+def _int4_linears(llm: LLM) -> int:
+    model = llm.engine.executor.worker.runner.model
+    return sum(isinstance(m.packed, Int4Weight) for m in model.modules() if isinstance(m, PackableLinear))
