@@ -8,7 +8,7 @@ that reference on the fixture prompts and the chosen tokens' logprobs agree with
 except from a step where the reference's two best tokens are within that tolerance (a
 near-tie, which the rest of the model's float32 rounding may break either way).
 Each output row depends on its own input row only: a request's numbers are the same
-alone or batched (what P/D byte-identity rests on).
+alone or batched.
 """
 
 from __future__ import annotations

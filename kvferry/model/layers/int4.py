@@ -6,7 +6,9 @@ features with a bfloat16 scale and zero point per group, a weight takes 1/8 of i
 float32 bytes; torch's CPU kernel (`_weight_int4pack_mm_for_cpu`) multiplies bfloat16
 activations by it directly. Each output row depends only on its own input row (no
 batch-size-dependent kernel choice), so a request's numbers do not depend on what it is
-batched with: P/D and colocated engines agree byte for byte, as in float32.
+batched with. The bfloat16 rounding of activations does magnify float32's last-bit
+differences elsewhere (a prompt computed in one pass vs its last token recomputed against
+cached KV, as a P/D decoder does), so P/D byte-identity is a float32 guarantee only.
 
 The quantization is round-to-nearest, asymmetric per group: w ~ (q - 8) * scale + zero,
 q in 0..15. A GGUF Q4_0/Q4_1 checkpoint (the embedded SmolLM2) already holds weights of
