@@ -113,6 +113,18 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     enable_chunked_prefill: bool = True
+    # --prefill-budget-with-decodes: while requests are decoding, the prompt tokens one step
+    # may compute (chunked prefill), so a long prompt does not stall their next tokens for
+    # a whole max_num_batched_tokens step. None: no separate budget.
+    prefill_budget_with_decodes: int | None = None
+
+    def __post_init__(self) -> None:
+        budget = self.prefill_budget_with_decodes
+        if budget is not None and not 0 < budget <= self.max_num_batched_tokens:
+            raise ConfigError(
+                f"the prefill budget with decodes must be in 1..max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}), not {budget}"
+            )
 
 
 class ExecutorKind(str, Enum):

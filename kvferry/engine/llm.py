@@ -63,6 +63,7 @@ class LLM:
         enforce_eager: bool = False,
         kv_allocator: KVAllocator | str = KVAllocator.EAGER,
         quantization: WeightQuantization | str = WeightQuantization.NONE,
+        prefill_budget_with_decodes: int | None = None,
     ):
         model_config = resolve_model_config(
             model, dtype=dtype, max_model_len=max_model_len, quantization=quantization
@@ -76,7 +77,9 @@ class LLM:
                 kv_cache_memory_fraction=kv_cache_memory_fraction,
                 kv_allocator=kv_allocator,
             ),
-            scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens, max_num_seqs, prefill_budget_with_decodes=prefill_budget_with_decodes
+            ),
             parallel=ParallelConfig(tensor_parallel_size),
             compilation=CompilationConfig(enforce_eager=enforce_eager),
             seed=seed,

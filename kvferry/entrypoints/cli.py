@@ -61,6 +61,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--no-chunked-prefill", action="store_true")
+    parser.add_argument(
+        "--prefill-budget-with-decodes",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="while requests decode, at most this many prompt tokens per step (chunked prefill)",
+    )
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--executor", default="uniproc", choices=["uniproc", "multiproc", "ray"])
     parser.add_argument(
@@ -175,7 +182,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             **kv_fraction_option(args.kv_cache_memory_fraction),
         ),
         scheduler=SchedulerConfig(
-            args.max_num_batched_tokens, args.max_num_seqs, not args.no_chunked_prefill
+            args.max_num_batched_tokens,
+            args.max_num_seqs,
+            not args.no_chunked_prefill,
+            prefill_budget_with_decodes=args.prefill_budget_with_decodes,
         ),
         parallel=ParallelConfig(
             args.tensor_parallel_size,

@@ -141,7 +141,7 @@ class Scheduler:
     # ---- schedule ---------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        plan = StepPlan(token_budget=self.config.max_num_batched_tokens)
+        plan = StepPlan(token_budget=self.config.max_num_batched_tokens, prefill_room=self._prefill_room())
         self._schedule_running(plan)
         if plan.num_preempted == 0:
             self._schedule_waiting(plan)
@@ -154,12 +154,20 @@ class Scheduler:
         output.kv_pages = self.kv_cache_manager.take_page_changes()  # after every alloc and free
         return output
 
+    def _prefill_room(self) -> int | None:
+        """The step's cap on prompt tokens: the configured budget while a request decodes."""
+        budget = self.config.prefill_budget_with_decodes
+        if budget is None or not self.config.enable_chunked_prefill:
+            return None
+        decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        return budget if decoding else None
+
     def _schedule_running(self, plan: StepPlan) -> None:
         kv = self.kv_cache_manager
         i = 0
         while i < len(self.running) and plan.token_budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, plan.token_budget)
+            num_new = plan.prefill_tokens(request.num_tokens - request.num_computed_tokens)
             if num_new <= 0:
                 i += 1
                 continue
@@ -242,7 +250,9 @@ class Scheduler:
                 return False
             self._finish(request, RequestStatus.FINISHED_ERROR, self._too_long_message(request, num_new))
             return True
-        num_new = min(num_new, plan.token_budget)
+        num_new = plan.prefill_tokens(num_new) if chunkable else min(num_new, plan.token_budget)
+        if num_new == 0 and not load_async:  # the step's prompt tokens are spent
+            return False
         if not kv.can_fit(request.num_tokens):
             message = f"the request needs more KV cache than the engine has ({kv.num_blocks} blocks)"
             self._finish(request, RequestStatus.FINISHED_ERROR, message)

@@ -15,6 +15,9 @@ logger = logging.getLogger(__name__)
 @dataclass
 class StepPlan:
     token_budget: int
+    # Prompt tokens (chunks of more than one token) this step may still take: capped while
+    # requests decode (SchedulerConfig.prefill_budget_with_decodes); None: no cap.
+    prefill_room: int | None = None
     new_reqs: list[Request] = field(default_factory=list)  # first scheduled, or resumed
     running_reqs: list[Request] = field(default_factory=list)  # already known to the workers
     new_block_ids: dict[str, BlockIds] = field(default_factory=dict)  # of running_reqs
@@ -30,6 +33,14 @@ class StepPlan:
         self.new_reqs.append(request)
         self._take(request, num_tokens)
 
+    def prefill_tokens(self, num_tokens: int) -> int:
+        """How many of a chunk's `num_tokens` prompt tokens fit this step (a single token,
+        a decode step, is not capped)."""
+        num_tokens = min(num_tokens, self.token_budget)
+        if num_tokens <= 1 or self.prefill_room is None:
+            return num_tokens
+        return max(0, min(num_tokens, self.prefill_room))
+
     def unschedule(self, request: Request) -> None:
         """Drop a running request scheduled earlier in this step (it was just preempted)."""
         num_tokens = self.num_scheduled_tokens.pop(request.req_id, None)
@@ -39,12 +50,16 @@ class StepPlan:
         self.running_reqs.remove(request)
         del self.new_block_ids[request.req_id]
         self.token_budget += num_tokens
+        if num_tokens > 1 and self.prefill_room is not None:
+            self.prefill_room += num_tokens
 
     def _take(self, request: Request, num_tokens: int) -> None:
         assert 0 < num_tokens <= self.token_budget
         assert request.req_id not in self.num_scheduled_tokens
         self.num_scheduled_tokens[request.req_id] = num_tokens
         self.token_budget -= num_tokens
+        if num_tokens > 1 and self.prefill_room is not None:
+            self.prefill_room -= num_tokens
 
     def build(self, kv: KVCacheManager, finished_ids: set[str], preempted_ids: set[str]) -> SchedulerOutput:
         """The step's output; request.num_computed_tokens must not have advanced yet."""
