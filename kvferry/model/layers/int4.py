@@ -1,26 +1,32 @@
-"""Weight-only int4 linears for the CPU (`--quantization int4`).
+"""Weight-only int4 linears for the CPU (`--quantization int4`): a decode-latency mode.
 
 A decode step at small batches reads every weight once per token, so its time is the
 weights' bytes over memory bandwidth. Stored as 4-bit integers in groups of 32 input
 features with a bfloat16 scale and zero point per group, a weight takes 1/8 of its
 float32 bytes; torch's CPU kernel (`_weight_int4pack_mm_for_cpu`) multiplies bfloat16
-activations by it directly. Each output row depends only on its own input row (no
-batch-size-dependent kernel choice), so a request's numbers do not depend on what it is
-batched with. The bfloat16 rounding of activations does magnify float32's last-bit
-differences elsewhere (a prompt computed in one pass vs its last token recomputed against
-cached KV, as a P/D decoder does), so P/D byte-identity is a float32 guarantee only.
+activations by it directly. That kernel is a dequantize-and-dot loop: past a few rows
+the dense GEMM wins, so calls with more rows (prefill chunks, large decode batches) use
+the dense weight, which is kept (weights take 1/8 more memory in float32, 1/4 in bf16).
+
+Numbers therefore depend on the step's row count (int4 up to `max_rows`, dense above),
+and the kernel's bfloat16 activations magnify float32's last-bit differences: outputs
+are not batch-invariant and P/D is not byte-identical to colocated under int4. Those are
+float32 (the default) guarantees.
 
 The quantization is round-to-nearest, asymmetric per group: w ~ (q - 8) * scale + zero,
 q in 0..15. A GGUF Q4_0/Q4_1 checkpoint (the embedded SmolLM2) already holds weights of
-that form in groups of 32, so for it the only loss is rounding the scale and zero point
-to bfloat16. Weights whose input width is not a multiple of the group stay float32.
+that form in groups of 32, so for it int4 loses only the scales' rounding to bfloat16.
+Weights whose shapes the kernel cannot take stay dense.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch._library.opaque_object import MemberType, register_opaque_type
 from torch._opaque_base import OpaqueBase
+
+from kvferry.model.layers.packed import PackedWeight
 
 GROUP_SIZE = 32  # input features per scale and zero point (GGUF's Q4 block)
 INNER_K_TILES = 2  # the CPU kernel's packing parameter
@@ -37,14 +43,31 @@ def can_quantize_int4(weight: torch.Tensor) -> bool:
     )
 
 
-class Int4Weight(OpaqueBase):
-    """An [out, in] weight as packed int4 values plus per-group bf16 scales and zeros."""
+# Rows up to which the int4 kernel beats the dense GEMM, by the dense weight's dtype.
+# Measured (2 threads, SmolLM2's 576x3072 and 1536x576, 2-vCPU AMX Xeon): against
+# oneDNN's packed float32 int4 wins to 8 rows (65 vs 247 us at 1, 192 vs 281 at 8, even
+# at 16); against bf16 on AMX to 2 (65 vs 113 at 1, 102 vs 122 at 4, 192 vs 123 at 8).
+MAX_INT4_ROWS = {torch.float32: 8, torch.bfloat16: 2, torch.float16: 2}
 
-    def __init__(self, weight: torch.Tensor):
+
+class Int4Weight(OpaqueBase):
+    """An [out, in] weight as packed int4 values plus per-group bf16 scales and zeros, and
+    the dense weight for calls with more rows than the int4 kernel is fast for (prefill
+    chunks, large decode batches: there the GEMM is compute-bound and the dense kernel
+    wins by up to 5x)."""
+
+    def __init__(self, weight: torch.Tensor, dense: PackedWeight | torch.Tensor):
         q, scales_zeros = quantize_groups(weight.detach().float())
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INNER_K_TILES)
         self.scales_zeros = scales_zeros  # [in / GROUP_SIZE, out, 2]
         self.out_features = int(weight.shape[0])
+        self.dense = dense
+        self.max_rows = MAX_INT4_ROWS.get(weight.dtype, 8)
+
+    def dense_matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.dense, PackedWeight):
+            return torch.ops.mkldnn._linear_pointwise(rows, self.dense.tensor, None, "none", [], "")
+        return F.linear(rows, self.dense)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return torch.ops.kvferry.int4_linear(x, self, bias, self.out_features)
@@ -93,6 +116,8 @@ def int4_linear_op(
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] == 0:
         out = x.new_empty(0, out_features)
+    elif rows.shape[0] > weight.max_rows:
+        out = weight.dense_matmul(rows)
     else:
         out = int4_matmul(rows.to(torch.bfloat16), weight).to(x.dtype)
     out = out.reshape(*x.shape[:-1], out_features)

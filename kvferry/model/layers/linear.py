@@ -61,9 +61,10 @@ class PackableLinear(nn.Module):
 
 def _packed_form(weight: torch.Tensor, quantization: WeightQuantization) -> PackedWeight | Int4Weight | None:
     """int4 where asked and the shape allows, else oneDNN's packed float32, else None."""
+    dense = pack(weight) if can_pack(weight) else None
     if quantization is WeightQuantization.INT4 and can_quantize_int4(weight):
-        return Int4Weight(weight)
-    return pack(weight) if can_pack(weight) else None
+        return Int4Weight(weight, dense if dense is not None else weight.detach())
+    return dense
 
 
 class ColumnParallelLinear(PackableLinear):
