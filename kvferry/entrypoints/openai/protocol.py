@@ -56,6 +56,8 @@ class _CommonRequest(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     kv_transfer_params: dict[str, Any] | None = None
+    # completions only: choices also carry token ids (prompt's once, then the new ones)
+    return_token_ids: bool = False
 
     @property
     def include_usage(self) -> bool:

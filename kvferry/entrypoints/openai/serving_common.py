@@ -113,7 +113,12 @@ def response_body(meta: dict[str, Any], choices: list[dict[str, Any]], finals: l
 
 
 def stream_chunk(
-    meta: dict[str, Any], index: int, content: dict[str, Any], logprobs: Any, out: RequestOutput
+    meta: dict[str, Any],
+    index: int,
+    content: dict[str, Any],
+    logprobs: Any,
+    out: RequestOutput,
+    has_token_ids: bool = False,
 ) -> dict[str, Any] | None:
     """A stream chunk with one choice; None when ``out`` brings nothing to send.
 
@@ -121,7 +126,7 @@ def stream_chunk(
     transfer parameters.
     """
     reason = out.outputs[0].finish_reason if out.finished else None
-    if not out.delta_text and reason is None and logprobs is None:
+    if not out.delta_text and reason is None and logprobs is None and not has_token_ids:
         return None
     choice = {"index": index, **content, "logprobs": logprobs, "finish_reason": reason}
     if reason is not None:

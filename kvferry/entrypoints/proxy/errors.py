@@ -47,6 +47,11 @@ class UpstreamUnavailableError(ProxyError):
     error_type = "bad_gateway"
 
 
+class InstanceLostError(UpstreamUnavailableError):
+    """An instance closed the connection before answering and no longer accepts one: it
+    died holding the request (a keep-alive expiry would let the request be sent again)."""
+
+
 class NoHealthyInstanceError(ProxyError):
     """Every instance of a role is marked unhealthy: HTTP 503."""
 

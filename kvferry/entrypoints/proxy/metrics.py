@@ -70,6 +70,16 @@ class ProxyMetrics:
             registry=self.registry,
         )
 
+        self._failovers = Counter(
+            "kvferry_proxy:decode_failovers",
+            "answers continued on another decoder after theirs was lost, by streamed or not",
+            ["mode"],
+            registry=self.registry,
+        )
+
+    def failover(self, streamed: bool) -> None:
+        self._failovers.labels("stream" if streamed else "complete").inc()
+
     def request(self, endpoint: str, status: int) -> None:
         self._requests.labels(endpoint, str(status)).inc()
 

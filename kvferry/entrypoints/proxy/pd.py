@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvferry.entrypoints.http_common import gather_or_cancel
+from kvferry.entrypoints.proxy.failover import DECODER_LOST
 from kvferry.entrypoints.proxy.metrics import ProxyMetrics
 from kvferry.entrypoints.proxy.pool import Instance, InstancePool
 from kvferry.entrypoints.proxy.upstream import Upstream
@@ -201,10 +202,26 @@ async def run_leg(ctx: ProxyContext, path: str, body: dict, headers: dict[str, s
     prefill = await run_prefill(ctx, path, body, headers)
     decode = decode_body(body, prefill.response)
     try:
-        _, answer = await ctx.upstream.post_json(ctx.decode, path, decode, headers)
+        _, answer = await ctx.upstream.post_json(ctx.decode, path, decode, headers, move_when_lost=False)
+    except DECODER_LOST as exc:
+        release_abandoned(ctx, prefill, headers)
+        return await fail_over(ctx, path, body, headers, exc)
     except BaseException:  # also a cancellation: the client left
         release_abandoned(ctx, prefill, headers)
         raise
+    return answer
+
+
+async def fail_over(
+    ctx: ProxyContext, path: str, body: dict, headers: dict[str, str], exc: Exception
+) -> dict:
+    """The decoder was lost before answering: the whole request on another one (see failover.py)."""
+    if len(ctx.decode.instances) < 2:
+        raise exc
+    logger.warning("decoder lost (%s); answering on another decoder", exc)
+    ctx.metrics.failover(streamed=False)
+    retry = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    _, answer = await ctx.upstream.post_json(ctx.decode, path, retry, headers)
     return answer
 
 

@@ -33,8 +33,10 @@ from collections.abc import AsyncIterator
 from kvferry.entrypoints.http_common import SSE_DONE as SSE_DONE_EVENT
 from kvferry.entrypoints.http_common import chat_role_chunk, gather_or_cancel, interleave, sse
 from kvferry.entrypoints.proxy.errors import exception_event_body
+from kvferry.entrypoints.proxy.failover import DECODER_LOST, SentTokens
 from kvferry.entrypoints.proxy.pd import (
     CHAT,
+    COMPLETIONS,
     Prefilled,
     ProxyContext,
     decode_body,
@@ -67,6 +69,9 @@ class StreamLeg:
         self.early: str | None = None  # the prefill's text, sent before the decoder's stream
         self.pending = ""  # early text still to drop from the decoder's stream
         self.stream: UpstreamStream | None = None
+        self.sent = SentTokens()
+        self.can_fail_over = path == COMPLETIONS and len(ctx.decode.instances) > 1
+        self.client_wants_ids = bool(body.get("return_token_ids"))
 
     async def prepare(self, allow_early: bool) -> None:
         self.prefill = await run_prefill(self.ctx, self.path, self.body, self.headers)
@@ -86,27 +91,57 @@ class StreamLeg:
 
     async def _open_decoder(self) -> None:
         body = decode_body(self.body, self.prefill.response)
+        if self.can_fail_over:
+            body["return_token_ids"] = True
         self.stream = await self.ctx.upstream.open_stream(self.ctx.decode, self.path, body, self.headers)
 
     async def chunks(self) -> AsyncIterator[dict]:
-        """Chunks for the client; an ``{"error": ...}`` chunk ends the leg."""
+        """Chunks for the client; an ``{"error": ...}`` chunk ends the leg. A decoder lost
+        mid-stream is replaced by another one continuing the answer (see failover.py)."""
         if self.early is not None:
             for chunk in early_chunks(self.path, self.prefill.response, self.early):
                 yield chunk
             self.pending = self.early
             await self._open_decoder()
+        while True:
+            try:
+                async for chunk in self._decoder_chunks():
+                    yield chunk
+                break
+            except DECODER_LOST as exc:
+                if not self.can_fail_over:
+                    raise
+                await self._fail_over(exc)
+        if self.pending:
+            logger.warning("decoder's answer is shorter than the prefill's first token %r", self.early)
+
+    async def _decoder_chunks(self) -> AsyncIterator[dict]:
         assert self.stream is not None
         async for obj in self.stream.events():
             if obj is SSE_DONE:
-                break
+                return
             if isinstance(obj, dict) and "error" in obj:
                 yield obj
                 return
+            if self.can_fail_over:
+                self.sent.record(obj, self.client_wants_ids)
+                self.sent.fix_usage(obj)
             chunk = self._strip_early(obj)
             if chunk is not None:
                 yield chunk
-        if self.pending:
-            logger.warning("decoder's answer is shorter than the prefill's first token %r", self.early)
+
+    async def _fail_over(self, exc: Exception) -> None:
+        """Drop the lost decoder's stream and continue the answer on another decoder."""
+        logger.warning("decoder lost mid-stream (%s); continuing on another decoder", exc)
+        lost = self.stream
+        self.stream = None
+        if lost is not None:
+            self.ctx.decode.mark(lost.instance, False, str(exc))
+            await lost.aclose()
+        release_abandoned(self.ctx, self.prefill, self.headers)
+        self.ctx.metrics.failover(streamed=True)
+        body = self.sent.resume_body(self.body)
+        self.stream = await self.ctx.upstream.open_stream(self.ctx.decode, self.path, body, self.headers)
 
     def _strip_early(self, chunk: dict) -> dict | None:
         if self.early is None:

@@ -19,7 +19,12 @@ from typing import Any
 
 import httpx
 
-from kvferry.entrypoints.proxy.errors import UpstreamHTTPError, UpstreamTimeoutError, UpstreamUnavailableError
+from kvferry.entrypoints.proxy.errors import (
+    InstanceLostError,
+    UpstreamHTTPError,
+    UpstreamTimeoutError,
+    UpstreamUnavailableError,
+)
 from kvferry.entrypoints.proxy.metrics import ProxyMetrics
 from kvferry.entrypoints.proxy.pool import Instance, InstancePool
 from kvferry.entrypoints.proxy.sse import sse_data
@@ -91,10 +96,15 @@ class Upstream:
         self.metrics = metrics
 
     async def post_json(
-        self, pool: InstancePool, path: str, body: dict, headers: dict[str, str]
+        self,
+        pool: InstancePool,
+        path: str,
+        body: dict,
+        headers: dict[str, str],
+        move_when_lost: bool = True,
     ) -> tuple[Instance, dict]:
         """POST ``body`` to an instance of ``pool``; its JSON answer (HTTP 200 only)."""
-        inst, resp = await self._send(pool, "POST", path, body, headers, stream=False)
+        inst, resp = await self._send(pool, "POST", path, body, headers, False, move_when_lost)
         try:
             data = resp.json()
         except ValueError as exc:
@@ -163,16 +173,23 @@ class Upstream:
         body: dict | None,
         headers: dict[str, str],
         stream: bool,
+        move_when_lost: bool = True,
     ) -> tuple[Instance, httpx.Response]:
+        """Try the pool's instances until one answers. One lost while holding the request
+        is left like one that refused the connection, unless ``move_when_lost`` is false
+        (the caller fails over itself): then InstanceLostError."""
         tried: list[Instance] = []
         while True:
             inst = pool.acquire(exclude=tried)  # NoHealthyInstanceError (503) when none is left
             try:
                 resp = await self._attempt(pool, inst, method, path, body, headers, stream)
-            except _RETRYABLE as exc:
+            except (*_RETRYABLE, InstanceLostError) as exc:
                 pool.release(inst)
                 pool.mark(inst, False, f"{type(exc).__name__}: {exc}")
-                self.metrics.upstream(pool.role, inst.url, "connect_error")
+                lost = isinstance(exc, InstanceLostError)
+                self.metrics.upstream(pool.role, inst.url, "lost" if lost else "connect_error")
+                if lost and not move_when_lost:
+                    raise
                 tried.append(inst)
                 if len(tried) == len(pool.instances) or pool.num_healthy == 0:
                     urls = ", ".join(i.url for i in tried)
@@ -235,6 +252,10 @@ class Upstream:
             request = self.client.build_request(method, inst.url + path, json=body, headers=headers)
             try:
                 return await self.client.send(request, stream=True)
+            except _RETRYABLE as exc:
+                if attempt:  # it closed our connection, then refused a new one
+                    raise InstanceLostError(f"{pool.role} instance {inst.url} was lost: {exc}") from exc
+                raise
             except _STALE as exc:
                 if attempt == STALE_RETRIES:
                     raise
