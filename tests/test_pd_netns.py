@@ -1,0 +1,184 @@
+"""P/D across hosts, emulated: prefill, decode and proxy each in its own network namespace
+(a veth pair into a bridge, an address of its own), KV moving over NIXL/UCX between them.
+
+Greedy answers through the proxy equal a colocated engine's, with the prompt's KV read
+over the network (the decoder's NIXL bytes grow). Then the prefiller's link is cut after
+its prefill and before the decoder reads (``ip link set down``): the decoder (policy
+recompute) cannot read the KV, computes the prompt itself and still answers the same
+text; the link is restored and both block pools end all free; nothing hangs.
+
+Needs root and ``ip netns``; skips cleanly where namespaces cannot be created (CI).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvferry.engine.llm import LLM
+from kvferry.sampling_params import SamplingParams
+from tests.test_pd_support import ROOT, Server, nixl, stop, wait_healthy, wait_idle
+
+TAG = f"kvf{os.getpid() % 100000}"
+BRIDGE = f"{TAG}br"
+SUBNET = "10.231.{}.{}"
+HOSTS = {"prefill": 2, "decode": 3, "proxy": 4}
+SUFFIX = {"prefill": "p", "decode": "d", "proxy": "x"}
+PORT = 8000
+MAX_TOKENS = 12
+PROMPTS = ["the cat sees a small bird", "a dog sees the red ball in the morning"]
+FAST = {"handshake_timeout_s": 2.0, "ack_timeout_s": 2.0}
+
+
+def _ip(*args: str) -> None:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20)
+    if done.returncode != 0:
+        raise OSError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+
+
+def _ns(name: str) -> str:
+    return f"{TAG}{SUFFIX[name]}"
+
+
+def _veth(name: str) -> str:
+    return f"{TAG}{SUFFIX[name]}v"
+
+
+def _addr(name: str) -> str:
+    return SUBNET.format(os.getpid() % 200 + 20, HOSTS[name])
+
+
+def _create() -> None:
+    _ip("link", "add", BRIDGE, "type", "bridge")
+    _ip("addr", "add", f"{SUBNET.format(os.getpid() % 200 + 20, 1)}/24", "dev", BRIDGE)
+    _ip("link", "set", BRIDGE, "up")
+    for name in HOSTS:
+        ns, veth = _ns(name), _veth(name)
+        _ip("netns", "add", ns)
+        _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        _ip("link", "set", veth, "master", BRIDGE, "up")
+        _ip("-n", ns, "addr", "add", f"{_addr(name)}/24", "dev", "eth0")
+        _ip("-n", ns, "link", "set", "eth0", "up")
+        _ip("-n", ns, "link", "set", "lo", "up")
+
+
+def _destroy() -> None:
+    for name in HOSTS:
+        subprocess.run(["ip", "netns", "del", _ns(name)], capture_output=True, timeout=20)
+        subprocess.run(["ip", "link", "del", _veth(name)], capture_output=True, timeout=20)
+    subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True, timeout=20)
+
+
+@pytest.fixture(scope="module")
+def namespaces() -> Iterator[None]:
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2")
+    try:
+        _create()
+    except OSError as exc:
+        _destroy()
+        pytest.skip(f"cannot create network namespaces here: {exc}")
+    try:
+        yield
+    finally:
+        _destroy()
+
+
+def _start(name: str, args: list[str], log_dir: Path) -> Server:
+    cmd = ["ip", "netns", "exec", _ns(name), sys.executable, "-m", "kvferry.entrypoints.cli"]
+    cmd += ["--log-level", "WARNING", *args, "--host", _addr(name), "--port", str(PORT)]
+    log = log_dir / f"{name}.log"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), UCX_NET_DEVICES="eth0")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
+        )
+    return Server(name, proc, f"http://{_addr(name)}:{PORT}", log)
+
+
+def _serve(model: Path, kv: dict) -> list[str]:
+    return [
+        "serve",
+        str(model),
+        "--served-model-name",
+        "tiny",
+        "--kv-cache-memory",
+        "0.005",
+        "--kv-transfer-config",
+        json.dumps(kv),
+    ]
+
+
+@pytest.fixture(scope="module")
+def servers(namespaces: None, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    logs = tmp_path_factory.mktemp("pd_netns")
+    started = {
+        "prefill": _start(
+            "prefill", _serve(tiny_llama, nixl("producer", lease_s=3.0, unknown_grace_s=1.0)), logs
+        ),
+        "decode": _start("decode", _serve(tiny_llama, nixl("consumer", "recompute", **FAST)), logs),
+    }
+    proxy_args = ["proxy", "--prefill", started["prefill"].url, "--decode", started["decode"].url]
+    started["proxy"] = _start("proxy", [*proxy_args, "--health-interval", "0.5"], logs)
+    try:
+        wait_healthy(list(started.values()))
+        yield started
+    finally:
+        stop(list(started.values()))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama: Path) -> dict[str, str]:
+    llm = LLM(str(tiny_llama), kv_cache_bytes=5 << 20)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    return {p: o.outputs[0].text for p, o in zip(PROMPTS, outs, strict=True)}
+
+
+def _complete(server: Server, body: dict) -> dict:
+    resp = server.post({"max_tokens": MAX_TOKENS, "temperature": 0, **body}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def test_pd_across_namespaces_reads_kv_over_the_network(servers: dict, reference: dict) -> None:
+    before = servers["decode"].metrics().get("kv_connector_nixl_bytes_read", 0.0)
+    for prompt in PROMPTS:
+        assert _complete(servers["proxy"], {"prompt": prompt})["choices"][0]["text"] == reference[prompt]
+    assert servers["decode"].metrics()["kv_connector_nixl_bytes_read"] > before
+    wait_idle(servers["decode"])
+    wait_idle(servers["prefill"])
+
+
+def test_link_cut_before_the_read_recomputes_and_frees_both_sides(servers: dict, reference: dict) -> None:
+    prompt = PROMPTS[1]
+    params = _complete(
+        servers["prefill"],
+        {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+    )["kv_transfer_params"]
+    failed_before = servers["decode"].metrics().get("kv_connector_nixl_failed_transfers", 0.0)
+    box: dict = {}
+    _ip("link", "set", _veth("prefill"), "down")
+    try:
+        worker = threading.Thread(
+            target=lambda: box.update(
+                r=_complete(servers["decode"], {"prompt": prompt, "kv_transfer_params": params})
+            ),
+            daemon=True,
+        )
+        worker.start()
+        worker.join(60)
+        assert not worker.is_alive(), "the decoder hung on a cut link"
+    finally:
+        _ip("link", "set", _veth("prefill"), "up")
+    assert box["r"]["choices"][0]["text"] == reference[prompt]
+    assert servers["decode"].metrics()["kv_connector_nixl_failed_transfers"] > failed_before
+    wait_idle(servers["decode"])
+    wait_idle(servers["prefill"], timeout=30)
