@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvferry.entrypoints.proxy.failover import SentTokens
 from tests.test_pd_support import Server, kill, nixl, start_server, stop, wait_healthy, wait_idle
 from tests.test_proxy_fakes import free_port, start_cli
 from tests.test_proxy_fakes import stop as stop_procs
@@ -97,3 +98,26 @@ def test_killed_decoder_answer_continues_on_the_other(deployment: dict, stream: 
     survivor = "b" if victim == "a" else "a"
     wait_idle(servers[survivor])
     wait_idle(servers["prefill"])
+
+
+def test_resume_body_continues_from_the_sent_token_ids() -> None:
+    sent = SentTokens()
+    first = {"choices": [{"text": "a", "token_ids": [7], "prompt_token_ids": [1, 2, 3]}]}
+    sent.record(first, keep_ids=False)
+    sent.record({"choices": [{"text": "b", "token_ids": [8, 9]}]}, keep_ids=False)
+    assert "token_ids" not in first["choices"][0] and "prompt_token_ids" not in first["choices"][0]
+    body = {"prompt": "x y z", "max_tokens": 10, "kv_transfer_params": {"remote_request_id": "r"}}
+    resumed = sent.resume_body(body)
+    assert resumed["prompt"] == [1, 2, 3, 7, 8, 9] and resumed["max_tokens"] == 7
+    assert "kv_transfer_params" not in resumed and resumed["return_token_ids"] is True
+    # the second decoder names its longer prompt; a second failover still starts from the first's
+    sent.record({"choices": [{"text": "c", "token_ids": [4], "prompt_token_ids": [1, 2, 3, 7, 8, 9]}]}, False)
+    assert sent.resume_body(body)["prompt"] == [1, 2, 3, 7, 8, 9, 4]
+    usage = {"usage": {"prompt_tokens": 7, "completion_tokens": 2}}
+    sent.fix_usage(usage)
+    assert usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 6}
+
+
+def test_resume_before_any_chunk_sends_the_request_again() -> None:
+    body = {"prompt": "x y z", "max_tokens": 10, "kv_transfer_params": {"remote_request_id": "r"}}
+    assert SentTokens().resume_body(body) == {"prompt": "x y z", "max_tokens": 10, "return_token_ids": True}
