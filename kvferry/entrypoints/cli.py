@@ -261,7 +261,10 @@ PLUGGABLE_BENCHES = {
     "transfer": ("kvferry.bench.transfer", "KV transfer GB/s over NIXL vs memcpy"),
     "pd": ("kvferry.bench.pd", "colocated vs P/D deployments under the same serving load"),
     "peers": ("kvferry.bench.peers.command", "kvferry vs vLLM's CPU engine, side by side on the same cores"),
-    "soak": ("kvferry.bench.soak", "many streaming clients against kvferry disagg: held blocks, mismatches, RSS"),
+    "soak": (
+        "kvferry.bench.soak",
+        "many streaming clients against kvferry disagg: held blocks, mismatches, RSS",
+    ),
 }
 
 
