@@ -121,13 +121,95 @@ def test_engine_start_up_rejects_bad_offload_config(tiny_llama):
             make_llm(tiny_llama, kv_transfer=bad, tp=tp)
 
 
-def test_sliding_window_groups_are_rejected():
-    spec = SlidingWindowSpec(16, 2, 16, torch.float32, sliding_window=64)
-    kv = KVCacheConfig((KVCacheGroup(spec, ("a",)),), (KVCacheTensor(1, ("a",)),), Layout.NHD, 4, 4)
+def test_sliding_window_groups_are_accepted_with_one_slot_row_per_block_position():
+    """Hybrid allocation: 2 tensors, each serving a layer of both groups: a block position
+    holds 4 pages, the full group's first."""
+    sliding = SlidingWindowSpec(16, 2, 16, torch.float32, sliding_window=64)
+    full = FullAttentionSpec(16, 2, 16, torch.float32)
+    kv = KVCacheConfig(
+        (KVCacheGroup(sliding, ("s0", "s1")), KVCacheGroup(full, ("f0", "f1"))),
+        (
+            KVCacheTensor(4 * full.page_size_bytes, ("s0", "f0")),
+            KVCacheTensor(4 * full.page_size_bytes, ("s1", "f1")),
+        ),
+        Layout.NHD,
+        4,
+        4,
+    )
     from kvferry.connector.offload.config import check_kv_cache_config
 
-    with pytest.raises(ConfigError, match="sliding-window"):
-        check_kv_cache_config(kv)
+    check_kv_cache_config(kv)
+    assert slot_bytes_per_rank(kv) == instance_block_bytes(kv, 2, 1) == 4 * full.page_size_bytes
+    assert instance_block_bytes(kv, 4, 2) == 2 * 4 * full.page_size_bytes  # 2 heads a rank
+
+
+def test_offload_rule_for_a_sliding_group_s_first_block_is_the_scheduler_s():
+    """first_allocated mirrors the SlidingWindowManager: the first non-null table entry of a
+    request allocated `num_tokens` at once, for windows that are and are not block multiples."""
+    from kvferry.connector.offload.scheduler_side import first_allocated
+    from kvferry.scheduler.block_pool import BlockPool
+    from kvferry.scheduler.single_type_manager import SlidingWindowManager
+
+    for block_size, window in [(4, 10), (16, 10), (8, 16), (16, 512), (4, 1)]:
+        spec = SlidingWindowSpec(block_size, 1, 8, torch.float32, sliding_window=window)
+        for num_tokens in range(1, 90, 3):
+            pool = BlockPool(64, False, reserve_null_block=True)
+            manager = SlidingWindowManager(spec, pool, 0, None)
+            table = manager.allocate_new_blocks("r", num_tokens)
+            first = next(i for i, b in enumerate(table) if not b.is_null)
+            assert first == first_allocated(window, block_size, num_tokens), (block_size, window, num_tokens)
+
+
+def test_block_copier_on_shared_tensors_copies_each_group_s_block_and_skips():
+    """One tensor serving a sliding and a full layer: a slot row has one page per group, each
+    addressed by its group's id; SKIP leaves a group out (rows and device alike)."""
+    from kvferry.connector.offload.blocks import SKIP
+
+    sliding = SlidingWindowSpec(4, 2, 8, torch.float32, sliding_window=6)
+    full = FullAttentionSpec(4, 2, 8, torch.float32)
+    page = full.page_size_bytes
+    config = KVCacheConfig(
+        (KVCacheGroup(sliding, ("s",)), KVCacheGroup(full, ("f",))),
+        (KVCacheTensor(page * 8, ("s", "f")),),
+        Layout.HND,
+        8,
+        8,
+    )
+    caches = allocate_kv_caches(config, "cpu")
+    caches["s"].copy_(torch.randn(caches["s"].shape))
+    copier = BlockCopier(caches, config)
+    assert copier.slot_bytes == 2 * page and copier.group_ranges == {1: (0, page), 0: (page, 2 * page)}
+    assert copier.ranges([0]) == [(page, 2 * page)] and copier.ranges([0, 1]) == [(0, 2 * page)]
+    before = caches["f"].clone()
+    rows = copier.gather([(2, 5), (SKIP, 6)])  # (sliding id, full id): block 5 and 2 differ
+    assert torch.equal(rows[0, :page].view(torch.float32), before[:, 5].reshape(-1))
+    assert torch.equal(rows[0, page:].view(torch.float32), before[:, 2].reshape(-1))
+    assert copier.bytes_of((2, 5)) == 2 * page and copier.bytes_of((SKIP, 6)) == page
+    copier.scatter(rows, [(3, 1), (SKIP, 7)])  # row 1's sliding page was never gathered
+    after = caches["f"]
+    assert torch.equal(after[:, 1], before[:, 5]) and torch.equal(after[:, 7], before[:, 6])
+    assert torch.equal(after[:, 3], before[:, 2])
+    unwritten = [b for b in range(8) if b not in (1, 3, 7)]
+    assert torch.equal(after[:, unwritten], before[:, unwritten])
+
+
+def test_tiers_move_only_the_named_ranges_and_check_their_checksum(tmp_path):
+    row = torch.arange(100, dtype=torch.uint8)
+    ranges = [(0, 40), (70, 100)]
+    tag = Tag(h(1), 3, payload_crc(row, ranges))
+    dram = DramTier(num_slots=2, slot_bytes=100)
+    dram.buffer.zero_()
+    dram.write([1], row.view(1, 100), [tag], ranges)
+    assert torch.equal(dram.buffer[1, 40:70], torch.zeros(30, dtype=torch.uint8))
+    assert dram.check(1, tag, True, ranges) and not dram.check(1, tag, True)
+    disk = DiskTier(str(tmp_path), num_slots=2, slot_bytes=100)
+    disk.write(0, row, tag, ranges)
+    out = torch.zeros(100, dtype=torch.uint8)
+    assert disk.read(0, out, tag, True, ranges) and torch.equal(out[:40], row[:40])
+    assert torch.equal(out[40:70], torch.zeros(30, dtype=torch.uint8)) and torch.equal(out[70:], row[70:])
+    out.zero_()
+    assert disk.read(0, out, tag, False, [(70, 100)]) and int(out[:70].sum()) == 0
+    disk.close()
 
 
 # ---- tiers --------------------------------------------------------------------------------
@@ -218,6 +300,10 @@ def test_block_copier_round_trips_blocks_of_every_tensor(layout):
 def test_block_runs_for_copies_cut_at_gaps_and_at_the_length_cap() -> None:
     from kvferry.connector.offload.blocks import _runs
 
-    assert _runs([4, 5, 6, 9, 3]) == [(0, 4, 3), (3, 9, 1), (4, 3, 1)]
-    assert _runs([4, 5, 6], max_run=1) == [(0, 4, 1), (1, 5, 1), (2, 6, 1)]
-    assert _runs([4, 5, 6], max_run=2) == [(0, 4, 2), (2, 6, 1)]
+    def rows(ids: list[int]) -> list[tuple[int, int]]:
+        return list(enumerate(ids))
+
+    assert _runs(rows([4, 5, 6, 9, 3])) == [(0, 4, 3), (3, 9, 1), (4, 3, 1)]
+    assert _runs(rows([4, 5, 6]), max_run=1) == [(0, 4, 1), (1, 5, 1), (2, 6, 1)]
+    assert _runs(rows([4, 5, 6]), max_run=2) == [(0, 4, 2), (2, 6, 1)]
+    assert _runs([(0, 4), (2, 5), (3, 6)]) == [(0, 4, 1), (2, 5, 2)]  # a skipped row cuts a run

@@ -1,21 +1,29 @@
 """BlockCopier: whole KV blocks between the device KV tensors and flat slot rows.
 
-A slot row holds one block of every KV tensor of this rank, back to back, each as its K
-bytes then its V bytes. Tensors shared by several layers are copied once (deduplicated
-by base address). The copy is byte-exact and layout-agnostic: a block's bytes are moved
-as they are, so NHD and HND both work (the tiers belong to one instance, one layout).
+A slot row holds one block position of a request in every KV cache group: for each group,
+one page of every KV tensor that serves a layer of the group, back to back, each as its K
+bytes then its V bytes. A tensor shared by layers of several groups (hybrid allocation)
+appears once per group, addressed by that group's block id; layers of one group sharing a
+tensor are copied once (deduplicated by base address). A group's pages are contiguous in
+the row (`group_ranges`), so a tier can move just the groups a block position needs. A
+block id of SKIP leaves that group out of a copy (a sliding-window group's block no window
+sees). The copy is byte-exact and layout-agnostic: a block's bytes are moved as they are,
+so NHD and HND both work (the tiers belong to one instance, one layout).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
-from kvferry.kv.spec import KVCacheConfig
+from kvferry.kv.spec import KVCacheConfig, KVCacheTensor, SlidingWindowSpec
 
 logger = logging.getLogger(__name__)
+
+SKIP = -1  # a block id that leaves its group out of a copy
 
 
 @dataclass(frozen=True)
@@ -29,21 +37,39 @@ class _Segment:
 class BlockCopier:
     def __init__(self, kv_caches: dict[str, torch.Tensor], kv_cache_config: KVCacheConfig):
         self.segments: list[_Segment] = []
-        seen: set[int] = set()
+        self.group_ranges: dict[int, tuple[int, int]] = {}  # group -> its bytes in a row
+        self.group_bytes: dict[int, int] = {}
         offset = 0
-        for tensor_spec in kv_cache_config.tensors:
-            layer = tensor_spec.shared_by[0]
-            tensor = kv_caches[layer]
-            if tensor.data_ptr() in seen:
-                continue
-            seen.add(tensor.data_ptr())
-            group = kv_cache_config.group_of(layer)
+        for group, members in segment_order(kv_cache_config):
+            start = offset
             half = kv_cache_config.groups[group].spec.page_size_bytes // 2
-            view = _block_view(tensor, tensor_spec.size_bytes, kv_cache_config.virtual_num_blocks, half)
-            self.segments.append(_Segment(view, group, offset, half))
-            offset += 2 * half
+            seen: set[int] = set()
+            for tensor_spec, layer in members:
+                tensor = kv_caches[layer]
+                if tensor.data_ptr() in seen:
+                    continue
+                seen.add(tensor.data_ptr())
+                view = _block_view(tensor, tensor_spec.size_bytes, kv_cache_config.virtual_num_blocks, half)
+                self.segments.append(_Segment(view, group, offset, half))
+                offset += 2 * half
+            self.group_ranges[group] = (start, offset)
+            self.group_bytes[group] = offset - start
         self.slot_bytes = offset
         self.device = self.segments[0].view.device if self.segments else torch.device("cpu")
+
+    def ranges(self, groups: Iterable[int]) -> list[tuple[int, int]]:
+        """The row's byte ranges holding `groups`, adjacent ones merged, in row order."""
+        merged: list[tuple[int, int]] = []
+        for start, stop in sorted(self.group_ranges[g] for g in groups):
+            if merged and merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], stop)
+            elif stop > start:
+                merged.append((start, stop))
+        return merged
+
+    def bytes_of(self, block_ids: tuple[int, ...]) -> int:
+        """Bytes a copy of one block position moves (SKIP groups excluded)."""
+        return sum(self.group_bytes[g] for g, block in enumerate(block_ids) if block != SKIP)
 
     def gather(self, block_ids: list[tuple[int, ...]], out: torch.Tensor | None = None) -> torch.Tensor:
         """The blocks as CPU rows [n, slot_bytes] (block_ids: one id per group per block)."""
@@ -75,9 +101,33 @@ class BlockCopier:
     def _runs_per_group(
         self, block_ids: list[tuple[int, ...]], max_run: int | None = None
     ) -> dict[int, list[tuple[int, int, int]]]:
-        """Each KV cache group's runs, computed once for all of its layers."""
+        """Each KV cache group's runs, computed once for all of its layers (SKIP rows left out)."""
         groups = {seg.group for seg in self.segments}
-        return {group: _runs([ids[group] for ids in block_ids], max_run) for group in groups}
+        return {
+            group: _runs(
+                [(row, ids[group]) for row, ids in enumerate(block_ids) if ids[group] != SKIP], max_run
+            )
+            for group in groups
+        }
+
+
+def segment_order(kv_cache_config: KVCacheConfig) -> list[tuple[int, list[tuple[KVCacheTensor, str]]]]:
+    """Per group, full-attention groups first (a position no window sees needs only those,
+    one contiguous range), the (tensor, member layer) pairs a slot row holds, in tensor order."""
+    groups = sorted(
+        range(len(kv_cache_config.groups)),
+        key=lambda g: isinstance(kv_cache_config.groups[g].spec, SlidingWindowSpec),
+    )
+    order = []
+    for group in groups:
+        members = [
+            (tensor, layer)
+            for tensor in kv_cache_config.tensors
+            for layer in tensor.shared_by
+            if kv_cache_config.group_of(layer) == group
+        ]
+        order.append((group, members))
+    return order
 
 
 def _block_view(tensor: torch.Tensor, size_bytes: int, capacity: int, half: int) -> torch.Tensor:
@@ -91,16 +141,17 @@ def _block_view(tensor: torch.Tensor, size_bytes: int, capacity: int, half: int)
     return flat.view(2, capacity, half)
 
 
-def _runs(block_ids: list[int], max_run: int | None = None) -> list[tuple[int, int, int]]:
-    """(first row, first block, length) of each run of consecutive block ids (at most
-    `max_run` long).
+def _runs(rows: list[tuple[int, int]], max_run: int | None = None) -> list[tuple[int, int, int]]:
+    """(first row, first block, length) of each run of (row, block id) pairs whose rows and
+    ids both go up by one (at most `max_run` long).
 
     Strided copies of whole runs are memcpy-bound; index_copy_ over wide rows was measured
     ~10x slower on CPU, and block tables are mostly consecutive.
     """
     runs: list[tuple[int, int, int]] = []
-    for row, block in enumerate(block_ids):
-        if runs and runs[-1][1] + runs[-1][2] == block and runs[-1][2] != max_run:
+    for row, block in rows:
+        last = runs[-1] if runs else None
+        if last and last[0] + last[2] == row and last[1] + last[2] == block and last[2] != max_run:
             first_row, first_block, length = runs[-1]
             runs[-1] = (first_row, first_block, length + 1)
         else:

@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 
 from kvferry.errors import ConfigError
-from kvferry.kv.spec import KVCacheConfig, SlidingWindowSpec
+from kvferry.kv.spec import KVCacheConfig
 
 logger = logging.getLogger(__name__)
 
@@ -105,31 +105,38 @@ class OffloadConfig:
 
 
 def slot_bytes_per_rank(kv_cache_config: KVCacheConfig) -> int:
-    """Bytes one block takes on one rank over every KV tensor (shared tensors counted once)."""
+    """Bytes one block position takes on one rank: a page of every KV tensor for each group
+    it serves (hybrid allocation: one tensor, one page per group; a tensor shared by layers
+    of one group counted once)."""
     total = 0
-    for tensor in kv_cache_config.tensors:
-        spec = kv_cache_config.groups[kv_cache_config.group_of(tensor.shared_by[0])].spec
-        total += spec.page_size_bytes
+    for gid, group in enumerate(kv_cache_config.groups):
+        serving = sum(
+            1 for t in kv_cache_config.tensors if any(kv_cache_config.group_of(n) == gid for n in t.shared_by)
+        )
+        total += serving * group.spec.page_size_bytes
     return total
 
 
 def instance_block_bytes(kv_cache_config: KVCacheConfig, total_kv_heads: int, tp_size: int) -> int:
-    """Bytes one block takes over every rank: the same number in every half and rank.
+    """Bytes one block position takes over every rank: the same number in every half and rank.
 
     Ranks differ only in their KV head count, so bytes per head are common; the ranks
     together hold every KV head once, or one each when there are fewer heads than ranks.
+    One rank holds them all. Groups with different KV head counts (Gemma 4's global layers)
+    give no common count over several ranks (a rank knows only its own heads): refused.
     """
+    if tp_size == 1:
+        return slot_bytes_per_rank(kv_cache_config)
     heads = {group.spec.num_kv_heads for group in kv_cache_config.groups}
     if len(heads) != 1:
-        raise ConfigError(f"offload: KV cache groups with different KV head counts {sorted(heads)}")
+        raise ConfigError(
+            f"offload: KV cache groups with different KV head counts {sorted(heads)} are not "
+            f"supported with tensor parallelism ({tp_size} ranks)"
+        )
     per_head = slot_bytes_per_rank(kv_cache_config) // heads.pop()
     return per_head * max(total_kv_heads, tp_size)
 
 
 def check_kv_cache_config(kv_cache_config: KVCacheConfig) -> None:
-    """The offload tiers store whole blocks of full-attention groups only."""
-    for group in kv_cache_config.groups:
-        if isinstance(group.spec, SlidingWindowSpec):
-            raise ConfigError("offload: sliding-window KV cache groups are not supported yet")
     if not kv_cache_config.tensors:
         raise ConfigError("offload: the KV cache config lists no tensors")

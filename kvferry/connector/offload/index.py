@@ -4,6 +4,9 @@ One LRU order per tier. New blocks go to DRAM (or to disk when there is no DRAM 
 A full DRAM tier demotes its least recently used entry to disk; a full disk tier (or a
 full DRAM tier without disk) drops its least recently used entry. Every decision that
 moves bytes comes back as an op for the workers, in the order it must run.
+
+An entry also says which KV cache groups its slot holds: every group, except sliding-window
+groups whose block at that position no window could see any more when it was saved.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ class Entry:
     tier: Tier
     slot: int
     epoch: int
+    groups: frozenset[int] = frozenset({0})  # KV cache groups whose block the slot holds
 
 
 class TierIndex:
@@ -56,6 +60,10 @@ class TierIndex:
         self._lru[tier].move_to_end(block_hash)
         return self._lru[tier][block_hash]
 
+    def groups_of(self, block_hash: bytes) -> frozenset[int]:
+        entry = self.get(block_hash)
+        return frozenset() if entry is None else entry.groups
+
     def count_prefix(self, hashes: list[bytes], start: int, stop: int) -> int:
         """How many of hashes[start:stop] are stored, consecutively from start."""
         n = 0
@@ -63,13 +71,15 @@ class TierIndex:
             n += 1
         return n
 
-    def insert(self, block_hash: bytes, epoch: int) -> tuple[Entry, list[DemoteOp]]:
+    def insert(
+        self, block_hash: bytes, epoch: int, groups: frozenset[int] = frozenset({0})
+    ) -> tuple[Entry, list[DemoteOp]]:
         """A slot for a new block (not stored yet), and the demotions that make room first."""
         assert block_hash not in self._where, "a stored block is not saved again"
         tier = Tier.DRAM if self.capacity[Tier.DRAM] > 0 else Tier.DISK
         ops: list[DemoteOp] = []
         slot = self._take_slot(tier, ops)
-        entry = Entry(tier, slot, epoch)
+        entry = Entry(tier, slot, epoch, groups)
         self._lru[tier][block_hash] = entry
         self._where[block_hash] = tier
         return entry, ops
@@ -92,7 +102,7 @@ class TierIndex:
         if tier is Tier.DRAM and self.capacity[Tier.DISK] > 0:
             disk_slot = self._take_slot(Tier.DISK, ops)
             ops.append(DemoteOp(entry.slot, disk_slot, victim, entry.epoch))
-            self._lru[Tier.DISK][victim] = Entry(Tier.DISK, disk_slot, entry.epoch)
+            self._lru[Tier.DISK][victim] = Entry(Tier.DISK, disk_slot, entry.epoch, entry.groups)
             self._where[victim] = Tier.DISK
             self.num_demoted += 1
         else:

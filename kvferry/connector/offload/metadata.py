@@ -20,7 +20,8 @@ class Tier(enum.IntEnum):
 
 @dataclass(frozen=True)
 class LoadOp:
-    """Copy tier slot -> the device blocks (one per KV cache group) of a request."""
+    """Copy tier slot -> the device blocks (one per KV cache group) of a request; a group
+    whose id is SKIP (blocks.SKIP) is not loaded (no window sees it)."""
 
     req_id: str
     tier: Tier
@@ -28,11 +29,13 @@ class LoadOp:
     block_hash: bytes
     epoch: int  # the save that wrote the slot; the worker verifies it
     block_ids: tuple[int, ...]
+    stored: frozenset[int] = frozenset({0})  # the groups the save wrote (a checksum covers them)
 
 
 @dataclass(frozen=True)
 class SaveOp:
-    """Copy a request's device blocks (one per group) -> tier slot, tagged (hash, epoch)."""
+    """Copy a request's device blocks (one per group) -> tier slot, tagged (hash, epoch); a
+    group whose id is SKIP is not saved (its block was never allocated: no window sees it)."""
 
     req_id: str
     tier: Tier

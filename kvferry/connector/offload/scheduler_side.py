@@ -5,6 +5,16 @@ admission, right after the local prefix-cache lookup), and which newly computed 
 prompt blocks to save into which slots (with the demotions that make room). A request
 that had saves scheduled keeps its blocks after it finishes (delay_free) until every
 worker reports its saves done in `finished_sending`.
+
+Sliding-window groups (KV cache groups of a hybrid model): a block position is saved with
+every group whose block exists when the position is saved; a sliding group's block that no
+window could see any more was never allocated (the null block), so the slot holds no KV of
+that group there. A later hit of `h` blocks is offered only if it is usable by every group:
+each sliding group's blocks that the token after the hit sees, the last
+`ceil((window - 1) / block_size)` before `h`, are stored (or were in the local hit), and the
+scheduler will allocate them (it allocates no block of a sliding group before
+`_first_real_block` of the request's tokens; see `first_allocated`). Loads copy the full
+groups' blocks and, of each sliding group, only the blocks the window sees.
 """
 
 from __future__ import annotations
@@ -14,6 +24,7 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass
 
+from kvferry.connector.offload.blocks import SKIP
 from kvferry.connector.offload.config import (
     OffloadConfig,
     check_kv_cache_config,
@@ -22,12 +33,29 @@ from kvferry.connector.offload.config import (
 )
 from kvferry.connector.offload.index import TierIndex
 from kvferry.connector.offload.metadata import LoadOp, OffloadMetadata, SaveFailed, SaveOp, Tier
-from kvferry.kv.spec import KVCacheConfig
+from kvferry.kv.spec import KVCacheConfig, SlidingWindowSpec
 from kvferry.messages.kv_connector import KVConnectorOutput
+from kvferry.scheduler.block_pool import null_block_id
 from kvferry.scheduler.output import BlockIds, SchedulerOutput
 from kvferry.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Window:
+    group: int
+    window: int  # tokens
+    num_blocks: int  # blocks before a hit's end that the next token's window reaches
+
+
+def first_allocated(window: int, block_size: int, num_tokens: int) -> int:
+    """The first block a sliding group holds when a request is allocated `num_tokens` tokens
+    (earlier entries are the null block): the scheduler's SlidingWindowManager rule, which
+    keeps what a token after them, or a prefix hit at the last block boundary before the last
+    of them, can see (a unit test holds the two equal)."""
+    boundary = (num_tokens - 1) // block_size * block_size
+    return max(0, boundary - window + 1) // block_size
 
 
 @dataclass
@@ -50,6 +78,12 @@ class OffloadScheduler:
         self.block_bytes = instance_block_bytes(kv_cache_config, total_kv_heads, tp_size)
         dram, disk = config.num_slots(self.block_bytes)
         self.index = TierIndex(dram, disk)
+        self.null_id = null_block_id(kv_cache_config.has_sliding_window)
+        self.windows = [
+            _Window(gid, g.spec.sliding_window, -(-(g.spec.sliding_window - 1) // self.block_size))
+            for gid, g in enumerate(kv_cache_config.groups)
+            if isinstance(g.spec, SlidingWindowSpec)
+        ]
         self.instance_id = uuid.uuid4().hex
         self._reqs: dict[str, _Tracked] = {}
         self._local_hits: dict[str, int] = {}  # req -> local prefix hit of its last lookup
@@ -71,11 +105,28 @@ class OffloadScheduler:
     # ---- admission ------------------------------------------------------------------
 
     def num_matched(self, request: Request, num_computed_tokens: int) -> int:
-        """Tokens in stored blocks right after the local hit, whole blocks, never the last token."""
+        """Tokens in stored blocks right after the local hit, whole blocks, never the last
+        token; the longest such hit that every sliding-window group can use."""
         self._local_hits[request.req_id] = num_computed_tokens
         start = num_computed_tokens // self.block_size
         stop = (request.num_tokens - 1) // self.block_size
-        return self.index.count_prefix(request.block_hashes, start, stop) * self.block_size
+        end = start + self.index.count_prefix(request.block_hashes, start, stop)
+        while end > start and not self._usable(request, start, end):
+            end -= 1
+        return (end - start) * self.block_size
+
+    def _usable(self, request: Request, start: int, end: int) -> bool:
+        """Whether each sliding group gets the blocks a hit ending at block `end` needs: the
+        ones its next token sees, allocated by the scheduler and stored here (those before
+        `start` are the local hit's)."""
+        for w in self.windows:
+            first_seen = max(0, end - w.num_blocks)
+            if first_allocated(w.window, self.block_size, request.num_tokens) > first_seen:
+                return False  # the scheduler gives the prompt's tail only: these would be null
+            for i in range(max(start, first_seen), end):
+                if w.group not in self.index.groups_of(request.block_hashes[i]):
+                    return False
+        return True
 
     def after_alloc(self, request: Request, block_ids: BlockIds, num_external: int) -> None:
         tracked = _Tracked(request, [list(ids) for ids in block_ids])
@@ -90,8 +141,8 @@ class OffloadScheduler:
             block_hash = request.block_hashes[i]
             entry = self.index.touch(block_hash)
             assert entry is not None, "a matched block left the index before allocation"
-            ids = tuple(group[i] for group in tracked.block_ids)
-            load = LoadOp(request.req_id, entry.tier, entry.slot, block_hash, entry.epoch, ids)
+            ids = self._ids_at(tracked, i)  # a sliding group's unseen blocks are null: skipped
+            load = LoadOp(request.req_id, entry.tier, entry.slot, block_hash, entry.epoch, ids, entry.groups)
             self._pending_loads.append(load)
             self.counters["loads_dram" if entry.tier is Tier.DRAM else "loads_disk"] += 1
 
@@ -131,18 +182,26 @@ class OffloadScheduler:
         full = min(request.num_computed_tokens, request.num_prompt_tokens) // self.block_size
         for i in range(tracked.next_block, full):
             block_hash = request.block_hashes[i]
-            if self.index.touch(block_hash) is not None:
-                continue  # stored already (or being saved): not saved again
+            ids = self._ids_at(tracked, i)
+            groups = frozenset(g for g, block in enumerate(ids) if block != SKIP)
+            stored = self.index.touch(block_hash)
+            if stored is not None:
+                if groups <= stored.groups or not stored.groups <= groups:
+                    continue  # stored already (or being saved) with what we have: not again
+                self.index.remove(block_hash)  # stored with fewer groups: saved again with more
             self._epoch += 1
-            entry, demotions = self.index.insert(block_hash, self._epoch)
+            entry, demotions = self.index.insert(block_hash, self._epoch, groups)
             meta.ops.extend(demotions)
-            ids = tuple(group[i] for group in tracked.block_ids)
             save = SaveOp(request.req_id, entry.tier, entry.slot, block_hash, entry.epoch, ids)
             meta.ops.append(save)
             self._step_saves.setdefault(request.req_id, []).append(save)
             self._has_saves.add(request.req_id)
             self.counters["saves"] += 1
         tracked.next_block = max(tracked.next_block, full)
+
+    def _ids_at(self, tracked: _Tracked, index: int) -> tuple[int, ...]:
+        """The request's block at position `index` in every group, SKIP where it is null."""
+        return tuple(SKIP if (b := group[index]) == self.null_id else b for group in tracked.block_ids)
 
     # ---- results ----------------------------------------------------------------------
 

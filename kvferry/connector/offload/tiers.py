@@ -8,6 +8,10 @@ tag, then writes the payload, then the tag.
 
 The payload itself is not checksummed unless `verify_checksum` is on: checking costs a
 pass over every loaded byte, and the tag already catches stale and misdirected slots.
+
+Reads and writes may name byte ranges of the slot (`Ranges`: the KV cache groups a block
+position holds or a load needs); None is the whole slot. A checksum covers the ranges
+written, so a checked read names the same ranges.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ HEADER = struct.Struct("<8s32sQI")  # magic, block hash (32 bytes), epoch, paylo
 HEADER_SIZE = 64
 INVALID_HEADER = bytes(HEADER_SIZE)
 
+Ranges = list[tuple[int, int]] | None  # byte ranges of a slot; None: all of it
+
 
 @dataclass(frozen=True)
 class Tag:
@@ -39,8 +45,16 @@ class Tag:
     crc: int = 0  # 0 when checksums are off
 
 
-def payload_crc(row: torch.Tensor) -> int:
-    return zlib.crc32(memoryview(row.numpy()))
+def payload_crc(row: torch.Tensor, ranges: Ranges = None) -> int:
+    data = memoryview(row.numpy())
+    crc = 0
+    for start, stop in _spans(ranges, len(data)):
+        crc = zlib.crc32(data[start:stop], crc)
+    return crc
+
+
+def _spans(ranges: Ranges, size: int) -> list[tuple[int, int]]:
+    return [(0, size)] if ranges is None else ranges
 
 
 def _hash32(block_hash: bytes) -> bytes:
@@ -55,22 +69,30 @@ class DramTier:
         self.buffer = torch.empty((num_slots, slot_bytes), dtype=torch.uint8, pin_memory=pin_memory)
         self._tags: list[Tag | None] = [None] * num_slots
 
-    def write(self, slots: list[int], rows: torch.Tensor, tags: list[Tag]) -> None:
+    def write(self, slots: list[int], rows: torch.Tensor, tags: list[Tag], ranges: Ranges = None) -> None:
         for slot in slots:
             self._tags[slot] = None
-        self.buffer.index_copy_(0, torch.tensor(slots, dtype=torch.int64), rows)
+        index = torch.tensor(slots, dtype=torch.int64)
+        if ranges is None:
+            self.buffer.index_copy_(0, index, rows)
+        for start, stop in ranges or ():
+            self.buffer[:, start:stop].index_copy_(0, index, rows[:, start:stop])
         for slot, tag in zip(slots, tags, strict=True):
             self._tags[slot] = tag
+
+    def read(self, slot: int, out: torch.Tensor, ranges: Ranges = None) -> None:
+        for start, stop in _spans(ranges, self.slot_bytes):
+            out[start:stop].copy_(self.buffer[slot, start:stop])
 
     def invalidate(self, slot: int) -> None:
         self._tags[slot] = None
 
-    def check(self, slot: int, tag: Tag, verify_checksum: bool) -> bool:
-        """Whether the slot holds exactly the save the caller expects."""
+    def check(self, slot: int, tag: Tag, verify_checksum: bool, ranges: Ranges = None) -> bool:
+        """Whether the slot holds exactly the save the caller expects (`ranges`: what it wrote)."""
         held = self._tags[slot]
         if held is None or held.block_hash != tag.block_hash or held.epoch != tag.epoch:
             return False
-        return not verify_checksum or payload_crc(self.buffer[slot]) == held.crc
+        return not verify_checksum or payload_crc(self.buffer[slot], ranges) == held.crc
 
     def tag(self, slot: int) -> Tag | None:
         return self._tags[slot]
@@ -95,20 +117,25 @@ class DiskTier:
     def payload_offset(self, slot: int) -> int:
         return slot * self.stride + HEADER_SIZE
 
-    def write(self, slot: int, row: torch.Tensor, tag: Tag) -> None:
+    def write(self, slot: int, row: torch.Tensor, tag: Tag, ranges: Ranges = None) -> None:
         """row: contiguous uint8 [slot_bytes] on the CPU."""
         fd = self._require_fd()
         base = slot * self.stride
         _pwrite_all(fd, INVALID_HEADER, base)
-        _pwrite_all(fd, memoryview(row.numpy()), base + HEADER_SIZE)
+        data = memoryview(row.numpy())
+        for start, stop in _spans(ranges, self.slot_bytes):
+            _pwrite_all(fd, data[start:stop], base + HEADER_SIZE + start)
         header = HEADER.pack(MAGIC, _hash32(tag.block_hash), tag.epoch, tag.crc)
         _pwrite_all(fd, header.ljust(HEADER_SIZE, b"\0"), base)
 
     def invalidate(self, slot: int) -> None:
         _pwrite_all(self._require_fd(), INVALID_HEADER, slot * self.stride)
 
-    def read(self, slot: int, out: torch.Tensor, tag: Tag, verify_checksum: bool) -> bool:
-        """Read the slot into out (contiguous uint8 [slot_bytes]); False if it is not `tag`'s save."""
+    def read(
+        self, slot: int, out: torch.Tensor, tag: Tag, verify_checksum: bool, ranges: Ranges = None
+    ) -> bool:
+        """Read the slot's `ranges` into out (contiguous uint8 [slot_bytes]); False if it is not
+        `tag`'s save. A checked read names the ranges the save wrote."""
         fd = self._require_fd()
         base = slot * self.stride
         raw = os.pread(fd, HEADER.size, base)
@@ -118,9 +145,10 @@ class DiskTier:
         if magic != MAGIC or block_hash != _hash32(tag.block_hash) or epoch != tag.epoch:
             return False
         view = memoryview(out.numpy())
-        if os.preadv(fd, [view], base + HEADER_SIZE) != self.slot_bytes:
-            return False
-        return not verify_checksum or zlib.crc32(view) == crc
+        for start, stop in _spans(ranges, self.slot_bytes):
+            if os.preadv(fd, [view[start:stop]], base + HEADER_SIZE + start) != stop - start:
+                return False
+        return not verify_checksum or payload_crc(out, ranges) == crc
 
     def close(self) -> None:
         if self._fd is None:

@@ -6,6 +6,12 @@ job submitted after the forward (wait_for_save), so the forward never waits for 
 the scheduler keeps the request's device blocks until this worker reports the request in
 finished_sending. With tensor parallelism every rank runs this on its own KV-head slice;
 block counts are reported by rank 0 only, byte counts by every rank (their sum is the total).
+
+Sliding-window groups: a load or save moves only the groups whose block id is not SKIP (a
+load: the groups the window sees; bytes count those alone). A sliding group's block is
+freed while its request runs, once it left the window, and may be handed to another
+request by the next step: so a step whose saves read sliding blocks is waited for before
+the next step loads or runs its forward.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from collections import Counter
 
 import torch
 
-from kvferry.connector.offload.blocks import BlockCopier, Staging
+from kvferry.connector.offload.blocks import SKIP, BlockCopier, Staging
 from kvferry.connector.offload.config import (
     OffloadConfig,
     check_kv_cache_config,
@@ -27,7 +33,7 @@ from kvferry.connector.offload.config import (
 from kvferry.connector.offload.jobs import JobQueue
 from kvferry.connector.offload.metadata import DemoteOp, LoadOp, OffloadMetadata, SaveFailed, SaveOp, Tier
 from kvferry.connector.offload.tiers import DiskTier, DramTier, Tag, payload_crc
-from kvferry.kv.spec import KVCacheConfig
+from kvferry.kv.spec import KVCacheConfig, SlidingWindowSpec
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +65,11 @@ class OffloadWorker:
         self.jobs = JobQueue(f"kvferry-offload-rank{rank}")
         self._slot_seq: dict[tuple[Tier, int], int] = {}  # last job touching a slot
         self._req_seq: dict[str, int] = {}  # last job saving a request's blocks
+        self._sliding = frozenset(
+            gid for gid, g in enumerate(kv_cache_config.groups) if isinstance(g.spec, SlidingWindowSpec)
+        )
+        self._window_seq = 0  # last job reading sliding-window blocks (freed while running)
+        self._elastic = kv_cache_config.is_elastic
         self._awaiting: set[str] = set()  # finished, saves still running
         self._failed_reqs: set[str] = set()  # loads failed this step: their saves are skipped
         self._load_errors: set[int] = set()
@@ -82,6 +93,9 @@ class OffloadWorker:
             seq = self._req_seq.get(req_id)
             if seq is not None:
                 self.jobs.wait(seq)
+        if self._window_seq:  # sliding blocks may have left their window and be reused now
+            self.jobs.wait(self._window_seq)
+            self._window_seq = 0
         self._failed_reqs = set()
         if not meta.loads:
             return
@@ -96,19 +110,28 @@ class OffloadWorker:
         for load, fine in zip(meta.loads, ok):
             if not fine:
                 self._failed_reqs.add(load.req_id)
-                self._load_errors.update(load.block_ids)
+                self._load_errors.update(b for b in load.block_ids if b != SKIP)
         self._count_loads([meta.loads[i] for i in good], len(meta.loads) - len(good))
         self._add_stats(Counter({"offload_load_seconds": time.perf_counter() - start}))
 
     def _read(self, load: LoadOp, out: torch.Tensor) -> bool:
+        """The groups the load needs (with checksums: all the save wrote, as checked)."""
         tag = Tag(load.block_hash, load.epoch)
+        needed = {g for g, block in enumerate(load.block_ids) if block != SKIP}
+        if not needed <= load.stored:
+            logger.warning(
+                "offload: a load needs KV cache groups %s its slot lacks", sorted(needed - load.stored)
+            )
+            return False
+        checked = self._copier().ranges(load.stored)
+        ranges = checked if self.verify else self._copier().ranges(needed)
         try:
             if load.tier is Tier.DRAM:
-                if self.dram is None or not self.dram.check(load.slot, tag, self.verify):
+                if self.dram is None or not self.dram.check(load.slot, tag, self.verify, checked):
                     return False
-                out.copy_(self.dram.buffer[load.slot])
+                self.dram.read(load.slot, out, ranges)
                 return True
-            return self.disk is not None and self.disk.read(load.slot, out, tag, self.verify)
+            return self.disk is not None and self.disk.read(load.slot, out, tag, self.verify, ranges)
         except OSError:
             logger.exception("offload: reading %s slot %d failed", load.tier.name, load.slot)
             return False
@@ -119,7 +142,7 @@ class OffloadWorker:
             counts["offload_loaded_blocks_dram"] = sum(1 for x in loaded if x.tier is Tier.DRAM)
             counts["offload_loaded_blocks_disk"] = sum(1 for x in loaded if x.tier is Tier.DISK)
         counts["offload_load_errors"] = num_failed  # any rank may fail on its own
-        counts["offload_bytes_loaded"] = len(loaded) * self.slot_bytes
+        counts["offload_bytes_loaded"] = sum(self._copier().bytes_of(x.block_ids) for x in loaded)
         self._add_stats(counts)
 
     def _wait_slots(self, keys) -> None:
@@ -142,9 +165,13 @@ class OffloadWorker:
             if isinstance(op, SaveOp):
                 self._slot_seq[(op.tier, op.slot)] = seq
                 self._req_seq[op.req_id] = seq
+                if any(op.block_ids[g] != SKIP for g in self._sliding):
+                    self._window_seq = seq
             else:
                 self._slot_seq[(Tier.DRAM, op.dram_slot)] = seq
                 self._slot_seq[(Tier.DISK, op.disk_slot)] = seq
+        if self._window_seq and self._elastic:
+            self.jobs.wait(self._window_seq)
 
     def _run_ops(self, ops: list[SaveOp | DemoteOp], instance_id: str) -> None:
         """Background thread: saves batched while consecutive, same tier, distinct slots."""
@@ -167,16 +194,20 @@ class OffloadWorker:
     def _save(self, batch: list[SaveOp], instance_id: str) -> None:
         start = time.perf_counter()
         try:
-            rows = self._copier().gather([op.block_ids for op in batch], self._save_rows.take(len(batch)))
+            copier = self._copier()
+            rows = copier.gather([op.block_ids for op in batch], self._save_rows.take(len(batch)))
+            ranges = [
+                copier.ranges(g for g, block in enumerate(op.block_ids) if block != SKIP) for op in batch
+            ]
             tags = [
-                Tag(op.block_hash, op.epoch, payload_crc(rows[k]) if self.verify else 0)
+                Tag(op.block_hash, op.epoch, payload_crc(rows[k], ranges[k]) if self.verify else 0)
                 for k, op in enumerate(batch)
             ]
             if batch[0].tier is Tier.DRAM:
-                self._dram().write([op.slot for op in batch], rows, tags)
+                self._write_dram(batch, rows, tags, ranges)
             else:
                 for k, op in enumerate(batch):
-                    self._disk().write(op.slot, rows[k], tags[k])
+                    self._disk().write(op.slot, rows[k], tags[k], ranges[k])
         except Exception:
             logger.exception("offload: saving %d block(s) failed", len(batch))
             for op in batch:
@@ -184,13 +215,21 @@ class OffloadWorker:
             return
         counts: Counter[str] = Counter(
             {
-                "offload_bytes_saved": len(batch) * self.slot_bytes,
+                "offload_bytes_saved": sum(self._copier().bytes_of(op.block_ids) for op in batch),
                 "offload_save_seconds": time.perf_counter() - start,
             }
         )
         if self.rank == 0:
             counts["offload_saved_blocks"] = len(batch)
         self._add_stats(counts)
+
+    def _write_dram(self, batch: list[SaveOp], rows: torch.Tensor, tags: list[Tag], ranges: list) -> None:
+        """Whole rows in one copy when every save holds every group, else each save's ranges."""
+        if all(r == ranges[0] for r in ranges) and ranges[0] == [(0, self.slot_bytes)]:
+            self._dram().write([op.slot for op in batch], rows, tags)
+            return
+        for k, op in enumerate(batch):
+            self._dram().write([op.slot], rows[k : k + 1], [tags[k]], ranges[k])
 
     def _demote(self, op: DemoteOp, instance_id: str) -> None:
         try:
