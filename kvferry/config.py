@@ -242,3 +242,73 @@ class EngineConfig:
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
     device: str = "cpu"
     seed: int = 0
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """What a user may set, flat: `LLM(model, **options)`'s keywords and `kvferry serve`'s
+    flags both become one of these, and `engine_config` is the one place that turns them
+    into an EngineConfig. Each default is the config dataclass's own (stated once, above)."""
+
+    model: str
+    dtype: str = "auto"  # kvferry.config.parse_dtype
+    quantization: WeightQuantization = ModelConfig.quantization  # "int4" coerced, as below
+    max_model_len: int | None = None  # None: the checkpoint's
+    served_model_name: str | None = None  # None: `model` as given
+    block_size: int = CacheConfig.block_size
+    kv_cache_bytes: int | None = CacheConfig.kv_cache_bytes
+    kv_cache_memory_fraction: float = CacheConfig.kv_cache_memory_fraction
+    enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
+    kv_layout: Layout = CacheConfig.layout
+    kv_allocator: KVAllocator = CacheConfig.kv_allocator
+    kv_memory_pool: KVPoolSpec | None = CacheConfig.kv_memory_pool
+    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
+    enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
+    prefill_budget_with_decodes: int | None = SchedulerConfig.prefill_budget_with_decodes
+    tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
+    executor: ExecutorKind = ParallelConfig.executor
+    cpu_cores: tuple[int, ...] | None = ParallelConfig.cpu_cores
+    cpu_threads: int | None = ParallelConfig.cpu_threads
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    enforce_eager: bool = CompilationConfig.enforce_eager
+    seed: int = EngineConfig.seed
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "quantization", _member(WeightQuantization, self.quantization, "quantization")
+        )
+        object.__setattr__(self, "kv_layout", _member(Layout, self.kv_layout, "KV layout"))
+        object.__setattr__(self, "kv_allocator", _member(KVAllocator, self.kv_allocator, "KV allocator"))
+        object.__setattr__(self, "executor", _member(ExecutorKind, self.executor, "executor"))
+
+    def engine_config(self, model: ModelConfig) -> EngineConfig:
+        """The EngineConfig of these options for the resolved `model`
+        (kvferry.engine.options.engine_config resolves it)."""
+        return EngineConfig(
+            model=model,
+            cache=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_bytes=self.kv_cache_bytes,
+                enable_prefix_caching=self.enable_prefix_caching,
+                layout=self.kv_layout,
+                kv_cache_memory_fraction=self.kv_cache_memory_fraction,
+                kv_allocator=self.kv_allocator,
+                kv_memory_pool=self.kv_memory_pool,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_num_seqs=self.max_num_seqs,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                prefill_budget_with_decodes=self.prefill_budget_with_decodes,
+            ),
+            parallel=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                executor=self.executor,
+                cpu_cores=self.cpu_cores,
+                cpu_threads=self.cpu_threads,
+            ),
+            kv_transfer=self.kv_transfer,
+            compilation=CompilationConfig(enforce_eager=self.enforce_eager),
+            seed=self.seed,
+        )

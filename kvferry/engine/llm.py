@@ -5,22 +5,14 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Sequence
+from typing import Any
 
-from kvferry.config import (
-    DEFAULT_KV_CACHE_MEMORY_FRACTION,
-    CacheConfig,
-    CompilationConfig,
-    EngineConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    WeightQuantization,
-)
+from kvferry.config import EngineConfig, EngineOptions
 from kvferry.engine.core import EngineCore, EngineStats
 from kvferry.engine.input_processor import InputProcessor
+from kvferry.engine.options import engine_config
 from kvferry.engine.output_processor import OutputProcessor
 from kvferry.errors import InvalidRequestError
-from kvferry.kv.spec import KVAllocator
-from kvferry.model.resolve import resolve_model_config
 from kvferry.model.tokenizer import load_tokenizer
 from kvferry.outputs import RequestOutput
 from kvferry.sampling_params import SamplingParams
@@ -46,45 +38,16 @@ def prompt_input(prompt: Prompt) -> str | list[int]:
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str,
-        *,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        tensor_parallel_size: int = 1,
-        block_size: int = 16,
-        kv_cache_bytes: int | None = None,
-        kv_cache_memory_fraction: float = DEFAULT_KV_CACHE_MEMORY_FRACTION,
-        enable_prefix_caching: bool = True,
-        max_num_seqs: int = 128,
-        max_num_batched_tokens: int = 2048,
-        seed: int = 0,
-        enforce_eager: bool = False,
-        kv_allocator: KVAllocator | str = KVAllocator.EAGER,
-        quantization: WeightQuantization | str = WeightQuantization.NONE,
-        prefill_budget_with_decodes: int | None = None,
-    ):
-        model_config = resolve_model_config(
-            model, dtype=dtype, max_model_len=max_model_len, quantization=quantization
-        )
-        config = EngineConfig(
-            model=model_config,
-            cache=CacheConfig(
-                block_size,
-                kv_cache_bytes,
-                enable_prefix_caching=enable_prefix_caching,
-                kv_cache_memory_fraction=kv_cache_memory_fraction,
-                kv_allocator=kv_allocator,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_batched_tokens, max_num_seqs, prefill_budget_with_decodes=prefill_budget_with_decodes
-            ),
-            parallel=ParallelConfig(tensor_parallel_size),
-            compilation=CompilationConfig(enforce_eager=enforce_eager),
-            seed=seed,
-        )
-        self.__init_from_config(config)
+    def __init__(self, model: str, **options: Any):
+        """An engine for `model` (a local dir, a cached hub id, a .gguf file or 'smollm2').
+
+        `options` are kvferry.config.EngineOptions' fields, with its defaults: dtype,
+        max_model_len, tensor_parallel_size, block_size, kv_cache_bytes,
+        kv_cache_memory_fraction, enable_prefix_caching, max_num_seqs,
+        max_num_batched_tokens, seed, enforce_eager, kv_allocator, quantization,
+        prefill_budget_with_decodes, and the rest of `kvferry serve`'s engine options.
+        """
+        self.__init_from_config(engine_config(EngineOptions(model, **options)))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:

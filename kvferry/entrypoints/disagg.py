@@ -78,7 +78,7 @@ class Child:
 
 def _engine_parser() -> argparse.ArgumentParser:
     """`kvferry serve`'s engine and HTTP-edge options: what disagg passes to its instances."""
-    from kvferry.entrypoints.cli import add_engine_args
+    from kvferry.entrypoints.engine_args import add_engine_args
 
     parser = argparse.ArgumentParser(add_help=False)
     add_engine_args(parser)
@@ -186,7 +186,7 @@ def check_connector(args: argparse.Namespace) -> dict:
     if not isinstance(extra, dict):
         raise ConfigError("--kv-connector-extra-config must be a JSON object")
     if args.kv_connector != NO_CONNECTOR:
-        from kvferry.entrypoints.cli import parse_kv_transfer_config
+        from kvferry.entrypoints.engine_args import parse_kv_transfer_config
 
         for role in KV_ROLES:  # imports the connector and checks that it supports both roles
             raw = kv_transfer_json(args.kv_connector, role, extra, 0, args.kv_load_failure_policy)

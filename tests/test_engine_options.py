@@ -1,0 +1,136 @@
+"""One way from user options to an EngineConfig: EngineOptions, whose defaults are the config
+dataclasses' own, reached by both `LLM(model, **options)` and the command line."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields, replace
+from pathlib import Path
+
+import pytest
+
+from kvferry.config import (
+    CacheConfig,
+    EngineConfig,
+    EngineOptions,
+    ExecutorKind,
+    KVTransferConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    WeightQuantization,
+)
+from kvferry.engine.options import engine_config
+from kvferry.entrypoints.cli import build_parser
+from kvferry.entrypoints.engine_args import DEFAULT_MODEL, add_engine_args, engine_config_from_args
+from kvferry.errors import ConfigError
+from kvferry.kv.shared_pool import KVPoolSpec
+from kvferry.kv.spec import KVAllocator, Layout
+
+
+def from_cli(*argv: str) -> EngineConfig:
+    return engine_config_from_args(build_parser().parse_args(["serve", *argv]))
+
+
+def test_no_option_gives_the_config_dataclasses_defaults(tiny_llama: Path):
+    config = engine_config(EngineOptions(str(tiny_llama)))
+    assert config == EngineConfig(model=config.model)
+    assert (config.cache, config.scheduler, config.parallel) == (
+        CacheConfig(),
+        SchedulerConfig(),
+        ParallelConfig(),
+    )
+    assert config.model.served_model_name == str(tiny_llama)
+
+
+def test_the_command_line_states_no_default_of_its_own():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    defaults = {a.dest: a.default for a in parser._actions if a.dest != "help"}
+    assert defaults.pop("model") == DEFAULT_MODEL
+    flags = {"no_prefix_caching", "no_chunked_prefill", "enforce_eager"}  # store_true: off
+    assert {k: v for k, v in defaults.items() if k not in flags} == dict.fromkeys(set(defaults) - flags)
+
+
+def test_the_command_line_and_llm_options_build_the_same_config(tiny_llama: Path):
+    plain = from_cli(str(tiny_llama))
+    expected = engine_config(EngineOptions(str(tiny_llama), served_model_name=tiny_llama.name))
+    assert plain == expected
+    given = from_cli(
+        str(tiny_llama),
+        *("--block-size", "32", "--max-num-seqs", "8", "--max-num-batched-tokens", "256"),
+        *("--kv-layout", "HND", "--kv-allocator", "elastic", "--executor", "multiproc", "-tp", "2"),
+        *("--seed", "7", "--dtype", "float32", "--quantization", "int4", "--kv-cache-memory", "1MiB"),
+        *("--no-prefix-caching", "--no-chunked-prefill", "--enforce-eager", "--cpu-threads", "1"),
+        *("--kv-cache-memory-fraction", "0.5", "--max-model-len", "64", "--served-model-name", "m"),
+    )
+    options = EngineOptions(
+        str(tiny_llama),
+        dtype="float32",
+        quantization="int4",
+        max_model_len=64,
+        served_model_name="m",
+        block_size=32,
+        kv_cache_bytes=1 << 20,
+        kv_cache_memory_fraction=0.5,
+        enable_prefix_caching=False,
+        kv_layout="HND",
+        kv_allocator="elastic",
+        max_num_batched_tokens=256,
+        max_num_seqs=8,
+        enable_chunked_prefill=False,
+        tensor_parallel_size=2,
+        executor="multiproc",
+        cpu_threads=1,
+        enforce_eager=True,
+        seed=7,
+    )
+    assert given == engine_config(options)
+    assert given.cache.layout is Layout.HND and given.cache.kv_allocator is KVAllocator.ELASTIC
+    assert given.parallel.executor is ExecutorKind.MULTIPROC
+    assert given.model.quantization is WeightQuantization.INT4
+    assert (given.scheduler.max_num_seqs, given.cache.block_size, given.seed) == (8, 32, 7)
+
+
+def test_every_option_reaches_the_config(tiny_llama: Path):
+    """Each EngineOptions field changed alone changes the EngineConfig it builds."""
+    model = engine_config(EngineOptions(str(tiny_llama))).model
+    base = EngineOptions(str(tiny_llama))
+    changed = {
+        "quantization": "int4",
+        "block_size": 32,
+        "kv_cache_bytes": 1 << 20,
+        "kv_cache_memory_fraction": 0.5,
+        "enable_prefix_caching": False,
+        "kv_layout": "HND",
+        "kv_allocator": "elastic",
+        "max_num_batched_tokens": 256,
+        "max_num_seqs": 8,
+        "enable_chunked_prefill": False,
+        "prefill_budget_with_decodes": 64,
+        "tensor_parallel_size": 2,
+        "executor": "multiproc",
+        "cpu_cores": (0, 1),
+        "cpu_threads": 1,
+        "kv_transfer": KVTransferConfig(kv_connector="NixlConnector"),
+        "enforce_eager": True,
+        "seed": 7,
+    }
+    checked_below = {"kv_memory_pool"}  # needs the elastic allocator
+    resolved_by_the_model = {"model", "dtype", "max_model_len", "served_model_name", "quantization"}
+    assert set(changed) | resolved_by_the_model | checked_below == {f.name for f in fields(EngineOptions)}
+    for name, value in changed.items():
+        if name in resolved_by_the_model:
+            continue
+        assert replace(base, **{name: value}).engine_config(model) != base.engine_config(model), name
+    elastic = replace(base, kv_allocator="elastic")
+    pooled = replace(elastic, kv_memory_pool=KVPoolSpec("kvferry-test-options", None))
+    assert pooled.engine_config(model).cache.kv_memory_pool == KVPoolSpec("kvferry-test-options", None)
+
+
+def test_options_are_checked():
+    with pytest.raises(ConfigError, match="unknown KV layout"):
+        EngineOptions("m", kv_layout="XYZ")
+    with pytest.raises(ConfigError, match="unknown executor"):
+        EngineOptions("m", executor="threads")
+    with pytest.raises(TypeError, match="block_sise"):
+        EngineOptions("m", block_sise=16)  # type: ignore[call-arg]
