@@ -20,14 +20,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Protocol
 
 import torch
 
-from kvferry.config import CacheConfig, ModelConfig
 from kvferry.errors import ConfigError
 from kvferry.kv.elastic import page_granularity
 from kvferry.kv.pages import blocks_per_page
-from kvferry.kv.shared_pool import pool_size_bytes
+from kvferry.kv.shared_pool import KVPoolSpec, pool_size_bytes
 from kvferry.kv.spec import (
     AttentionLayerKV,
     KVAllocator,
@@ -41,9 +41,31 @@ from kvferry.kv.spec import (
 logger = logging.getLogger(__name__)
 
 
+# What the allocator reads of the engine's options (kvferry.config's ModelConfig and
+# CacheConfig have these fields): stated here so kv/ sits below config.py (no package cycle).
+class ModelDType(Protocol):
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+
+class CacheOptions(Protocol):
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def kv_cache_bytes(self) -> int | None: ...
+    @property
+    def num_gpu_blocks_override(self) -> int | None: ...
+    @property
+    def layout(self) -> Layout: ...
+    @property
+    def kv_allocator(self) -> KVAllocator: ...
+    @property
+    def kv_memory_pool(self) -> KVPoolSpec | None: ...
+
+
 def build_kv_cache_config(
-    model_config: ModelConfig,
-    cache_config: CacheConfig,
+    model_config: ModelDType,
+    cache_config: CacheOptions,
     layers: Sequence[AttentionLayerKV],
     budget_bytes: int,
     num_ranks: int = 1,
@@ -65,7 +87,9 @@ def build_kv_cache_config(
     per_page = blocks_per_page(groups, granularity) if allocator is KVAllocator.ELASTIC else 1
     pool_page_bytes = page_size * group_size * per_page * num_ranks
     if cache_config.kv_memory_pool is not None:
-        num_blocks = _pool_blocks(cache_config, num_blocks, pool_page_bytes, per_page)
+        num_blocks = _pool_blocks(
+            cache_config, cache_config.kv_memory_pool, num_blocks, pool_page_bytes, per_page
+        )
     if num_blocks < 2:
         raise ConfigError(f"KV cache budget of {budget_bytes} bytes holds fewer than 2 blocks")
     capacity = _capacity(int(num_blocks), per_page)
@@ -88,10 +112,12 @@ def build_kv_cache_config(
     return config
 
 
-def _pool_blocks(cache_config: CacheConfig, num_blocks: int, page_bytes: int, per_page: int) -> int:
+def _pool_blocks(
+    cache_config: CacheOptions, pool: KVPoolSpec, num_blocks: int, page_bytes: int, per_page: int
+) -> int:
     """An engine on a shared pool: the whole pool by default (its pages are granted while it
     runs), what was asked for if less, never more than the pool's whole pages."""
-    pool_blocks = pool_size_bytes(cache_config.kv_memory_pool) // page_bytes * per_page
+    pool_blocks = pool_size_bytes(pool) // page_bytes * per_page
     asked = cache_config.kv_cache_bytes is not None or cache_config.num_gpu_blocks_override is not None
     if asked and num_blocks <= pool_blocks:
         return num_blocks
