@@ -79,6 +79,7 @@ PLUGGABLE_BENCHES = {
     "serve": ("kvferry.bench.serve", "serving client: rate, TTFT, ITL, throughput"),
     "transfer": ("kvferry.bench.transfer", "KV transfer GB/s over NIXL vs memcpy"),
     "pd": ("kvferry.bench.pd", "colocated vs P/D deployments under the same serving load"),
+    "hybrid": ("kvferry.bench.hybrid", "sliding window vs forced full attention: KV bytes, P/D, capacity"),
     "peers": ("kvferry.bench.peers.command", "kvferry vs vLLM's CPU engine, side by side on the same cores"),
     "soak": (
         "kvferry.bench.soak",
