@@ -13,6 +13,7 @@ from kvferry.model.forward_context import (
     PrefillSpan,
     Workspace,
 )
+from kvferry.model.layers import attention
 from kvferry.model.layers.attention import PagedAttention, gather_kv, write_kv
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
@@ -198,3 +199,18 @@ def test_bfloat16_close_to_reference() -> None:
     rows = slice(0, ctx.attn[0].num_decodes)
     assert out.dtype == torch.bfloat16
     assert (out[rows].double() - ref[rows]).abs().max() < 0.05
+
+
+def test_layers_of_one_step_build_the_decode_mask_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode mask depends on the step, not the layer: the second layer of a step reuses
+    the first one's (a second layer sharing the cache here), and both stay correct."""
+    layer, q, k, v, ctx, ref = _case(7, Layout.NHD, MIXES["decodes"], 4)
+    built = []
+    original = attention.Scores.mask
+    monkeypatch.setattr(attention.Scores, "mask", lambda self, *a: built.append(1) or original(self, *a))
+    shared = PagedAttention("shared", HEADS, KV_HEADS, HEAD_DIM, scale=layer.scale, kv_owner=LAYER)
+    first = layer(q.flatten(1), k.flatten(1), v.flatten(1), ctx)
+    second = shared(q.flatten(1), k.flatten(1), v.flatten(1), ctx)
+    assert len(built) == 1
+    torch.testing.assert_close(first.view_as(q).double(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(second, first)

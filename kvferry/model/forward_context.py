@@ -45,6 +45,9 @@ class AttentionMetadata:
     # int64 [num_decodes]: position of each decode table's first key. Set for sliding-window
     # groups, whose decode tables start at the first block the window sees; None: 0.
     decode_start_pos: torch.Tensor | None = None
+    # The decode mask per (window, keys): built by the step's first layer of that window,
+    # read by the others (kvferry.model.layers.attention). Lives and dies with the step.
+    decode_masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
 
 class LayerKVHooks(Protocol):

@@ -191,15 +191,27 @@ def _decode(
     kv = gather_kv(kv_cache, ctx.layout, attn.decode_block_table, ctx.workspace)  # [2, B, H, L, D]
     kv = kv[..., :head_dim].to(q.dtype)
     kv_heads, length = kv.shape[2], kv.shape[3]
-    key_pos = torch.arange(length, device=q.device)  # [L], or [B, L] from each table's start
-    if attn.decode_start_pos is not None:
-        key_pos = key_pos + attn.decode_start_pos.unsqueeze(1)
-    query_pos = (attn.decode_seq_lens - 1).view(batch, 1)  # [B, 1]: one query each
-    mask = score.mask(query_pos, key_pos).view(batch, 1, 1, length)
+    mask = _decode_mask(attn, score, length, q.device)
     # [B, heads, D] -> [B, kv_heads, group, D]: the group's queries attend the same KV
     grouped = q.view(batch, kv_heads, heads // kv_heads, head_dim)
     out = F.scaled_dot_product_attention(grouped, kv[0], kv[1], attn_mask=mask, scale=score.scale)
     return out.reshape(batch, heads, head_dim)
+
+
+def _decode_mask(attn: AttentionMetadata, score: Scores, length: int, device: torch.device) -> torch.Tensor:
+    """Bool [B, 1, 1, length]: the keys each decode sees. Equal for every layer of a window
+    in a step: built once per step and window, not once per layer."""
+    cached = attn.decode_masks.get((score.window, length))
+    if cached is not None:
+        return cached
+    batch = attn.num_decodes
+    key_pos = torch.arange(length, device=device)  # [L], or [B, L] from each table's start
+    if attn.decode_start_pos is not None:
+        key_pos = key_pos + attn.decode_start_pos.unsqueeze(1)
+    query_pos = (attn.decode_seq_lens - 1).view(batch, 1)  # [B, 1]: one query each
+    mask = score.mask(query_pos, key_pos).view(batch, 1, 1, length)
+    attn.decode_masks[(score.window, length)] = mask
+    return mask
 
 
 def _fresh_batch(
