@@ -155,3 +155,53 @@ def test_loads_skip_the_sliding_blocks_no_window_sees(gemma3, prompts) -> None:
     assert len(sent) > 3 * WINDOW_BLOCKS and loaded == [WINDOW_BLOCKS] * SLIDING_GROUPS
     assert torch.tensor([load.block_ids[g] for load in sent[-WINDOW_BLOCKS:] for g in sliding]).min() > 0
     assert_pool_full(llm)
+
+
+def _second_pass(llm, prompts: list, expected: list[list[int]]) -> list:  # noqa: ANN001
+    assert _tokens(llm.generate(prompts, GREEDY)) == expected
+    assert_pool_full(llm)
+    evict_device_cache(llm)
+    second = llm.generate(prompts, GREEDY)
+    assert _tokens(second) == expected
+    assert [o.num_cached_tokens for o in second] == [
+        (len(o.prompt_token_ids) - 1) // BLOCK * BLOCK for o in second
+    ]
+    assert_pool_full(llm)
+    return second
+
+
+def test_tp2_each_rank_stores_its_heads_of_every_group(gemma3, prompts, reference) -> None:
+    """Two ranks, one KV head each: both load their half of the window-visible blocks."""
+    subset = prompts[4:9]
+    expected = reference(subset)
+    llm = make_llm(
+        gemma3,
+        block_size=BLOCK,
+        budget=64,
+        kv_transfer=offload_config(dram_blocks=1024),
+        tp=2,
+        enforce_eager=True,
+    )
+    try:
+        assert sched_half(llm).block_bytes == (1 + SLIDING_GROUPS) * GROUP_BYTES
+        second = _second_pass(llm, subset, expected)
+        hits = [o.num_cached_tokens // BLOCK for o in second]
+        assert sched_half(llm).totals["offload_bytes_loaded"] == sum(_visible_bytes(h) for h in hits) > 0
+    finally:
+        llm.engine.shutdown()
+
+
+def test_gemma4_padded_pages_and_kv_shared_layers(tmp_path_factory, reference) -> None:  # noqa: ARG001
+    """Tiny Gemma 4: 4 sliding groups and a full one of 1 layer each in one tensor (pages of
+    2 x 32 floats; the sliding layers' 16-float heads padded); the 3 KV-shared layers own no
+    KV and add nothing to a slot."""
+    model = build_hybrid_model("gemma4", tmp_path_factory.mktemp("tiny_gemma4_offload"))
+    subset = prompt_set(AutoTokenizer.from_pretrained(model), BLOCK)[4:12]
+    expected = _tokens(_engine(model).generate(subset, GREEDY))
+    llm = _engine(model, dram_blocks=2048)
+    page = BLOCK * 2 * 32 * 4 * 2
+    assert sched_half(llm).block_bytes == 5 * page
+    second = _second_pass(llm, subset, expected)
+    hits = [o.num_cached_tokens // BLOCK for o in second]
+    loaded = sum((h + 4 * min(h, WINDOW_BLOCKS)) * page for h in hits)
+    assert sched_half(llm).totals["offload_bytes_loaded"] == loaded > 0

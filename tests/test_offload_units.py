@@ -141,6 +141,17 @@ def test_sliding_window_groups_are_accepted_with_one_slot_row_per_block_position
     check_kv_cache_config(kv)
     assert slot_bytes_per_rank(kv) == instance_block_bytes(kv, 2, 1) == 4 * full.page_size_bytes
     assert instance_block_bytes(kv, 4, 2) == 2 * 4 * full.page_size_bytes  # 2 heads a rank
+    wide = FullAttentionSpec(16, 1, 32, torch.float32)  # Gemma 4's global layers: 1 head, twice as wide
+    mixed = KVCacheConfig(
+        (KVCacheGroup(sliding, ("s0",)), KVCacheGroup(wide, ("f0",))),
+        (KVCacheTensor(4 * full.page_size_bytes, ("s0", "f0")),),
+        Layout.NHD,
+        4,
+        4,
+    )
+    assert instance_block_bytes(mixed, 2, 1) == 2 * full.page_size_bytes
+    with pytest.raises(ConfigError, match="different KV head counts"):
+        instance_block_bytes(mixed, 2, 2)
 
 
 def test_offload_rule_for_a_sliding_group_s_first_block_is_the_scheduler_s():
