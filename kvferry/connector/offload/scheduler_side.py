@@ -111,19 +111,26 @@ class OffloadScheduler:
         start = num_computed_tokens // self.block_size
         stop = (request.num_tokens - 1) // self.block_size
         end = start + self.index.count_prefix(request.block_hashes, start, stop)
-        while end > start and not self._usable(request, start, end):
+        # A shorter hit leaves more new tokens: never allocated further back, so stop there.
+        while end > start and self._allocated(request, end) and not self._stored(request, start, end):
             end -= 1
-        return (end - start) * self.block_size
+        return (end - start) * self.block_size if end > start and self._allocated(request, end) else 0
 
-    def _usable(self, request: Request, start: int, end: int) -> bool:
-        """Whether each sliding group gets the blocks a hit ending at block `end` needs: the
-        ones its next token sees, allocated by the scheduler and stored here (those before
-        `start` are the local hit's)."""
+    def _allocated(self, request: Request, end: int) -> bool:
+        """Whether the scheduler allocates, in each sliding group, the blocks that the token
+        after a hit ending at block `end` sees (it gives the prompt's tail only: a hit followed
+        by more than about a window of new tokens would leave them null)."""
+        num_tokens = request.num_tokens
+        return all(
+            first_allocated(w.window, self.block_size, num_tokens) <= max(0, end - w.num_blocks)
+            for w in self.windows
+        )
+
+    def _stored(self, request: Request, start: int, end: int) -> bool:
+        """Whether each sliding group's blocks that the token after the hit sees are stored
+        (those before `start` are the local hit's)."""
         for w in self.windows:
-            first_seen = max(0, end - w.num_blocks)
-            if first_allocated(w.window, self.block_size, request.num_tokens) > first_seen:
-                return False  # the scheduler gives the prompt's tail only: these would be null
-            for i in range(max(start, first_seen), end):
+            for i in range(max(start, end - w.num_blocks), end):
                 if w.group not in self.index.groups_of(request.block_hashes[i]):
                     return False
         return True
