@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve test lint bench clean
+.PHONY: install serve test lint typecheck bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -25,11 +25,16 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check kvferry tests
+	# Static types, strict (pyproject.toml's [tool.mypy]: kv/, scheduler/, connector/, messages/, executor/, the top-level modules).
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvferry tests
 	$(BIN)/ruff format --check kvferry tests
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
 
 bench: $(STAMP)
 	$(BIN)/kvferry bench throughput smollm2 --hf-reference

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import torch
 
@@ -191,7 +192,7 @@ class KVTransferConfig:
     kv_connector: str | None = None
     kv_connector_module_path: str | None = None
     kv_role: KVRole = KVRole.BOTH
-    kv_connector_extra_config: dict = field(default_factory=dict)
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
     kv_load_failure_policy: LoadFailurePolicy = LoadFailurePolicy.FAIL
 
     def __post_init__(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvferry.messages.kv_connector import KVTransferParams
 from kvferry.messages.model_runner import SampleLogprobs
 
 
@@ -30,4 +31,4 @@ class RequestOutput:
     delta_logprobs: list[SampleLogprobs] = field(default_factory=list)
     error: str | None = None
     invalid_param: str | None = None  # set when the error is the client's (HTTP 400)
-    kv_transfer_params: dict | None = None
+    kv_transfer_params: KVTransferParams | None = None

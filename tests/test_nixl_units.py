@@ -6,7 +6,18 @@ import pytest
 
 from kvferry.connector.nixl.leases import Hold, LeaseTable, readers_of
 from kvferry.connector.nixl.params import RemotePrefill, parse_remote_prefill, validate_params
-from kvferry.connector.nixl.protocol import EXPIRED, HELD, MISMATCH, UNKNOWN, EngineInfo, GroupInfo, RankInfo
+from kvferry.connector.nixl.protocol import (
+    EXPIRED,
+    HELD,
+    MISMATCH,
+    UNKNOWN,
+    CheckReply,
+    CheckStatus,
+    Codec,
+    EngineInfo,
+    GroupInfo,
+    RankInfo,
+)
 from kvferry.connector.nixl.validate import blocks_to_read, check_remote
 from kvferry.errors import InvalidRequestError
 from kvferry.messages.engine_core import FinishReason
@@ -147,6 +158,14 @@ def test_release_and_unknown_reader():
     assert not table.take_finished()
     verdict = table.done("p", "dec", 1, consumer_tp=2, ok=True)
     assert verdict.known and not verdict.ok and "released by the decoder" in verdict.message
+
+
+def test_a_check_status_crosses_the_wire_as_its_member_and_a_forged_one_is_dropped():
+    codec = Codec()
+    reply = codec.decode_server(codec.encode(CheckReply(3, EXPIRED, "gone", 2.0)))
+    assert isinstance(reply, CheckReply) and reply.status is CheckStatus.EXPIRED
+    forged = codec.encode(CheckReply(4, "expired-ish", "", 0.0))  # type: ignore[arg-type]
+    assert codec.decode_server(forged) is None  # undecodable: logged and dropped
 
 
 # ---- scheduler seam ---------------------------------------------------------------------

@@ -14,14 +14,14 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from kvferry.errors import KVFerryError
 from kvferry.kv.layout_choice import LayoutParty
 from kvferry.kv.spec import KVCacheConfig, Layout
-from kvferry.messages.kv_connector import KVConnectorOutput, KVConnectorStats
+from kvferry.messages.kv_connector import KVConnectorOutput, KVConnectorStats, KVTransferParams
 
 if TYPE_CHECKING:
     from kvferry.config import EngineConfig, KVTransferConfig, LoadFailurePolicy
@@ -52,13 +52,15 @@ class KVConnectorBase:
     # kv_role values this connector accepts ("producer", "consumer", "both").
     supported_roles: ClassVar[frozenset[str]] = frozenset({"producer", "consumer", "both"})
     # Invariant 2: may the per-layer hooks be captured in a graph (compiled CPU, CUDA)?
-    graph_safe: ClassVar[bool] = False
+    # (These three are declared per class; MultiConnector sets its own per instance, from
+    # the children it was built with.)
+    graph_safe: bool = False
     # Invariant 5: layouts this connector can work with, in order of preference.
-    supported_layouts: ClassVar[tuple[Layout, ...]] = (Layout.NHD, Layout.HND)
+    supported_layouts: tuple[Layout, ...] = (Layout.NHD, Layout.HND)
     # Invariant 2: do the per-layer hooks (wait_for_layer_load, save_kv_layer) do anything?
     # A connector whose hooks do nothing declares False and costs nothing per layer: no
     # call, no graph operator. Undeclared, it is True exactly when the class overrides a hook.
-    has_layer_hooks: ClassVar[bool] = False
+    has_layer_hooks: bool = False
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -82,7 +84,7 @@ class KVConnectorBase:
         self._metadata: KVConnectorMetadata | None = None
 
     @property
-    def extra_config(self) -> dict:
+    def extra_config(self) -> dict[str, Any]:
         return self.transfer_config.kv_connector_extra_config
 
     # ---- scheduler half: kvferry.scheduler.interfaces.SchedulerConnector states the
@@ -108,7 +110,7 @@ class KVConnectorBase:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return KVConnectorMetadata()
 
-    def request_finished(self, request: Request, block_ids: BlockIds) -> tuple[bool, dict | None]:
+    def request_finished(self, request: Request, block_ids: BlockIds) -> tuple[bool, KVTransferParams | None]:
         return False, None
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -131,7 +133,9 @@ class KVConnectorBase:
         return [LayoutParty(cls.__name__, cls.supported_layouts)]
 
     @classmethod
-    def validate_kv_transfer_params(cls, transfer_config: KVTransferConfig, params: dict | None) -> None:
+    def validate_kv_transfer_params(
+        cls, transfer_config: KVTransferConfig, params: KVTransferParams | None
+    ) -> None:
         """Check a request's kv_transfer_params synchronously in the front end; raise
         InvalidRequestError (HTTP 400) for malformed ones. Default: accept anything."""
 

@@ -13,6 +13,7 @@ from kvferry.connector.base import KVConnectorBase, KVConnectorRole
 from kvferry.errors import ConfigError
 from kvferry.kv.layout_choice import allocator_party, choose_layout
 from kvferry.kv.spec import KVCacheConfig
+from kvferry.messages.kv_connector import KVTransferParams
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,8 @@ def resolve_connector_class(config: KVTransferConfig) -> type[KVConnectorBase]:
     """The connector class named by config, checked against the API and the role."""
     name = config.kv_connector
     if config.kv_connector_module_path:
+        if name is None:
+            raise ConfigError("kv_connector_module_path needs kv_connector: the class to load from it")
         module_name, class_name = config.kv_connector_module_path, name
     elif name in BUILTIN_CONNECTORS:
         module_name, class_name = BUILTIN_CONNECTORS[name].split(":")
@@ -73,7 +76,7 @@ def with_negotiated_layout(engine_config: EngineConfig) -> EngineConfig:
     return dataclasses.replace(engine_config, cache=dataclasses.replace(cache, layout=layout))
 
 
-def kv_params_validator(engine_config: EngineConfig) -> Callable[[dict | None], None] | None:
+def kv_params_validator(engine_config: EngineConfig) -> Callable[[KVTransferParams | None], None] | None:
     """The front end's synchronous check of kv_transfer_params, or None without a connector."""
     config = engine_config.kv_transfer
     if not config.enabled:

@@ -28,7 +28,7 @@ from kvferry.connector.base import KVConnectorBase, KVConnectorMetadata, KVConne
 from kvferry.connector.factory import resolve_connector_class
 from kvferry.errors import ConfigError
 from kvferry.kv.layout_choice import LayoutParty
-from kvferry.messages.kv_connector import KVConnectorOutput
+from kvferry.messages.kv_connector import KVConnectorOutput, KVTransferParams
 
 if TYPE_CHECKING:
     import torch
@@ -133,7 +133,9 @@ class MultiConnector(KVConnectorBase):
         ]
 
     @classmethod
-    def validate_kv_transfer_params(cls, transfer_config: KVTransferConfig, params: dict | None) -> None:
+    def validate_kv_transfer_params(
+        cls, transfer_config: KVTransferConfig, params: KVTransferParams | None
+    ) -> None:
         engine_like = _TransferOnly(transfer_config)
         for cfg in child_engine_configs(engine_like):  # type: ignore[arg-type]
             resolve_connector_class(cfg.kv_transfer).validate_kv_transfer_params(cfg.kv_transfer, params)
@@ -171,7 +173,7 @@ class MultiConnector(KVConnectorBase):
         for child in self.children:
             child.update_connector_output(output)
 
-    def request_finished(self, request: Request, block_ids: BlockIds) -> tuple[bool, dict | None]:
+    def request_finished(self, request: Request, block_ids: BlockIds) -> tuple[bool, KVTransferParams | None]:
         self._load_child.pop(request.req_id, None)
         delayed, params = [], None
         for i, child in enumerate(self.children):

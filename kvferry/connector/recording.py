@@ -12,8 +12,19 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
 
 from kvferry.connector.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from kvferry.kv.spec import KVCacheConfig
+from kvferry.messages.kv_connector import KVConnectorOutput, KVTransferParams
+
+if TYPE_CHECKING:
+    from kvferry.config import EngineConfig
+    from kvferry.model.forward_context import AttentionMetadata
+    from kvferry.scheduler.output import BlockIds, SchedulerOutput
+    from kvferry.scheduler.request import Request
 
 
 @dataclass
@@ -25,12 +36,18 @@ class RecordingMetadata(KVConnectorMetadata):
 class RecordingConnector(KVConnectorBase):
     graph_safe = True
 
-    def __init__(self, engine_config, role, kv_cache_config, tp_rank=0):
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+        tp_rank: int = 0,
+    ):
         super().__init__(engine_config, role, kv_cache_config, tp_rank)
-        self.path = self.extra_config.get("record_path")
+        self.path: str | None = self.extra_config.get("record_path")
         self.step = 0
 
-    def _record(self, hook: str, **fields) -> None:
+    def _record(self, hook: str, **fields: object) -> None:
         if self.path is None:
             return
         line = {"role": self.role.value, "hook": hook, "pid": os.getpid(), **fields}
@@ -38,17 +55,21 @@ class RecordingConnector(KVConnectorBase):
             f.write(json.dumps(line) + "\n")
 
     def _step(self) -> int:
-        return self.metadata.step  # raises MetadataNotBoundError outside a forward
+        metadata = self.metadata  # raises MetadataNotBoundError outside a forward
+        assert isinstance(metadata, RecordingMetadata)
+        return metadata.step
 
     # scheduler half
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         self._record("get_num_new_matched_tokens", req=request.req_id)
         return 0, False
 
-    def update_state_after_alloc(self, request, block_ids, num_external):
+    def update_state_after_alloc(self, request: Request, block_ids: BlockIds, num_external: int) -> None:
         self._record("update_state_after_alloc", req=request.req_id)
 
-    def build_connector_meta(self, scheduler_output):
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> RecordingMetadata:
         assert self.role is KVConnectorRole.SCHEDULER
         self.step += 1
         self._record(
@@ -56,39 +77,39 @@ class RecordingConnector(KVConnectorBase):
         )
         return RecordingMetadata(self.step, scheduler_output.total_num_scheduled_tokens)
 
-    def update_connector_output(self, output):
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
         self._record("update_connector_output")
 
-    def request_finished(self, request, block_ids):
+    def request_finished(self, request: Request, block_ids: BlockIds) -> tuple[bool, KVTransferParams | None]:
         self._record("request_finished", req=request.req_id)
         return False, None
 
     # worker half
-    def register_kv_caches(self, kv_caches, kv_cache_config):
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], kv_cache_config: KVCacheConfig) -> None:
         self._record("register_kv_caches", layers=len(kv_caches))
 
-    def bind_connector_metadata(self, metadata):
+    def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(metadata)
-        self._record("bind_connector_metadata", step=metadata.step)
+        self._record("bind_connector_metadata", step=self._step())
 
-    def clear_connector_metadata(self):
+    def clear_connector_metadata(self) -> None:
         self._record("clear_connector_metadata", step=self._step())
         super().clear_connector_metadata()
 
-    def start_load_kv(self):
+    def start_load_kv(self) -> None:
         self._record("start_load_kv", step=self._step())
 
-    def wait_for_layer_load(self, layer_name):
+    def wait_for_layer_load(self, layer_name: str) -> None:
         self._record("wait_for_layer_load", step=self._step(), layer=layer_name)
 
-    def save_kv_layer(self, layer_name, kv_layer, attn):
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn: AttentionMetadata) -> None:
         self._record(
             "save_kv_layer", step=self._step(), layer=layer_name, tokens=int(attn.slot_mapping.numel())
         )
 
-    def wait_for_save(self):
+    def wait_for_save(self) -> None:
         self._record("wait_for_save", step=self._step())
 
-    def get_finished(self, finished_req_ids):
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         self._record("get_finished", step=self._step())
         return set(), set()

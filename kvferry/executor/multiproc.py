@@ -14,13 +14,14 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
 from kvferry.config import EngineConfig
 from kvferry.errors import KVFerryError
 from kvferry.executor.base import Executor
-from kvferry.executor.rank import RankSetup, WorkerCall, WorkerMethod, WorkerReply, free_port
+from kvferry.executor.rank import R, RankSetup, WorkerCall, WorkerReply, free_port
 from kvferry.kv.allocate import with_num_blocks
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.kv.usage import KVMemoryUsage
@@ -48,7 +49,7 @@ def rank_environment() -> dict[str, str]:
     return env
 
 
-def start_rank_process() -> tuple[subprocess.Popen, Connection]:
+def start_rank_process() -> tuple[subprocess.Popen[bytes], Connection]:
     ours, theirs = socket.socketpair()
     with theirs:
         fd = theirs.fileno()
@@ -61,7 +62,7 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig):
         super().__init__(config)
         self.world_size = config.parallel.tensor_parallel_size
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
         self.conns: list[Connection] = []
         port = free_port()
         try:
@@ -96,7 +97,7 @@ class MultiprocExecutor(Executor):
         except subprocess.TimeoutExpired:
             return None
 
-    def collective_rpc(self, method: WorkerMethod, *args: Any) -> list[Any]:
+    def collective_rpc(self, method: Callable[..., R], *args: Any) -> list[R]:
         call = WorkerCall(method, args)
         for conn in self.conns:
             conn.send(call)

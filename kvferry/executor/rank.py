@@ -11,12 +11,16 @@ from __future__ import annotations
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvferry.config import EngineConfig
 from kvferry.worker.worker import Worker
 
+if TYPE_CHECKING:
+    from kvferry.model.layers.parallel import TPGroup
+
 WorkerMethod = Callable[..., Any]
+R = TypeVar("R")  # what a Worker method returns: collective calls return one per rank
 
 WORKER_METHODS: frozenset[WorkerMethod] = frozenset(
     {
@@ -37,7 +41,7 @@ class WorkerCall:
     """One call of a Worker method on a rank; functions pickle by reference."""
 
     method: WorkerMethod
-    args: tuple = field(default=())
+    args: tuple[Any, ...] = field(default=())
 
     def __post_init__(self) -> None:
         if self.method not in WORKER_METHODS:
@@ -70,10 +74,11 @@ class RankSetup:
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
-def init_distributed(rank: int, world_size: int, port: int, device: str):  # noqa: ANN201 - TPGroup (torch import)
+def init_distributed(rank: int, world_size: int, port: int, device: str) -> TPGroup:
     import torch
     import torch.distributed as dist
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 from kvferry.config import EngineConfig
 from kvferry.errors import ConfigError
 from kvferry.executor.base import Executor
-from kvferry.executor.rank import RankSetup, WorkerCall, WorkerMethod, build_worker, free_port
+from kvferry.executor.rank import R, RankSetup, WorkerCall, build_worker, free_port
 from kvferry.kv.allocate import with_num_blocks
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.kv.usage import KVMemoryUsage
@@ -37,7 +39,7 @@ class RayWorker:
         return call.run(self.worker)
 
 
-def _start_ray(num_workers: int):
+def _start_ray(num_workers: int) -> ModuleType:
     try:
         import ray
     except ImportError as exc:
@@ -69,9 +71,10 @@ class RayExecutor(Executor):
         self.ray.get([a.__ray_ready__.remote() for a in self.actors])
         logger.info("started %d Ray worker actors", self.world_size)
 
-    def _all(self, method: WorkerMethod, *args: Any) -> list[Any]:
+    def _all(self, method: Callable[..., R], *args: Any) -> list[R]:
         call = WorkerCall(method, args)
-        return self.ray.get([a.call.remote(call) for a in self.actors])
+        results: list[R] = self.ray.get([a.call.remote(call) for a in self.actors])
+        return results
 
     def prepare_memory_profile(self, num_blocks: int) -> KVCacheConfig:
         return self._all(Worker.prepare_memory_profile, num_blocks)[0]

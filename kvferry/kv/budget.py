@@ -60,8 +60,8 @@ class MemorySize(int):
         size.text = text.strip()
         return size
 
-    def __getnewargs__(self) -> tuple[str]:
-        return (self.text,)
+    def __reduce__(self) -> tuple[type[MemorySize], tuple[str]]:
+        return (MemorySize, (self.text,))  # pickled and copied as its text
 
     def __str__(self) -> str:
         return self.text

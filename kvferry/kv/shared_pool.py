@@ -60,7 +60,8 @@ def pool_size_bytes(spec: KVPoolSpec) -> int:
         header = b""
     if len(header) < _HEADER.size or _HEADER.unpack(header)[0] != _MAGIC:
         raise ConfigError(f"KV memory pool {spec.name!r} does not exist: give --kv-pool-size to create it")
-    return _HEADER.unpack(header)[1]
+    size: int = _HEADER.unpack(header)[1]
+    return size
 
 
 def _start_time(pid: int) -> int | None:
@@ -111,7 +112,8 @@ class SharedKVPool:
         return max(0, self.size_bytes - self.used_bytes())
 
     def held_bytes(self) -> int:
-        return _SLOT.unpack_from(self._map, self._offset(self._slot))[2]
+        held: int = _SLOT.unpack_from(self._map, self._offset(self._slot))[2]
+        return held
 
     def used_bytes(self) -> int:
         return sum(_SLOT.unpack_from(self._map, self._offset(i))[2] for i in range(_NUM_SLOTS))
@@ -131,7 +133,8 @@ class SharedKVPool:
         return _FileLock(self._fd)
 
     def _check_header(self, spec: KVPoolSpec) -> int:
-        magic, size = _HEADER.unpack_from(self._map, 0)
+        magic, stored = _HEADER.unpack_from(self._map, 0)
+        size = int(stored)
         if magic != _MAGIC:
             if spec.size_bytes is None:
                 raise ConfigError(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from kvferry.messages.kv_connector import KVTransferParams
 from kvferry.messages.model_runner import SampleLogprobs
 from kvferry.sampling_params import SamplingParams
 
@@ -22,7 +23,7 @@ class EngineCoreRequest:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float
-    kv_transfer_params: dict | None = None
+    kv_transfer_params: KVTransferParams | None = None
 
 
 @dataclass
@@ -37,7 +38,7 @@ class EngineCoreOutput:
     error: str | None = None
     # Set (to the parameter's name, or "") when the error is the client's: HTTP 400, not 500.
     invalid_param: str | None = None
-    kv_transfer_params: dict | None = None
+    kv_transfer_params: KVTransferParams | None = None
 
     @property
     def finished(self) -> bool:

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+# A connector's kv_transfer_params: the JSON object it hands the client at a request's end
+# and reads back in the next instance's request (P/D: engine id, block ids, ...).
+KVTransferParams = dict[str, Any]
 
 
 @dataclass

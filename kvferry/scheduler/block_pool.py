@@ -196,12 +196,14 @@ class BlockPool:
         they need are granted here, before any is taken (leftovers: `settle`)."""
         if self.budget is None:
             return num_blocks <= self.num_free_blocks
-        rest = num_blocks - self.free_queue.num_free - self.pages.num_spare_mapped
+        pages = self.pages
+        assert pages is not None  # a shared pool's budget comes with page tracking
+        rest = num_blocks - self.free_queue.num_free - pages.num_spare_mapped
         if rest <= 0:
             return True
-        if rest > self.pages.num_spare - self.pages.num_spare_mapped:
+        if rest > pages.num_spare - pages.num_spare_mapped:
             return False
-        per_page = self.pages.blocks_per_page
+        per_page = pages.blocks_per_page
         partial = int(len(self.blocks) % per_page != 0)  # the last page holds fewer ids
         missing = -(-rest // per_page) + partial - self._credit
         if missing > 0:
@@ -266,6 +268,7 @@ class BlockPool:
         return spare
 
     def _pin(self, block: KVCacheBlock) -> None:
+        assert self.pages is not None  # elastic pools only
         if not self.pages.pin(block) or self.budget is None:
             return
         if self._credit:
@@ -274,6 +277,7 @@ class BlockPool:
             raise RuntimeError("a KV page without a grant from the shared pool (can_allocate first)")
 
     def _unpin(self, block: KVCacheBlock) -> None:
+        assert self.pages is not None  # elastic pools only
         if self.pages.unpin(block) and self.budget is not None:
             self.budget.give(1)
 

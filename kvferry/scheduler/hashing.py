@@ -42,7 +42,7 @@ class BlockContent:
 
     parent_hash: BlockHash
     token_ids: tuple[int, ...]
-    extra_keys: tuple | None = None
+    extra_keys: tuple[object, ...] | None = None
 
     def encode(self) -> bytes:
         return msgspec.msgpack.encode((self.parent_hash, self.token_ids, self.extra_keys))
@@ -56,7 +56,7 @@ def hash_block(content: BlockContent, hash_fn: HashFn | None = None) -> BlockHas
 def hash_block_tokens(
     parent_hash: BlockHash | None,
     token_ids: Sequence[int],
-    extra_keys: tuple | None = None,
+    extra_keys: tuple[object, ...] | None = None,
     hash_fn: HashFn | None = None,
 ) -> BlockHash:
     """Hash of one block given its parent's hash (None for the first block)."""
@@ -77,7 +77,7 @@ class BlockHasher:
         self.block_size = block_size
         self._hash_fn = hash_fn
 
-    def extra_keys(self, request: Request, start: int, end: int) -> tuple | None:
+    def extra_keys(self, request: Request, start: int, end: int) -> tuple[object, ...] | None:
         return None
 
     def content(self, request: Request, index: int) -> BlockContent:

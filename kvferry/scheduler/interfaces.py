@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 from kvferry.config import LoadFailurePolicy
-from kvferry.messages.kv_connector import KVConnectorOutput
+from kvferry.messages.kv_connector import KVConnectorOutput, KVTransferParams
 from kvferry.scheduler.output import BlockIds, SchedulerOutput
 from kvferry.scheduler.request import Request
 
@@ -61,7 +61,7 @@ class SchedulerConnector(Protocol):
         """Per-step metadata for the worker half. Called for every step, empty ones too."""
         ...
 
-    def request_finished(self, request: Request, block_ids: BlockIds) -> tuple[bool, dict | None]:
+    def request_finished(self, request: Request, block_ids: BlockIds) -> tuple[bool, KVTransferParams | None]:
         """A request finished (any reason). Returns (delay_free, kv_transfer_params).
 
         With delay_free the scheduler keeps the blocks until a worker reports the request

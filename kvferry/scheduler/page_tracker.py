@@ -154,10 +154,11 @@ class PageTracker:
         if self._reported is None:
             self._reported = [bool(p) for p in self.pins]
             self._dirty.clear()
-            mapped = tuple(p for p, pinned in enumerate(self._reported) if pinned)
-            self.pages_mapped_total += len(mapped)
-            return PageChanges(mapped=mapped, full_sync=True)
-        mapped, unmapped = [], []
+            held = tuple(p for p, pinned in enumerate(self._reported) if pinned)
+            self.pages_mapped_total += len(held)
+            return PageChanges(mapped=held, full_sync=True)
+        mapped: list[int] = []
+        unmapped: list[int] = []
         for page in sorted(self._dirty):
             now = bool(self.pins[page])
             if now != self._reported[page]:

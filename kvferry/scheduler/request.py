@@ -9,6 +9,7 @@ from types import MappingProxyType
 
 from kvferry.errors import InvalidRequestError
 from kvferry.messages.engine_core import EngineCoreRequest, FinishReason
+from kvferry.messages.kv_connector import KVTransferParams
 from kvferry.sampling_params import SamplingParams
 from kvferry.scheduler.hashing import BlockHash, BlockHasher
 
@@ -66,7 +67,7 @@ class Request:
         eos_token_ids: Iterable[int],
         max_model_len: int,
         arrival_time: float = 0.0,
-        kv_transfer_params: dict | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
         block_hasher: BlockHasher | None = None,
     ):
         if not prompt_token_ids:

@@ -17,7 +17,7 @@ from kvferry.config import CacheConfig, LoadFailurePolicy, SchedulerConfig
 from kvferry.errors import InvalidRequestError
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.messages.engine_core import EngineCoreOutput, EngineCoreRequest
-from kvferry.messages.kv_connector import KVConnectorOutput, checked_output
+from kvferry.messages.kv_connector import KVConnectorOutput, KVTransferParams, checked_output
 from kvferry.messages.model_runner import ModelRunnerOutput, SampleLogprobs
 from kvferry.scheduler.hashing import BlockHasher
 from kvferry.scheduler.interfaces import SchedulerConnector
@@ -387,7 +387,7 @@ class Scheduler:
             output.kv_transfer_params = params
             self._pending_outputs.append(output)
 
-    def _release(self, request: Request, receiving: bool) -> dict | None:
+    def _release(self, request: Request, receiving: bool) -> KVTransferParams | None:
         """Free a finished request's blocks, unless a connector still needs them."""
         req_id = request.req_id
         self._finished_ids.add(req_id)

@@ -7,6 +7,7 @@ side, or transfers hang. Not thread-safe: one thread uses it after registration.
 
 from __future__ import annotations
 
+import enum
 import logging
 from dataclasses import dataclass
 
@@ -21,12 +22,20 @@ class NixlError(KVFerryError, RuntimeError):
     """NIXL refused an operation (registration, metadata, transfer)."""
 
 
+class TransferState(str, enum.Enum):
+    """A READ's state, as NIXL spells it (str-valued: equal to NIXL's strings)."""
+
+    PROC = "PROC"  # in flight
+    DONE = "DONE"
+    ERR = "ERR"
+
+
 @dataclass
 class Transfer:
     handle: object
     num_bytes: int
     num_descriptors: int
-    state: str  # "PROC" | "DONE" | "ERR"
+    state: TransferState
 
 
 class Agent:
@@ -51,7 +60,8 @@ class Agent:
             raise NixlError(f"NIXL could not register {len(regions)} KV regions: {exc}") from exc
 
     def metadata(self) -> bytes:
-        return self._agent.get_agent_metadata()
+        metadata: bytes = self._agent.get_agent_metadata()
+        return metadata
 
     def add_remote(self, metadata: bytes) -> str:
         """Load a remote agent's metadata once; its name."""
@@ -85,18 +95,18 @@ class Agent:
             local = self._agent.get_xfer_descs(plan.local, self.mem_type)
             remote = self._agent.get_xfer_descs(plan.remote, self.mem_type)
             handle = self._agent.initialize_xfer("READ", local, remote, remote_agent)
-            state = self._agent.transfer(handle)
+            state = TransferState(self._agent.transfer(handle))
         except Exception as exc:
             raise NixlError(f"NIXL READ from {remote_agent} could not start: {exc}") from exc
         return Transfer(handle, plan.num_bytes, plan.num_descriptors, state)
 
-    def poll(self, transfer: Transfer) -> str:
-        if transfer.state == "PROC":
+    def poll(self, transfer: Transfer) -> TransferState:
+        if transfer.state is TransferState.PROC:
             try:
-                transfer.state = self._agent.check_xfer_state(transfer.handle)
+                transfer.state = TransferState(self._agent.check_xfer_state(transfer.handle))
             except Exception as exc:
                 logger.warning("NIXL transfer state check failed: %s", exc)
-                transfer.state = "ERR"
+                transfer.state = TransferState.ERR
         return transfer.state
 
     def release(self, transfer: Transfer) -> bool:

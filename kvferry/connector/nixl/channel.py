@@ -14,6 +14,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import overload
 
 import msgspec
 import zmq
@@ -63,7 +64,9 @@ class Inbound:
 class Server:
     """A ROUTER socket; `receive` answers authentication itself and returns the rest."""
 
-    def __init__(self, ctx: zmq.Context, host: str, port: int, poller: zmq.Poller, auth: PeerAuth):
+    def __init__(
+        self, ctx: zmq.Context[zmq.Socket[bytes]], host: str, port: int, poller: zmq.Poller, auth: PeerAuth
+    ):
         self.socket = ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
@@ -80,7 +83,7 @@ class Server:
 
     def receive(self) -> list[Inbound]:
         """Every authenticated request waiting on the socket."""
-        out = []
+        out: list[Inbound] = []
         while True:
             try:
                 frames = self.socket.recv_multipart(zmq.NOBLOCK)
@@ -125,7 +128,7 @@ class Server:
 class Link:
     """One client connection: authenticating until it has a session token."""
 
-    socket: zmq.Socket
+    socket: zmq.Socket[bytes]
     nonce: bytes
     hello_seq: int
     deadline: float  # monotonic: authenticated by then, or failed
@@ -141,7 +144,9 @@ def _where(address: Address) -> str:
 class Clients:
     """DEALER sockets to remote side channels, one per address; requests time out."""
 
-    def __init__(self, ctx: zmq.Context, poller: zmq.Poller, auth: PeerAuth, auth_timeout_s: float):
+    def __init__(
+        self, ctx: zmq.Context[zmq.Socket[bytes]], poller: zmq.Poller, auth: PeerAuth, auth_timeout_s: float
+    ):
         self.ctx = ctx
         self.poller = poller
         self.auth = auth
@@ -178,6 +183,13 @@ class Clients:
 
     def next_seq(self) -> int:
         return next(self._seq)
+
+    @overload
+    def send(self, address: Address, message: ClientMessage, timeout_s: float) -> Pending: ...
+    @overload
+    def send(self, address: Address, message: ClientMessage, timeout_s: None) -> None: ...
+    @overload
+    def send(self, address: Address, message: ClientMessage, timeout_s: float | None) -> Pending | None: ...
 
     def send(self, address: Address, message: ClientMessage, timeout_s: float | None) -> Pending | None:
         """Send a request; with a timeout, the returned Pending gets the reply or an error."""

@@ -25,12 +25,14 @@ from kvferry.connector.nixl.auth import PeerAuth, process_secret, warn_without_s
 from kvferry.connector.nixl.metadata import NixlConnectorMetadata, NixlSettings
 from kvferry.connector.nixl.params import validate_params
 from kvferry.kv.spec import KVCacheConfig, Layout
-from kvferry.messages.kv_connector import KVConnectorOutput, KVConnectorStats
+from kvferry.messages.kv_connector import KVConnectorOutput, KVConnectorStats, KVTransferParams
 
 if TYPE_CHECKING:
     import torch
 
     from kvferry.config import EngineConfig, KVTransferConfig
+    from kvferry.connector.nixl.scheduler_side import NixlScheduler
+    from kvferry.connector.nixl.worker_side import NixlWorker
     from kvferry.scheduler.output import SchedulerOutput
     from kvferry.scheduler.request import Request
 
@@ -40,7 +42,8 @@ logger = logging.getLogger(__name__)
 def _free_port(host: str) -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
 class NixlConnector(KVConnectorBase):
@@ -59,8 +62,8 @@ class NixlConnector(KVConnectorBase):
         super().__init__(engine_config, role, kv_cache_config, tp_rank)
         self.settings = NixlSettings.from_extra(self.extra_config)
         auth = PeerAuth(process_secret(self.settings.secret_file) or b"", self.settings.engine_id)
-        self.scheduler = None
-        self.worker = None
+        self.scheduler: NixlScheduler | None = None
+        self.worker: NixlWorker | None = None
         self._failed: set[str] = set()
         self._stats: dict[str, float] = {}
         if role is KVConnectorRole.SCHEDULER:
@@ -87,50 +90,64 @@ class NixlConnector(KVConnectorBase):
         return dataclasses.replace(engine_config, kv_transfer=transfer)
 
     @classmethod
-    def validate_kv_transfer_params(cls, transfer_config: KVTransferConfig, params: dict | None) -> None:
+    def validate_kv_transfer_params(
+        cls, transfer_config: KVTransferConfig, params: KVTransferParams | None
+    ) -> None:
         validate_params(transfer_config.kv_role, params)
+
+    @property
+    def _scheduler(self) -> NixlScheduler:
+        if self.scheduler is None:
+            raise RuntimeError("a scheduler-half call on the NixlConnector's worker half")
+        return self.scheduler
+
+    @property
+    def _worker(self) -> NixlWorker:
+        if self.worker is None:
+            raise RuntimeError("a worker-half call on the NixlConnector's scheduler half")
+        return self.worker
 
     # ---- scheduler half -------------------------------------------------------------
 
     def request_added(self, request: Request) -> None:
-        self.scheduler.request_added(request)
+        self._scheduler.request_added(request)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, block_ids: tuple[list[int], ...], num_external: int
     ) -> None:
-        self.scheduler.update_state_after_alloc(request, block_ids, num_external)
+        self._scheduler.update_state_after_alloc(request, block_ids, num_external)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> NixlConnectorMetadata:
-        return self.scheduler.build_connector_meta()
+        return self._scheduler.build_connector_meta()
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        self.scheduler.update_connector_output(set(output.finished_recving), set(output.failed_recving))
+        self._scheduler.update_connector_output(set(output.finished_recving), set(output.failed_recving))
 
     def request_finished(
         self, request: Request, block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, dict | None]:
-        return self.scheduler.request_finished(request, block_ids)
+    ) -> tuple[bool, KVTransferParams | None]:
+        return self._scheduler.request_finished(request, block_ids)
 
     def release_kept(self, request_ids: list[str]) -> None:
-        self.scheduler.release_kept(request_ids)
+        self._scheduler.release_kept(request_ids)
 
     # ---- worker half ----------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], kv_cache_config: KVCacheConfig) -> None:
-        self.worker.register(kv_caches, kv_cache_config)
+        self._worker.register(kv_caches, kv_cache_config)
 
     def start_load_kv(self) -> None:
         meta = self.metadata
         assert isinstance(meta, NixlConnectorMetadata), f"bad metadata {meta!r}"
-        self.worker.start_load(meta)
+        self._worker.start_load(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        sending, recving, self._failed, stats = self.worker.take()
+        sending, recving, self._failed, stats = self._worker.take()
         self._stats = stats
         return sending, recving
 

@@ -12,11 +12,14 @@ import hmac
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kvferry.connector.nixl.auth import PeerAuth, Proof, new_nonce
 from kvferry.connector.nixl.protocol import Auth, Challenge, Hello
 
 logger = logging.getLogger(__name__)
+
+V = TypeVar("V")
 
 MAX_CHALLENGES = 1024
 MAX_SESSIONS = 4096
@@ -90,7 +93,7 @@ class Gate:
             logger.warning("side channel: refused a %s (%d refused so far)", why, n)
 
 
-def _put(table: OrderedDict, key: bytes, value: object, limit: int) -> None:
+def _put(table: OrderedDict[bytes, V], key: bytes, value: V, limit: int) -> None:
     table[key] = value
     table.move_to_end(key)
     while len(table) > limit:

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvferry.connector.nixl.plan import overlaps
-from kvferry.connector.nixl.protocol import EXPIRED, HELD, MISMATCH, UNKNOWN
+from kvferry.connector.nixl.protocol import EXPIRED, HELD, MISMATCH, UNKNOWN, CheckStatus
 from kvferry.model.layers.parallel import kv_head_range
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class LeaseTable:
 
     def check(
         self, request_id: str, block_ids: list[list[int]], num_tokens: int, token_hash: str, now: float
-    ):
+    ) -> tuple[CheckStatus, str]:
         """(status, message) for a decoder about to read; a held lease is extended."""
         lease = self.leases.get(request_id)
         if lease is None:

@@ -10,13 +10,14 @@ to another request once it is, and a late write would corrupt them.
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from kvferry.connector.nixl.agent import Agent, NixlError, Transfer
+from kvferry.connector.nixl.agent import Agent, NixlError, Transfer, TransferState
 from kvferry.connector.nixl.channel import Address, Clients, Pending
 from kvferry.connector.nixl.metadata import LoadSpec, NixlSettings
 from kvferry.connector.nixl.plan import RankView, concat, plan_read, shared_heads
@@ -25,7 +26,13 @@ from kvferry.kv.spec import Layout
 
 logger = logging.getLogger(__name__)
 
-INFO, READ, ACK = "info", "read", "ack"
+
+class Stage(enum.Enum):
+    """Where a load is: waiting for the prefiller's handshake, reading, waiting for ACKs."""
+
+    INFO = "info"
+    READ = "read"
+    ACK = "ack"
 
 
 @dataclass
@@ -39,7 +46,7 @@ class RemoteEngine:
 class Load:
     spec: LoadSpec
     started: float
-    stage: str = INFO
+    stage: Stage = Stage.INFO
     engine: RemoteEngine | None = None
     readers: list[int] = field(default_factory=list)  # prefill ranks this rank reads from
     transfers: dict[int, Transfer] = field(default_factory=dict)
@@ -48,6 +55,12 @@ class Load:
     cancelled: bool = False
     read_start: float = 0.0
     read_done: float = 0.0
+
+    @property
+    def remote_engine(self) -> RemoteEngine:
+        """The prefiller's engine: known from the READ stage on."""
+        assert self.engine is not None, f"no remote engine yet at stage {self.stage.value}"
+        return self.engine
 
 
 def remote_views(info: EngineInfo) -> dict[int, list[RankView]]:
@@ -116,11 +129,11 @@ class ConsumerLoads:
 
     def tick(self) -> None:
         for load in list(self.loads.values()):
-            if load.stage == INFO:
+            if load.stage is Stage.INFO:
                 self._start(load)
-            if load.stage == READ:
+            if load.stage is Stage.READ:
                 self._poll_reads(load)
-            if load.stage == ACK and all(p.done for p in load.acks):
+            if load.stage is Stage.ACK and all(p.done for p in load.acks):
                 self._acknowledged(load)
 
     def _count(self, key: str, value: float = 1.0) -> None:
@@ -173,13 +186,13 @@ class ConsumerLoads:
             self._finish(load)
             return
         load.engine = engine
-        load.stage = READ
+        load.stage = Stage.READ
         load.read_start = time.monotonic()
         load.readers = [p for p, views in engine.views.items() if _overlap(self.local[0], views[0])]
         for p in load.readers:
             plan = concat(
                 [
-                    plan_read(local, remote, local.layers.keys(), lids, rids)
+                    plan_read(local, remote, list(local.layers), lids, rids)
                     for local, remote, (lids, rids) in zip(
                         self.local, engine.views[p], load.spec.groups, strict=True
                     )
@@ -197,7 +210,7 @@ class ConsumerLoads:
 
     def _poll_reads(self, load: Load) -> None:
         states = [self.agent.poll(t) for t in load.transfers.values()]
-        if "PROC" in states:
+        if TransferState.PROC in states:
             if time.monotonic() - load.started > self.settings.transfer_timeout_s:
                 self._abandon_reads(load)
             return
@@ -208,19 +221,19 @@ class ConsumerLoads:
             if time.monotonic() - load.read_done < self.settings.fault_done_delay_s:
                 return  # fault injection: a slow decoder
             self._send_done(load, ok=True)
-            load.stage = ACK
+            load.stage = Stage.ACK
             return
         self._send_done(load, ok=False)
         self._finish(load)
 
-    def _account(self, load: Load, states: list[str]) -> None:
+    def _account(self, load: Load, states: list[TransferState]) -> None:
         seconds = load.read_done - load.read_start
         for transfer in load.transfers.values():
             self.agent.release(transfer)
-            if transfer.state == "DONE":
+            if transfer.state is TransferState.DONE:
                 self._count("nixl_bytes_read", transfer.num_bytes)
         self._count("nixl_transfer_seconds", seconds)
-        if "ERR" in states and load.failure is None:
+        if TransferState.ERR in states and load.failure is None:
             load.failure = f"NIXL READ of {load.spec.remote_request_id} failed"
 
     def _abandon_reads(self, load: Load) -> None:
@@ -234,7 +247,7 @@ class ConsumerLoads:
         address = (load.spec.host, load.spec.port)
         if self.engines.get(address) is load.engine:
             del self.engines[address]
-            for name in load.engine.agents.values():
+            for name in load.remote_engine.agents.values():
                 self.agent.remove_remote(name)
         load.failure = f"NIXL READ of {load.spec.remote_request_id} timed out"
         load.read_done = time.monotonic()
@@ -245,7 +258,7 @@ class ConsumerLoads:
     def _send_done(self, load: Load, ok: bool) -> None:
         timeout = self.settings.ack_timeout_s if ok else None
         for p in load.readers:
-            rank = load.engine.info.ranks[p]
+            rank = load.remote_engine.info.ranks[p]
             msg = Done(
                 self.clients.next_seq(),
                 load.spec.remote_request_id,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvferry.connector.base import KVConnectorMetadata
 from kvferry.connector.nixl.leases import Hold
@@ -70,7 +71,7 @@ class NixlSettings:
         return self.allowed_remotes is None or bool({host, f"{host}:{port}"} & set(self.allowed_remotes))
 
     @classmethod
-    def from_extra(cls, extra: dict) -> NixlSettings:
+    def from_extra(cls, extra: dict[str, Any]) -> NixlSettings:
         unknown = set(extra) - set(_DEFAULTS)
         if unknown:
             raise ConfigError(f"NixlConnector: unknown kv_connector_extra_config keys {sorted(unknown)}")

@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TypeGuard
 
 from kvferry.errors import InvalidRequestError
+from kvferry.messages.kv_connector import KVTransferParams
 
 logger = logging.getLogger(__name__)
 
@@ -40,11 +42,11 @@ def _fail(message: str) -> InvalidRequestError:
     return InvalidRequestError(f"kv_transfer_params: {message}", param=PARAM)
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _flag(params: dict, key: str) -> bool:
+def _flag(params: KVTransferParams, key: str) -> bool:
     value = params.get(key)
     if value is None:
         return False
@@ -67,7 +69,7 @@ class RemotePrefill:
     lease_expiry: float | None = None
     first_token_id: int | None = None
 
-    def to_params(self) -> dict:
+    def to_params(self) -> KVTransferParams:
         return {
             "do_remote_prefill": True,
             "remote_engine_id": self.engine_id,
@@ -82,26 +84,26 @@ class RemotePrefill:
         }
 
 
-def wants_remote_decode(params: dict | None) -> bool:
+def wants_remote_decode(params: KVTransferParams | None) -> bool:
     """Whether a (validated) request asks this engine to hold its KV for a decoder."""
-    return bool(params) and params.get("do_remote_decode") is True
+    return params is not None and params.get("do_remote_decode") is True
 
 
-def _string(params: dict, key: str) -> str:
+def _string(params: KVTransferParams, key: str) -> str:
     value = params.get(key)
     if not isinstance(value, str) or not value or len(value) > MAX_ID_LEN:
         raise _fail(f"{key} must be a non-empty string")
     return value
 
 
-def _positive_int(params: dict, key: str, upper: int) -> int:
+def _positive_int(params: KVTransferParams, key: str, upper: int) -> int:
     value = params.get(key)
     if not _is_int(value) or not 0 < value <= upper:
         raise _fail(f"{key} must be an integer in [1, {upper}]")
     return value
 
 
-def _block_ids(params: dict) -> tuple[tuple[int, ...], ...]:
+def _block_ids(params: KVTransferParams) -> tuple[tuple[int, ...], ...]:
     value = params.get("remote_block_ids")
     if not isinstance(value, list) or not value:
         raise _fail("remote_block_ids must be a non-empty list (one list of block ids per KV cache group)")
@@ -113,7 +115,7 @@ def _block_ids(params: dict) -> tuple[tuple[int, ...], ...]:
     return tuple(groups)
 
 
-def _optional_number(params: dict, key: str) -> float | None:
+def _optional_number(params: KVTransferParams, key: str) -> float | None:
     value = params.get(key)
     if value is None:
         return None
@@ -122,7 +124,7 @@ def _optional_number(params: dict, key: str) -> float | None:
     return float(value)
 
 
-def parse_remote_prefill(params: dict | None) -> RemotePrefill | None:
+def parse_remote_prefill(params: KVTransferParams | None) -> RemotePrefill | None:
     """The remote prefill a decode request points to, None if it points to none.
 
     Raises InvalidRequestError for malformed parameters.
@@ -149,7 +151,7 @@ def parse_remote_prefill(params: dict | None) -> RemotePrefill | None:
     )
 
 
-def validate_params(kv_role: str, params: dict | None) -> None:
+def validate_params(kv_role: str, params: KVTransferParams | None) -> None:
     """The front end's synchronous check: types, and what this instance's role can do."""
     if params is None:
         return

@@ -61,7 +61,8 @@ class RankView:
             rows = tokens * self.heads + local
         else:
             rows = local * self.block_size + tokens
-        return rows * (self.head_size * self.itemsize)
+        offsets: np.ndarray = rows * (self.head_size * self.itemsize)
+        return offsets
 
 
 @dataclass
@@ -123,10 +124,10 @@ def _block_template(local: RankView, remote: RankView) -> tuple[np.ndarray, ...]
     heads = np.arange(lo, hi, dtype=np.int64)
     tokens = np.arange(local.block_size, dtype=np.int64)
     if local.layout is Layout.HND:  # follow the local order: its runs stay contiguous
-        h, t = np.meshgrid(heads, tokens, indexing="ij")
+        grid_h, grid_t = np.meshgrid(heads, tokens, indexing="ij")
     else:
-        t, h = np.meshgrid(tokens, heads, indexing="ij")
-    h, t = h.ravel(), t.ravel()
+        grid_t, grid_h = np.meshgrid(tokens, heads, indexing="ij")
+    h, t = grid_h.ravel(), grid_t.ravel()
     row = np.full(len(h), local.head_size * local.itemsize, dtype=np.int64)
     return _merge(local.row_offsets(t, h), remote.row_offsets(t, h), row)
 

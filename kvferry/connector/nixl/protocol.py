@@ -21,17 +21,28 @@ A client sends two frames, [session token, message]: the token is empty until Au
 
 from __future__ import annotations
 
+import enum
 import logging
 
 import msgspec
 
 logger = logging.getLogger(__name__)
 
-# CheckReply.status values
-HELD = "held"
-UNKNOWN = "unknown"  # never held here (forged, or the prefill has not finished yet)
-EXPIRED = "expired"  # held once; the lease expired or the blocks were released
-MISMATCH = "mismatch"  # held, but not with these blocks / tokens
+
+class CheckStatus(str, enum.Enum):
+    """A prefill rank's answer to Check (CheckReply.status; sent as its value)."""
+
+    HELD = "held"
+    UNKNOWN = "unknown"  # never held here (forged, or the prefill has not finished yet)
+    EXPIRED = "expired"  # held once; the lease expired or the blocks were released
+    MISMATCH = "mismatch"  # held, but not with these blocks / tokens
+
+
+# The members by their short names.
+HELD = CheckStatus.HELD
+UNKNOWN = CheckStatus.UNKNOWN
+EXPIRED = CheckStatus.EXPIRED
+MISMATCH = CheckStatus.MISMATCH
 
 
 class LayerRegion(msgspec.Struct, frozen=True):
@@ -138,7 +149,7 @@ class HandshakeReply(msgspec.Struct, tag="handshake_reply"):
 
 class CheckReply(msgspec.Struct, tag="check_reply"):
     seq: int
-    status: str
+    status: CheckStatus
     message: str = ""
     lease_s: float = 0.0
 
@@ -158,8 +169,8 @@ class Codec:
 
     def __init__(self) -> None:
         self._encoder = msgspec.msgpack.Encoder()
-        self._client = msgspec.msgpack.Decoder(ClientMessage)
-        self._server = msgspec.msgpack.Decoder(ServerMessage)
+        self._client: msgspec.msgpack.Decoder[ClientMessage] = msgspec.msgpack.Decoder(ClientMessage)
+        self._server: msgspec.msgpack.Decoder[ServerMessage] = msgspec.msgpack.Decoder(ServerMessage)
 
     def encode(self, message: msgspec.Struct) -> bytes:
         return self._encoder.encode(message)

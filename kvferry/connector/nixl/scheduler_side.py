@@ -21,6 +21,7 @@ get heartbeats.
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ from kvferry.connector.nixl.regions import compat_hash, group_infos, token_hash
 from kvferry.connector.nixl.validate import blocks_to_read, check_remote, null_block
 from kvferry.errors import InvalidRequestError
 from kvferry.kv.spec import KVCacheConfig
+from kvferry.messages.kv_connector import KVTransferParams
 from kvferry.scheduler.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -55,21 +57,34 @@ logger = logging.getLogger(__name__)
 MAX_ENGINES = 256  # remote engines whose handshake is cached
 NORMAL_FINISH = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
-# DecodeState.stage
-HANDSHAKE, CHECK, READY, LOADING, SPENT = "handshake", "check", "ready", "loading", "spent"
+
+class Stage(enum.Enum):
+    """Where a decode request's remote KV is (DecodeState.stage)."""
+
+    HANDSHAKE = "handshake"  # waiting for the prefiller's side channel to describe its engine
+    CHECK = "check"  # asking every prefill rank whether it still holds the blocks
+    READY = "ready"  # held: the scheduler may admit the request with the remote tokens
+    LOADING = "loading"  # the workers read the blocks
+    SPENT = "spent"  # loaded, failed or released: nothing more to do remotely
 
 
 @dataclass
 class DecodeState:
     request: Request
     remote: RemotePrefill
-    stage: str = HANDSHAKE
+    stage: Stage = Stage.HANDSHAKE
     info: EngineInfo | None = None
     checks: list[Pending] = field(default_factory=list)
     invalid: str | None = None  # the params do not check out: HTTP 400
     failure: str | None = None  # the remote KV cannot be had: load failure policy
     lease_s: float = 0.0
     num_computed: int = 0
+
+    @property
+    def engine(self) -> EngineInfo:
+        """The remote engine as its handshake described it: known from the CHECK stage on."""
+        assert self.info is not None, f"no handshake yet at stage {self.stage.value}"
+        return self.info
 
 
 class NixlScheduler:
@@ -142,9 +157,9 @@ class NixlScheduler:
         if state.invalid is not None:
             del self.decodes[request.req_id]
             raise InvalidRequestError(state.invalid, param="kv_transfer_params")
-        if state.stage in (HANDSHAKE, CHECK):
+        if state.stage in (Stage.HANDSHAKE, Stage.CHECK):
             return None, False
-        if state.stage != READY:
+        if state.stage is not Stage.READY:
             return 0, False  # spent: loaded (or failed) once; a recomputation computes locally
         num = state.remote.num_tokens - num_computed
         if num <= 0:
@@ -155,7 +170,7 @@ class NixlScheduler:
 
     def _advance(self, state: DecodeState) -> None:
         self.clients.receive()
-        if state.stage == HANDSHAKE and state.invalid is None:
+        if state.stage is Stage.HANDSHAKE and state.invalid is None:
             info = self._engine_info(state)
             if info is None:
                 return
@@ -163,7 +178,7 @@ class NixlScheduler:
             state.invalid = check_remote(state.remote, info, self, state.request.num_prompt_tokens)
             if state.invalid is None:
                 self._send_checks(state)
-        if state.stage == CHECK and all(p.done for p in state.checks):
+        if state.stage is Stage.CHECK and all(p.done for p in state.checks):
             self._check_results(state)
 
     def _engine_info(self, state: DecodeState) -> EngineInfo | None:
@@ -213,27 +228,27 @@ class NixlScheduler:
         remote = state.remote
         digest = token_hash(state.request.prompt_token_ids[: remote.num_tokens])
         block_ids = [list(ids) for ids in remote.block_ids]
-        for rank in state.info.ranks:
+        for rank in state.engine.ranks:
             msg = Check(self.clients.next_seq(), remote.request_id, block_ids, remote.num_tokens, digest)
             state.checks.append(
                 self.clients.send((rank.host, rank.port), msg, self.settings.handshake_timeout_s)
             )
-        state.stage = CHECK
+        state.stage = Stage.CHECK
 
     def _check_results(self, state: DecodeState) -> None:
         for pending in state.checks:
             reply = pending.reply
             if not isinstance(reply, CheckReply):
                 state.failure = f"the prefill engine did not answer: {pending.error or 'bad reply'}"
-            elif reply.status == EXPIRED:
+            elif reply.status is EXPIRED:
                 state.failure = reply.message
-            elif reply.status != HELD:
+            elif reply.status is not HELD:
                 state.invalid = f"kv_transfer_params: {reply.message}"
                 return
             else:
                 state.lease_s = reply.lease_s
         state.checks = []
-        state.stage = READY
+        state.stage = Stage.READY
         if state.failure is not None:
             logger.warning("remote KV of %s cannot be loaded: %s", state.remote.request_id, state.failure)
             self._send_releases(state)  # given up: a late Check must not keep the blocks held
@@ -242,7 +257,7 @@ class NixlScheduler:
         self, request: Request, block_ids: tuple[list[int], ...], num_external: int
     ) -> None:
         state = self.decodes.get(request.req_id)
-        if state is None or state.stage != READY:
+        if state is None or state.stage is not Stage.READY:
             return
         if num_external <= 0:
             self._release(state)
@@ -253,7 +268,7 @@ class NixlScheduler:
             state.remote.block_ids,
             state.num_computed,
             state.num_computed + num_external,
-            null_block(state.info.groups),
+            null_block(state.engine.groups),
         )
         remote = state.remote
         self.loads.append(
@@ -267,16 +282,16 @@ class NixlScheduler:
                 state.failure,
             )
         )
-        state.stage = LOADING
+        state.stage = Stage.LOADING
 
     def _release(self, state: DecodeState) -> None:
         """Tell every prefill rank the decoder will not read (frees its blocks early)."""
-        if state.info is not None and state.stage in (CHECK, READY):
+        if state.info is not None and state.stage in (Stage.CHECK, Stage.READY):
             self._send_releases(state)
-        state.stage = SPENT
+        state.stage = Stage.SPENT
 
     def _send_releases(self, state: DecodeState) -> None:
-        for rank in state.info.ranks:
+        for rank in state.engine.ranks:
             msg = Release(self.clients.next_seq(), state.remote.request_id)
             self.clients.send((rank.host, rank.port), msg, None)
 
@@ -285,7 +300,11 @@ class NixlScheduler:
         waiting: dict[Address, list[str]] = {}
         interval = None
         for state in self.decodes.values():
-            if state.stage in (READY, LOADING) and state.info is not None and state.failure is None:
+            if (
+                state.stage in (Stage.READY, Stage.LOADING)
+                and state.info is not None
+                and state.failure is None
+            ):
                 every = (
                     self.settings.heartbeat_s if self.settings.heartbeat_s is not None else state.lease_s / 3
                 )
@@ -302,7 +321,7 @@ class NixlScheduler:
 
     def build_connector_meta(self) -> NixlConnectorMetadata:
         for state in self.decodes.values():
-            if state.stage in (HANDSHAKE, CHECK):
+            if state.stage in (Stage.HANDSHAKE, Stage.CHECK):
                 self._advance(state)  # requests still waiting for their turn
         self.clients.receive()
         self._heartbeat()
@@ -315,16 +334,16 @@ class NixlScheduler:
             state = self.decodes.get(req_id)
             if state is None:
                 continue
-            if req_id in failed_recving and state.stage == LOADING:
+            if req_id in failed_recving and state.stage is Stage.LOADING:
                 self._send_releases(state)  # every rank is done and the load failed: free them now
-            state.stage = SPENT
+            state.stage = Stage.SPENT
 
     def request_finished(
         self, request: Request, block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, dict | None]:
+    ) -> tuple[bool, KVTransferParams | None]:
         state = self.decodes.pop(request.req_id, None)
         if state is not None:
-            if state.stage == LOADING:
+            if state.stage is Stage.LOADING:
                 self.cancels.append(request.req_id)  # the worker reports it once its reads are over
             else:
                 self._release(state)
@@ -338,7 +357,9 @@ class NixlScheduler:
         if self.role is not KVRole.CONSUMER:
             self.releases.extend(request_ids)
 
-    def _hold(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+    def _hold(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, KVTransferParams | None]:
         num_tokens = request.num_prompt_tokens
         if request.status not in NORMAL_FINISH or request.num_computed_tokens < num_tokens:
             return False, None

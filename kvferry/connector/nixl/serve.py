@@ -83,16 +83,20 @@ class ProducerService:
             self.table.heartbeat(message.request_ids, now)
         elif isinstance(message, Release):
             self.table.release(message.request_id, "released by the decoder")
-        elif not self._answer(identity, message, now, final=False):
-            self.waiting.append(_Waiting(now + self.grace_s, identity, message))
+        elif isinstance(message, Check | Done):
+            if not self._answer(identity, message, now, final=False):
+                self.waiting.append(_Waiting(now + self.grace_s, identity, message))
+        else:  # Hello and Auth: the gate answers them before they get here
+            logger.warning("side channel: a %s past authentication dropped", type(message).__name__)
 
     def _answer(self, identity: bytes, message: Check | Done, now: float, final: bool) -> bool:
         """Reply if the prefill is known here (or `final`); False: wait for its hold."""
+        reply: CheckReply | Ack
         if isinstance(message, Check):
             status, why = self.table.check(
                 message.request_id, message.block_ids, message.num_tokens, message.token_hash, now
             )
-            if status == UNKNOWN and not final:
+            if status is UNKNOWN and not final:
                 return False
             reply = CheckReply(message.seq, status, why, self.info.lease_s)
         else:

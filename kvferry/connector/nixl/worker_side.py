@@ -47,7 +47,9 @@ def gather_ranks(info: RankInfo, tp_size: int) -> list[RankInfo]:
 
     out: list[RankInfo | None] = [None] * tp_size
     dist.all_gather_object(out, info)
-    return sorted(out, key=lambda r: r.rank)
+    ranks = [r for r in out if r is not None]
+    assert len(ranks) == tp_size, "all_gather_object fills every slot"
+    return sorted(ranks, key=lambda r: r.rank)
 
 
 def head_range(config: KVCacheConfig, rank: int, tp: int, total_heads: int) -> tuple[int, int]:
@@ -87,7 +89,7 @@ class TransferThread(threading.Thread):
     def __init__(
         self,
         agent: Agent,
-        ctx: zmq.Context,
+        ctx: zmq.Context[zmq.Socket[bytes]],
         poller: zmq.Poller,
         clients: Clients,
         producer: ProducerService | None,
@@ -168,7 +170,7 @@ class TransferThread(threading.Thread):
             if self.producer is not None:
                 self.producer.serve()
                 self.producer.tick()
-                self._collect_producer()
+                self._collect_producer(self.producer)
             if self.consumer is not None:
                 self.consumer.tick()
         # Always: a decoder may read blocks whose lease just ended (its Done will be refused),
@@ -185,15 +187,15 @@ class TransferThread(threading.Thread):
             for request_id in meta.cancels:
                 self.consumer.cancel(request_id)
 
-    def _collect_producer(self) -> None:
-        table = self.producer.table
+    def _collect_producer(self, producer: ProducerService) -> None:
+        table = producer.table
         self._sending |= table.take_finished()
         if table.num_expired != self._expired_seen:
             self._stats["nixl_expired_leases"] = (
                 self._stats.get("nixl_expired_leases", 0.0) + table.num_expired - self._expired_seen
             )
             self._expired_seen = table.num_expired
-        self._count_gate(self.producer.server.gate.counts)
+        self._count_gate(producer.server.gate.counts)
 
     def _count_gate(self, counts: GateCounts) -> None:
         """Refused side-channel requests and failed proofs since the last step, as stats."""
@@ -224,7 +226,7 @@ class NixlWorker:
         self.tp_size = engine_config.parallel.tensor_parallel_size
         self.role = engine_config.kv_transfer.kv_role
         self.thread: TransferThread | None = None
-        self.ctx: zmq.Context | None = None
+        self.ctx: zmq.Context[zmq.Socket[bytes]] | None = None
 
     def register(self, kv_caches: dict[str, torch.Tensor], config: KVCacheConfig) -> None:
         heads = head_range(config, self.rank, self.tp_size, self.config.model.num_kv_heads)
