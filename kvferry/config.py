@@ -76,6 +76,11 @@ def _member(enum: type[Enum], value: object, what: str) -> Enum:
         raise ConfigError(f"unknown {what} {value!r}; choose one of {choices}") from None
 
 
+def _at_least_one(name: str, value: int) -> None:
+    if value < 1:
+        raise ConfigError(f"{name} must be at least 1, not {value!r}")
+
+
 # Share of the memory left after weights and the measured activation peak that the KV
 # cache takes when no size is asked for: small, because CPU hosts are shared.
 DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.1
@@ -97,6 +102,7 @@ class CacheConfig:
     kv_memory_pool: KVPoolSpec | None = None
 
     def __post_init__(self) -> None:
+        _at_least_one("block_size", self.block_size)
         object.__setattr__(self, "layout", _member(Layout, self.layout, "KV layout"))
         object.__setattr__(self, "kv_allocator", _member(KVAllocator, self.kv_allocator, "KV allocator"))
         if self.kv_memory_pool is not None and self.kv_allocator is not KVAllocator.ELASTIC:
@@ -120,6 +126,8 @@ class SchedulerConfig:
     prefill_budget_with_decodes: int | None = None
 
     def __post_init__(self) -> None:
+        _at_least_one("max_num_batched_tokens", self.max_num_batched_tokens)
+        _at_least_one("max_num_seqs", self.max_num_seqs)
         budget = self.prefill_budget_with_decodes
         if budget is not None and not 0 < budget <= self.max_num_batched_tokens:
             raise ConfigError(
@@ -149,6 +157,7 @@ class ParallelConfig:
     cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
+        _at_least_one("tensor_parallel_size", self.tensor_parallel_size)
         object.__setattr__(self, "executor", _member(ExecutorKind, self.executor, "executor"))
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ConfigError(f"cpu_threads must be at least 1, not {self.cpu_threads}")

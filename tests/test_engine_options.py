@@ -132,5 +132,8 @@ def test_options_are_checked():
         EngineOptions("m", kv_layout="XYZ")
     with pytest.raises(ConfigError, match="unknown executor"):
         EngineOptions("m", executor="threads")
+    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+        with pytest.raises(ConfigError, match=f"{name} must be at least 1, not 0"):
+            EngineOptions("m", **{name: 0}).engine_config(None)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="block_sise"):
         EngineOptions("m", block_sise=16)  # type: ignore[call-arg]
