@@ -205,3 +205,24 @@ def test_gemma4_padded_pages_and_kv_shared_layers(tmp_path_factory, reference) -
     hits = [o.num_cached_tokens // BLOCK for o in second]
     loaded = sum((h + 4 * min(h, WINDOW_BLOCKS)) * page for h in hits)
     assert sched_half(llm).totals["offload_bytes_loaded"] == loaded > 0
+
+
+def test_disk_tier_with_checksums_reads_what_was_saved_and_loads_the_window(
+    gemma3, prompts, reference, tmp_path
+) -> None:
+    """No DRAM tier: slots on disk hold some groups only; a checked load reads the ranges the
+    save wrote (its crc covers them) and copies only the window-visible ones."""
+    subset = prompts[4:9]
+    expected = reference(subset)
+    extra = {
+        "dram_blocks": 0,
+        "disk_dir": str(tmp_path / "tier"),
+        "disk_blocks": 1024,
+        "verify_checksum": True,
+    }
+    llm = _engine(gemma3, **extra)
+    second = _second_pass(llm, subset, expected)
+    totals = sched_half(llm).totals
+    hits = [o.num_cached_tokens // BLOCK for o in second]
+    assert totals["offload_loaded_blocks_disk"] == sum(hits) > 0 and not totals["offload_load_errors"]
+    assert totals["offload_bytes_loaded"] == sum(_visible_bytes(h) for h in hits)
