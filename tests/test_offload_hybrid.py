@@ -226,3 +226,27 @@ def test_disk_tier_with_checksums_reads_what_was_saved_and_loads_the_window(
     hits = [o.num_cached_tokens // BLOCK for o in second]
     assert totals["offload_loaded_blocks_disk"] == sum(hits) > 0 and not totals["offload_load_errors"]
     assert totals["offload_bytes_loaded"] == sum(_visible_bytes(h) for h in hits)
+
+
+def test_elastic_kv_memory(gemma3, prompts, reference) -> None:
+    """Elastic KV memory returns a freed block's page before the next step's hooks: saves of
+    sliding blocks complete within their step; the second pass is served from DRAM."""
+    from kvferry.engine.llm import LLM
+
+    subset = prompts[4:9]
+    expected = reference(subset)
+    llm = LLM(
+        str(gemma3),
+        dtype="float32",
+        max_model_len=512,
+        block_size=BLOCK,
+        max_num_batched_tokens=64,
+        kv_cache_bytes=64 << 20,
+        kv_allocator="elastic",
+        enforce_eager=True,
+        kv_transfer=offload_config(dram_blocks=1024),
+    )
+    assert llm.engine.scheduler.kv_cache_manager.config.is_elastic
+    second = _second_pass(llm, subset, expected)
+    hits = [o.num_cached_tokens // BLOCK for o in second]
+    assert sched_half(llm).totals["offload_bytes_loaded"] == sum(_visible_bytes(h) for h in hits) > 0
