@@ -25,7 +25,7 @@ DEFAULT_DRAM_GIB = 1.0
 KNOWN_KEYS = frozenset({"dram_gib", "dram_blocks", "disk_dir", "disk_gib", "disk_blocks", "verify_checksum"})
 
 
-def _number(extra: dict, key: str, integer: bool = False) -> float | int | None:
+def _number(extra: dict[str, object], key: str, integer: bool = False) -> float | None:
     value = extra.get(key)
     if value is None:
         return None
@@ -36,8 +36,9 @@ def _number(extra: dict, key: str, integer: bool = False) -> float | int | None:
     return value
 
 
-def _exclusive(extra: dict, gib_key: str, blocks_key: str) -> tuple[float | None, int | None]:
-    gib, blocks = _number(extra, gib_key), _number(extra, blocks_key, integer=True)
+def _exclusive(extra: dict[str, object], gib_key: str, blocks_key: str) -> tuple[float | None, int | None]:
+    gib, count = _number(extra, gib_key), _number(extra, blocks_key, integer=True)
+    blocks = None if count is None else int(count)
     if gib is not None and blocks is not None:
         raise ConfigError(f"offload: give {gib_key} or {blocks_key}, not both")
     return gib, blocks
@@ -65,7 +66,7 @@ class OffloadConfig:
     verify_checksum: bool = False  # crc32 of each slot's payload, checked on every load
 
     @classmethod
-    def from_extra(cls, extra: dict) -> OffloadConfig:
+    def from_extra(cls, extra: dict[str, object]) -> OffloadConfig:
         unknown = set(extra) - KNOWN_KEYS
         if unknown:
             raise ConfigError(f"offload: unknown keys {sorted(unknown)}; known: {sorted(KNOWN_KEYS)}")

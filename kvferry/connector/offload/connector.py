@@ -15,7 +15,7 @@ from kvferry.connector.offload.config import OffloadConfig
 from kvferry.connector.offload.metadata import OffloadMetadata
 from kvferry.connector.offload.scheduler_side import OffloadScheduler
 from kvferry.connector.offload.worker_side import OffloadWorker
-from kvferry.messages.kv_connector import KVConnectorOutput, KVConnectorStats
+from kvferry.messages.kv_connector import KVConnectorOutput, KVConnectorStats, KVTransferParams
 
 if TYPE_CHECKING:
     import torch
@@ -32,8 +32,8 @@ class OffloadConnector(KVConnectorBase):
     # Every kv_role (the base's default): the tiers are local to this instance and serve it
     # whatever its P/D role (e.g. beside a NixlConnector in a MultiConnector).
     # No per-layer work: loads happen before the forward, saves after it.
-    graph_safe: ClassVar[bool] = True
-    has_layer_hooks: ClassVar[bool] = False
+    graph_safe = True
+    has_layer_hooks = False
     # The worker half's implementation (tests subclass it to inject failures).
     worker_class: ClassVar[type[OffloadWorker]] = OffloadWorker
 
@@ -80,7 +80,7 @@ class OffloadConnector(KVConnectorBase):
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         self._sched().update_output(output)
 
-    def request_finished(self, request: Request, block_ids: BlockIds) -> tuple[bool, dict | None]:
+    def request_finished(self, request: Request, block_ids: BlockIds) -> tuple[bool, KVTransferParams | None]:
         return self._sched().finished(request), None
 
     # ---- worker half ----------------------------------------------------------------

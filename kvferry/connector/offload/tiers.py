@@ -46,7 +46,7 @@ class Tag:
 
 
 def payload_crc(row: torch.Tensor, ranges: Ranges = None) -> int:
-    data = memoryview(row.numpy())
+    data = row.numpy().data
     crc = 0
     for start, stop in _spans(ranges, len(data)):
         crc = zlib.crc32(data[start:stop], crc)
@@ -122,7 +122,7 @@ class DiskTier:
         fd = self._require_fd()
         base = slot * self.stride
         _pwrite_all(fd, INVALID_HEADER, base)
-        data = memoryview(row.numpy())
+        data = row.numpy().data
         for start, stop in _spans(ranges, self.slot_bytes):
             _pwrite_all(fd, data[start:stop], base + HEADER_SIZE + start)
         header = HEADER.pack(MAGIC, _hash32(tag.block_hash), tag.epoch, tag.crc)
@@ -144,7 +144,7 @@ class DiskTier:
         magic, block_hash, epoch, crc = HEADER.unpack(raw)
         if magic != MAGIC or block_hash != _hash32(tag.block_hash) or epoch != tag.epoch:
             return False
-        view = memoryview(out.numpy())
+        view = out.numpy().data
         for start, stop in _spans(ranges, self.slot_bytes):
             if os.preadv(fd, [view[start:stop]], base + HEADER_SIZE + start) != stop - start:
                 return False

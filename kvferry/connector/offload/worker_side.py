@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterable
 
 import torch
 
@@ -58,10 +59,12 @@ class OffloadWorker:
         )
         self._dram_slots = dram_slots
         self.dram: DramTier | None = None  # allocated at registration (pinned for CUDA KV)
-        self.disk = DiskTier(config.disk_dir, disk_slots, self.slot_bytes, rank) if disk_slots else None
+        disk_dir = config.disk_dir
+        self.disk = DiskTier(disk_dir, disk_slots, self.slot_bytes, rank) if disk_slots and disk_dir else None
         self.copier: BlockCopier | None = None
-        self._load_rows: Staging | None = None
-        self._save_rows: Staging | None = None
+        # Grow-only staging rows, one per thread (remade pinned at registration for CUDA KV).
+        self._load_rows = Staging(self.slot_bytes)  # main thread
+        self._save_rows = Staging(self.slot_bytes)  # background thread
         self.jobs = JobQueue(f"kvferry-offload-rank{rank}")
         self._slot_seq: dict[tuple[Tier, int], int] = {}  # last job touching a slot
         self._req_seq: dict[str, int] = {}  # last job saving a request's blocks
@@ -145,7 +148,7 @@ class OffloadWorker:
         counts["offload_bytes_loaded"] = sum(self._copier().bytes_of(x.block_ids) for x in loaded)
         self._add_stats(counts)
 
-    def _wait_slots(self, keys) -> None:
+    def _wait_slots(self, keys: Iterable[tuple[Tier, int]]) -> None:
         seq = max((self._slot_seq.get(key, 0) for key in keys), default=0)
         if seq:
             self.jobs.wait(seq)
@@ -182,12 +185,14 @@ class OffloadWorker:
                 self._demote(op, instance_id)
                 i += 1
                 continue
-            batch, slots = [], set()
-            while i < len(ops) and isinstance(ops[i], SaveOp) and ops[i].tier is op.tier:
-                if ops[i].slot in slots:
+            batch: list[SaveOp] = []
+            slots: set[int] = set()
+            while i < len(ops):
+                nxt = ops[i]
+                if not isinstance(nxt, SaveOp) or nxt.tier is not op.tier or nxt.slot in slots:
                     break
-                slots.add(ops[i].slot)
-                batch.append(ops[i])
+                slots.add(nxt.slot)
+                batch.append(nxt)
                 i += 1
             self._save(batch, instance_id)
 
@@ -223,7 +228,9 @@ class OffloadWorker:
             counts["offload_saved_blocks"] = len(batch)
         self._add_stats(counts)
 
-    def _write_dram(self, batch: list[SaveOp], rows: torch.Tensor, tags: list[Tag], ranges: list) -> None:
+    def _write_dram(
+        self, batch: list[SaveOp], rows: torch.Tensor, tags: list[Tag], ranges: list[list[tuple[int, int]]]
+    ) -> None:
         """Whole rows in one copy when every save holds every group, else each save's ranges."""
         if all(r == ranges[0] for r in ranges) and ranges[0] == [(0, self.slot_bytes)]:
             self._dram().write([op.slot for op in batch], rows, tags)
