@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvferry.cpu_features import native_half_precision
 from kvferry.errors import ConfigError, ModelLoadError
 from kvferry.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvferry.model.layers.linear import (
@@ -17,6 +18,7 @@ from kvferry.model.layers.linear import (
     RowParallelLinear,
 )
 from kvferry.model.layers.norm import RMSNorm
+from kvferry.model.layers.packed import PackedWeight
 from kvferry.model.layers.parallel import TPGroup
 from kvferry.model.layers.rotary import RotaryEmbedding, inverse_frequencies
 
@@ -243,3 +245,22 @@ def test_packed_weights_match_plain(size: int) -> None:
             logits.append(head(x))
         torch.testing.assert_close(total, F.linear(F.linear(x, w1, b1), w2, b2), atol=1e-3, rtol=1e-4)
         torch.testing.assert_close(torch.cat(logits, -1)[:, :37], x @ vocab.T, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN is not available")
+def test_bfloat16_weights_pack_where_the_cpu_computes_bf16_and_give_the_same_bits() -> None:
+    """Where oneDNN computes bf16 natively a bf16 weight is packed, and the packed GEMM
+    gives exactly the plain one's bits at every row count (outputs unchanged); elsewhere
+    it stays plain."""
+    weight, bias = torch.randn(96, 64).bfloat16(), torch.randn(96).bfloat16()
+    col = ColumnParallelLinear(64, 96, True, LocalTP(0, 1), dtype=torch.bfloat16)
+    _load(col, "weight", weight)
+    _load(col, "bias", bias)
+    inputs = [torch.randn(rows, 64).bfloat16() for rows in (0, 1, 7, 64, 300)]
+    plain = [col(x) for x in inputs]
+    packed = col.pack_weight()
+    assert packed == native_half_precision(torch.bfloat16)
+    if packed:
+        assert col.weight is None and isinstance(col.packed, PackedWeight)
+    for x, expected in zip(inputs, plain, strict=True):
+        assert torch.equal(col(x), expected)
