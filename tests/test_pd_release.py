@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -108,9 +108,13 @@ def held_blocks(server: Server) -> float:
     return m["num_blocks"] - m["num_free_blocks"] if m["num_requests_running"] == 0 else 0.0
 
 
-async def leave_after_the_prefill(proxy_url: str, prefiller: Server, stream: bool) -> None:
-    """Send a request through the proxy and hang up once the prefill is done: streamed, at
-    the prefiller's token (sent early); else once the prefiller holds the prompt's KV."""
+async def leave_after_the_prefill(
+    proxy_url: str, prefiller: Server, stream: bool, decode_started: Callable[[], bool]
+) -> None:
+    """Send a request through the proxy and hang up once the prefill is done and the decode
+    leg has reached the decoder: streamed, at the prefiller's token (sent early, possibly
+    before the proxy calls the decoder: a loaded host once hung up in between); else once
+    the prefiller holds the prompt's KV."""
     body = {"model": PD_MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stream": stream}
     early = asyncio.Event()
     async with httpx.AsyncClient(headers=AUTH, timeout=60) as http:
@@ -123,7 +127,8 @@ async def leave_after_the_prefill(proxy_url: str, prefiller: Server, stream: boo
                         early.set()
 
         async def prefilled() -> bool:
-            return early.is_set() if stream else bool(await asyncio.to_thread(held_blocks, prefiller))
+            done = early.is_set() if stream else bool(await asyncio.to_thread(held_blocks, prefiller))
+            return done and decode_started()
 
         task = asyncio.ensure_future(ask())
         deadline = time.monotonic() + 60
@@ -139,7 +144,7 @@ def test_client_leaving_between_prefill_and_decode_frees_the_prefill(deployment,
     prefiller, proxy_url, decoder = deployment
     seen = decoder.state.requests
     start = time.monotonic()
-    asyncio.run(leave_after_the_prefill(proxy_url, prefiller, stream))
+    asyncio.run(leave_after_the_prefill(proxy_url, prefiller, stream, lambda: decoder.state.requests > seen))
     wait_idle(prefiller, timeout=LEASE_S / 3)
     assert time.monotonic() - start < LEASE_S / 3
     assert decoder.state.requests == seen + 1  # the decode leg had started, and stalled
