@@ -34,7 +34,9 @@ from tests.test_pd_support import (
 )
 
 MAX_TOKENS = 12
-CHUNK = ("--max-num-batched-tokens", "64")
+# Chunked prefill; eager servers like the colocated reference (compiling seven servers'
+# decode steps took ~5 of this file's 6 minutes; test_capture proves compiled = eager).
+CHUNK = ("--max-num-batched-tokens", "64", "--enforce-eager")
 
 
 @pytest.fixture(scope="module")
