@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from kvferry.model.forward_context import ForwardContext, HookPlacement
+from kvferry.model.operators import operator
 
 
 def _wait(ctx: ForwardContext, layer_name: str) -> None:
@@ -33,17 +34,13 @@ def _save(ctx: ForwardContext, layer_name: str) -> None:
     ctx.kv_hooks.save_kv_layer(layer_name, ctx.kv_caches[layer_name], ctx.attn_for(layer_name))
 
 
-@torch.library.custom_op(
-    "kvferry::wait_for_layer_load", mutates_args=("order",), tags=(torch.Tag.cudagraph_unsafe,)
-)
+@operator("wait_for_layer_load", mutates_args=("order",), tags=(torch.Tag.cudagraph_unsafe,))
 def wait_for_layer_load_op(order: torch.Tensor, ctx: ForwardContext, layer_name: str) -> None:
     """The connector's wait_for_layer_load; `order` is the layer's attention output buffer."""
     _wait(ctx, layer_name)
 
 
-@torch.library.custom_op(
-    "kvferry::save_kv_layer", mutates_args=("order",), tags=(torch.Tag.cudagraph_unsafe,)
-)
+@operator("save_kv_layer", mutates_args=("order",), tags=(torch.Tag.cudagraph_unsafe,))
 def save_kv_layer_op(order: torch.Tensor, ctx: ForwardContext, layer_name: str) -> None:
     """The connector's save_kv_layer once the layer's KV is written (`order`: as above)."""
     _save(ctx, layer_name)

@@ -38,6 +38,7 @@ from kvferry.model.forward_context import (
     PrefillSpan,
     Workspace,
 )
+from kvferry.model.operators import operator
 
 logger = logging.getLogger(__name__)
 
@@ -109,9 +110,7 @@ def fresh_runs(spans: list[PrefillSpan]) -> list[list[PrefillSpan]]:
 
 
 # Python reading the step's context: never replayed from a CUDA graph (the graph is cut here).
-@torch.library.custom_op(
-    "kvferry::paged_attention", mutates_args=("out",), tags=(torch.Tag.cudagraph_unsafe,)
-)
+@operator("paged_attention", mutates_args=("out",), tags=(torch.Tag.cudagraph_unsafe,))
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -27,6 +27,7 @@ from torch._library.opaque_object import MemberType, register_opaque_type
 from torch._opaque_base import OpaqueBase
 
 from kvferry.model.layers.packed import PackedWeight
+from kvferry.model.operators import operator
 
 GROUP_SIZE = 32  # input features per scale and zero point (GGUF's Q4 block)
 INNER_K_TILES = 2  # the CPU kernel's packing parameter
@@ -109,7 +110,7 @@ def int4_matmul(rows: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
     return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, weight.packed, GROUP_SIZE, weight.scales_zeros)
 
 
-@torch.library.custom_op("kvferry::int4_linear", mutates_args=())
+@operator("int4_linear", mutates_args=())
 def int4_linear_op(
     x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:

@@ -31,6 +31,7 @@ from torch._library.opaque_object import MemberType, register_opaque_type
 from torch._opaque_base import OpaqueBase
 
 from kvferry.cpu_features import native_half_precision
+from kvferry.model.operators import operator
 
 BATCH_HINT = 64  # rows oneDNN tunes the layout for; measured as good from 1 to 2048 rows
 
@@ -75,7 +76,7 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
     return torch.ops.kvferry.packed_linear(x, packed, bias, packed.out_features)
 
 
-@torch.library.custom_op("kvferry::packed_linear", mutates_args=())
+@operator("packed_linear", mutates_args=())
 def packed_linear_op(
     x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
