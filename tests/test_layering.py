@@ -34,11 +34,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
 )
 
 # Known exceptions, by file and unit imported, each with its reason; keep this short.
-ALLOWED = {
-    # reads the engine options through the CLI module's re-export; should import them
-    # from kvferry.entrypoints.engine_args (the bench's own file, left to its owner)
-    ("kvferry/bench/peers/kvferry_driver.py", "entrypoints.cli"),
-}
+ALLOWED: set[tuple[str, str]] = set()
 
 
 def unit_of(module: str) -> str:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 
 def engine_config(spec: dict, extra: list[str]):
-    from kvferry.entrypoints.cli import add_engine_args, engine_config_from_args
+    from kvferry.entrypoints.engine_args import add_engine_args, engine_config_from_args
 
     parser = argparse.ArgumentParser(prog="kvferry-driver")
     add_engine_args(parser)
