@@ -6,7 +6,7 @@ import pytest
 
 from kvferry.config import CacheConfig, ExecutorKind, KVTransferConfig, ParallelConfig
 from kvferry.connector.factory import resolve_connector_class
-from kvferry.entrypoints.cli import parse_kv_transfer_config
+from kvferry.entrypoints.engine_args import parse_kv_transfer_config
 from kvferry.errors import ConfigError
 from kvferry.kv.spec import Layout
 from kvferry.sampling_params import SamplingParams

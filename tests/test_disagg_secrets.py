@@ -137,7 +137,8 @@ def test_serving_side_channel_host_and_secret(
     tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from kvferry.connector.nixl.serving import for_serving
-    from kvferry.entrypoints.cli import build_parser, engine_config_from_args
+    from kvferry.entrypoints.cli import build_parser
+    from kvferry.entrypoints.engine_args import engine_config_from_args
 
     monkeypatch.delenv(SECRET_ENV, raising=False)
 

@@ -9,12 +9,7 @@ import os
 import sys
 
 from kvferry.entrypoints.edge_options import add_edge_args
-from kvferry.entrypoints.engine_args import (  # noqa: F401  (re-exported: older import paths)
-    DEFAULT_MODEL,
-    add_engine_args,
-    engine_config_from_args,
-    parse_kv_transfer_config,
-)
+from kvferry.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from kvferry.errors import KVFerryError
 
 

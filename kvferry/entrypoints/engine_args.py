@@ -163,7 +163,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     from kvferry.worker.cpu_placement import parse_core_list
 
     kv_transfer = parse_kv_transfer_config(args.kv_transfer_config)  # config errors before loading
-    given = {name: getattr(args, name) for name in _SAME_NAME if getattr(args, name) is not None}
+    values = vars(args)
+    given = {name: values[name] for name in _SAME_NAME if values[name] is not None}
     options = EngineOptions(
         args.model,
         served_model_name=args.served_model_name or default_served_name(args.model),

@@ -26,6 +26,11 @@ logger = logging.getLogger(__name__)
 SKIP = -1  # a block id that leaves its group out of a copy
 
 
+def groups_present(block_ids: tuple[int, ...]) -> frozenset[int]:
+    """The groups a block position's ids include (those not SKIP)."""
+    return frozenset(group for group, block in enumerate(block_ids) if block != SKIP)
+
+
 @dataclass(frozen=True)
 class _Segment:
     view: torch.Tensor  # uint8 [2, virtual_num_blocks, half_bytes] over the KV tensor's storage
@@ -69,7 +74,7 @@ class BlockCopier:
 
     def bytes_of(self, block_ids: tuple[int, ...]) -> int:
         """Bytes a copy of one block position moves (SKIP groups excluded)."""
-        return sum(self.group_bytes[g] for g, block in enumerate(block_ids) if block != SKIP)
+        return sum(self.group_bytes[g] for g in groups_present(block_ids))
 
     def gather(self, block_ids: list[tuple[int, ...]], out: torch.Tensor | None = None) -> torch.Tensor:
         """The blocks as CPU rows [n, slot_bytes] (block_ids: one id per group per block)."""

@@ -24,7 +24,7 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass
 
-from kvferry.connector.offload.blocks import SKIP
+from kvferry.connector.offload.blocks import SKIP, groups_present
 from kvferry.connector.offload.config import (
     OffloadConfig,
     check_kv_cache_config,
@@ -190,7 +190,7 @@ class OffloadScheduler:
         for i in range(tracked.next_block, full):
             block_hash = request.block_hashes[i]
             ids = self._ids_at(tracked, i)
-            groups = frozenset(g for g, block in enumerate(ids) if block != SKIP)
+            groups = groups_present(ids)
             stored = self.index.touch(block_hash)
             if stored is not None:
                 if groups <= stored.groups or not stored.groups <= groups:

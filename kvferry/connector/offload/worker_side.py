@@ -24,7 +24,7 @@ from collections.abc import Iterable
 
 import torch
 
-from kvferry.connector.offload.blocks import SKIP, BlockCopier, Staging
+from kvferry.connector.offload.blocks import SKIP, BlockCopier, Staging, groups_present
 from kvferry.connector.offload.config import (
     OffloadConfig,
     check_kv_cache_config,
@@ -120,7 +120,7 @@ class OffloadWorker:
     def _read(self, load: LoadOp, out: torch.Tensor) -> bool:
         """The groups the load needs (with checksums: all the save wrote, as checked)."""
         tag = Tag(load.block_hash, load.epoch)
-        needed = {g for g, block in enumerate(load.block_ids) if block != SKIP}
+        needed = groups_present(load.block_ids)
         if not needed <= load.stored:
             logger.warning(
                 "offload: a load needs KV cache groups %s its slot lacks", sorted(needed - load.stored)
@@ -201,9 +201,7 @@ class OffloadWorker:
         try:
             copier = self._copier()
             rows = copier.gather([op.block_ids for op in batch], self._save_rows.take(len(batch)))
-            ranges = [
-                copier.ranges(g for g, block in enumerate(op.block_ids) if block != SKIP) for op in batch
-            ]
+            ranges = [copier.ranges(groups_present(op.block_ids)) for op in batch]
             tags = [
                 Tag(op.block_hash, op.epoch, payload_crc(rows[k], ranges[k]) if self.verify else 0)
                 for k, op in enumerate(batch)

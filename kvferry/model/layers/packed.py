@@ -10,13 +10,11 @@ serves every row count, so the plain weight is released (memory stays flat).
 
 bfloat16 where oneDNN computes it in hardware (AVX-512 BF16, AMX; kvferry.cpu_features):
 the packed GEMM gives the same bits as `F.linear` on the plain weight (which oneDNN also
-runs) at every row count, and saves the per-call re-pack: measured on an AMD EPYC with
-avx512_bf16 (no AMX), one thread, SmolLM2's shapes at 1 row 44-76 vs 69-189 us for the
-layer matrices and 4.4 vs 10.4 ms for the LM head; at 64 rows within the run-to-run
-spread. A compiled decode step fuses differently around an opaque GEMM than around a
-plain one, so bf16 outputs may still part from the unpacked ones after a near-tie (one
-of 8 SmolLM2 prompts, at its 17th token). Without native bf16, bfloat16 weights stay
-plain (oneDNN would emulate it).
+runs) at every row count, and saves the per-call re-pack (the step times before and after
+are in docs/benchmarks.md, "bf16 decode"). A compiled decode step fuses differently around
+an opaque GEMM than around a plain one, so bf16 outputs may still part from the unpacked
+ones after a near-tie (one of 8 SmolLM2 prompts, at its 17th token). Without native bf16,
+bfloat16 weights stay plain (oneDNN would emulate it).
 
 A packed weight is an opaque object to torch.compile and the GEMM the
 `kvferry::packed_linear` operator: a captured graph calls oneDNN on the packed weight as
