@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,18 +26,14 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvferry.ports import free_port
+
 logger = logging.getLogger(__name__)
 
 FIRST = "Hello"
 ANSWER_CHUNKS = ["Hello", " big", " world"]
 ANSWER = "".join(ANSWER_CHUNKS)
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ from kvferry.engine.core_fake import (
     fake_model_config,
 )
 from kvferry.entrypoints.openai.server import build_app
+from kvferry.ports import free_port
 
 MODEL = "fake-model"
 KEY = "sk-test"
@@ -43,12 +43,6 @@ class Server:
 
     def http(self, **kw) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=10, **kw)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_in_thread(

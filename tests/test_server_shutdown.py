@@ -20,9 +20,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.test_server_e2e import ROOT, _free_port, _metric, _wait_healthy
+from kvferry.ports import free_port
+from tests.test_server_e2e import ROOT, _metric, _wait_healthy
 
-STOP_TIMEOUT_S = 8.0  # generous: the machine is shared; the timings are printed
+# A hang fails; the 5 s graceful shutdown on a loaded 2-core host passes (timings printed).
+STOP_TIMEOUT_S = 30.0
 LONG = {"prompt": "the cat", "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
 
 
@@ -37,7 +39,7 @@ class Server:
 
 
 def _start(model: Path, tmp_path: Path) -> Server:
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "server.log"
     cmd = [sys.executable, "-m", "kvferry.entrypoints.cli", "serve", str(model)]
     cmd += ["--port", str(port), "--kv-cache-memory", "0.005"]

@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 
 from kvferry.bench import serve
-from kvferry.entrypoints.disagg import Child, free_port, spawn, stop_all, wait_healthy
+from kvferry.entrypoints.disagg import Child, spawn, stop_all, wait_healthy
+from kvferry.ports import free_port
 
 logger = logging.getLogger(__name__)
 

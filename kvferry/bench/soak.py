@@ -37,7 +37,8 @@ from pathlib import Path
 import httpx
 
 from kvferry.bench.soak_probe import held_blocks, instance_urls, tree_rss
-from kvferry.entrypoints.disagg import Child, free_port, spawn, stop_all, wait_healthy
+from kvferry.entrypoints.disagg import Child, spawn, stop_all, wait_healthy
+from kvferry.ports import free_port
 
 logger = logging.getLogger(__name__)
 

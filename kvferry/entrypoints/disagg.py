@@ -25,7 +25,6 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,7 @@ from kvferry.connector.nixl.auth import SECRET_ENV
 from kvferry.entrypoints.edge_options import add_edge_args
 from kvferry.entrypoints.http_common import API_KEY_ENV
 from kvferry.errors import ConfigError, KVFerryError
+from kvferry.ports import bindable, free_port
 from kvferry.worker.cpu_placement import available_cores, format_core_list
 
 logger = logging.getLogger(__name__)
@@ -197,24 +197,6 @@ def check_connector(args: argparse.Namespace) -> dict:
                     f"{exc} (--kv-connector {NO_CONNECTOR} starts colocated instances)"
                 ) from exc
     return extra
-
-
-# ---- ports ------------------------------------------------------------------------------
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-        return True
 
 
 # ---- processes --------------------------------------------------------------------------
@@ -433,7 +415,7 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError("--prefill and --decode need at least one instance each")
     if args.prefill_tp < 1 or args.decode_tp < 1:
         raise ConfigError("--prefill-tp and --decode-tp must be at least 1")
-    if not _port_free(args.host if args.host else "0.0.0.0", args.port):
+    if not bindable(args.host if args.host else "0.0.0.0", args.port):
         raise ConfigError(f"the proxy's port {args.port} on {args.host} is in use (--port)")
 
 

@@ -8,7 +8,6 @@ methods in WORKER_METHODS.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -69,13 +68,6 @@ class RankSetup:
     world_size: int
     port: int  # torch.distributed's TCP rendezvous on 127.0.0.1
     config: EngineConfig
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def init_distributed(rank: int, world_size: int, port: int, device: str) -> TPGroup:

@@ -16,11 +16,12 @@ from typing import Any
 from kvferry.config import EngineConfig
 from kvferry.errors import ConfigError
 from kvferry.executor.base import Executor
-from kvferry.executor.rank import R, RankSetup, WorkerCall, build_worker, free_port
+from kvferry.executor.rank import R, RankSetup, WorkerCall, build_worker
 from kvferry.kv.allocate import with_num_blocks
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.kv.usage import KVMemoryUsage
 from kvferry.messages.model_runner import ModelRunnerOutput
+from kvferry.ports import free_port
 from kvferry.scheduler.output import SchedulerOutput
 from kvferry.worker.capture import CaptureStats
 from kvferry.worker.memory_profile import MemoryProfile

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvferry.bench.peers.setup import Setup
-from kvferry.entrypoints.disagg import Child, free_port, spawn, stop_all, wait_healthy
+from kvferry.entrypoints.disagg import Child, spawn, stop_all, wait_healthy
+from kvferry.ports import free_port
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import socket
 import uuid
 from typing import TYPE_CHECKING
 
@@ -26,6 +25,7 @@ from kvferry.connector.nixl.metadata import NixlConnectorMetadata, NixlSettings
 from kvferry.connector.nixl.params import validate_params
 from kvferry.kv.spec import KVCacheConfig, Layout
 from kvferry.messages.kv_connector import KVConnectorOutput, KVConnectorStats, KVTransferParams
+from kvferry.ports import free_port
 
 if TYPE_CHECKING:
     import torch
@@ -37,13 +37,6 @@ if TYPE_CHECKING:
     from kvferry.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class NixlConnector(KVConnectorBase):
@@ -82,7 +75,7 @@ class NixlConnector(KVConnectorBase):
         extra = dict(transfer.kv_connector_extra_config)
         extra.setdefault("engine_id", f"kvf-{uuid.uuid4().hex[:12]}")
         if not extra.get("side_channel_port") and transfer.kv_role is not KVRole.CONSUMER:
-            extra["side_channel_port"] = _free_port(extra.get("side_channel_host", "127.0.0.1"))
+            extra["side_channel_port"] = free_port(extra.get("side_channel_host", "127.0.0.1"))
         settings = NixlSettings.from_extra(extra)  # a bad setting fails the start-up, clearly
         if process_secret(settings.secret_file) is None:  # an unreadable secret fails it too
             warn_without_secret(settings.engine_id)

@@ -38,7 +38,7 @@ class NixlConnectorMetadata(KVConnectorMetadata):
 _DEFAULTS: dict[str, object] = {
     "engine_id": None,  # chosen at start-up (prepare_config) when not given
     "side_channel_host": "127.0.0.1",
-    "side_channel_port": 0,  # 0: a free port, chosen at start-up; TP rank r > 0 binds any free port
+    "side_channel_port": 0,  # 0: a free port (kvferry.ports), chosen at start-up; TP rank r > 0 binds any free port
     "lease_s": 30.0,  # a finished prefill's blocks are kept this long for its decoder
     "heartbeat_s": None,  # decoder: extend waiting leases this often (None: lease / 3; 0: never)
     "handshake_timeout_s": 5.0,
