@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent / "kvferry"
 LAYERS: tuple[frozenset[str], ...] = tuple(
     frozenset(layer.split())
     for layer in (
-        "errors cpu_features",
+        "errors cpu_features ports",
         "kv",  # KV specs, layouts, allocators: the vocabulary both halves share
         "config sampling_params",
         "messages",  # what crosses layers: requests, finish reasons, runner and connector outputs
