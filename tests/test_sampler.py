@@ -7,6 +7,7 @@ from kvferry.sampling_params import SamplingParams
 from kvferry.scheduler.output import NewRequestData
 from kvferry.worker.request_state import RequestState, build_sampling_batch
 from kvferry.worker.sampler import Sampler, apply_top_k_top_p, sample_inverse_cdf
+from kvferry.worker.seeded_draws import position_draws
 
 VOCAB = 50
 
@@ -116,7 +117,13 @@ def test_seeded_request_is_reproducible_whatever_the_batch():
     def run(batch_params, batch_logits, row, engine_seed):
         sampler = Sampler(torch.Generator().manual_seed(engine_seed))
         states = _states(batch_params)
-        return [sampler(batch_logits, build_sampling_batch(states))[0][row] for _ in range(10)]
+        tokens = []
+        for _ in range(10):
+            sampled, _ = sampler(batch_logits, build_sampling_batch(states))
+            for state, token in zip(states, sampled):
+                state.token_ids.append(token)
+            tokens.append(sampled[row])
+        return tokens
 
     alone = run([seeded], logits[2:], 0, engine_seed=0)
     others = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.5)]
@@ -128,12 +135,39 @@ def test_seeded_request_is_reproducible_whatever_the_batch():
 def test_resumed_seeded_request_continues_its_stream():
     logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(5))
     params = SamplingParams(temperature=1.0, seed=7)
-    sampler = Sampler(torch.Generator().manual_seed(0))
-    states = _states([params])
-    full = [sampler(logits, build_sampling_batch(states))[0][0] for _ in range(6)]
-    resumed = _states([params], outputs=full[:3])  # preempted after 3 tokens
-    rest = [sampler(logits, build_sampling_batch(resumed))[0][0] for _ in range(3)]
-    assert rest == full[3:]
+    full = _decode(Sampler(torch.Generator().manual_seed(0)), logits, _states([params])[0], 6)
+    resumed = _states([params], outputs=full[:3])[0]  # preempted after 3 tokens
+    assert _decode(Sampler(torch.Generator().manual_seed(1)), logits, resumed, 3) == full[3:]
+    # continued as a new request whose prompt holds the tokens so far (a decode failover)
+    continued = _states([params], prompt=(1, 2, 3, *full[:3]))[0]
+    assert _decode(Sampler(torch.Generator().manual_seed(2)), logits, continued, 3) == full[3:]
+    assert len(set(full)) > 1  # it really samples
+
+
+def test_seeded_draw_depends_on_the_position_not_on_the_draws_before_it():
+    """Position p's draw is the same after any history: a fresh request whose sequence is
+    already p tokens long draws what a request that sampled its way there draws."""
+    params = SamplingParams(temperature=1.0, seed=99)
+    long_prompt = _states([params], prompt=tuple(range(1, 9)))[0]
+    short_prompt_sampled = _states([params], prompt=(1, 2), outputs=(3, 4, 5, 6, 7, 8))[0]
+    batch = build_sampling_batch([long_prompt, short_prompt_sampled])
+    assert batch.positions == [8, 8] and batch.seeds == [99, 99]
+    draws = position_draws([99, 99, 99, 100], [8, 8, 9, 8])
+    assert draws[0] == draws[1] and len(set(draws.tolist())) == 3
+    assert torch.equal(position_draws([99], [8]), draws[:1])  # no hidden state between calls
+    logits = torch.zeros(2, VOCAB)  # uniform: the token is floor(draw * VOCAB)
+    tokens, _ = _sample(logits, [long_prompt, short_prompt_sampled])
+    assert tokens == [int(draws[0] * VOCAB)] * 2
+
+
+def test_position_draws_are_uniform_and_distinct_per_seed():
+    draws = position_draws([5] * 20000, range(20000))
+    assert 0 <= float(draws.min()) and float(draws.max()) < 1
+    assert abs(float(draws.mean()) - 0.5) < 0.01 and abs(float(draws.std()) - 12**-0.5) < 0.01
+    other_seed = position_draws([6] * 20000, range(20000))
+    assert abs(float(torch.corrcoef(torch.stack([draws, other_seed]))[0, 1])) < 0.03
+    extremes = position_draws([-(2**63), -1, 2**63 - 1], [0, 0, 0])  # the whole int64 range
+    assert len(set(extremes.tolist())) == 3
 
 
 def test_repetition_and_frequency_penalties_move_away_from_seen_tokens():
@@ -195,7 +229,7 @@ def test_forced_token_replaces_the_first_sample_only():
     assert tokens[1] == logits[1].argmax().item()  # only the first token is forced
 
 
-def test_forced_seeded_token_consumes_exactly_one_draw():
+def test_forced_seeded_token_keeps_the_later_draws_aligned():
     logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(8))
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=42)
     free = _states([params])[0]
@@ -203,9 +237,6 @@ def test_forced_seeded_token_consumes_exactly_one_draw():
     other = next(t for t in range(VOCAB) if t != sampled[0])
     forced = _forced_state(params, forced=other)
     first = _decode(Sampler(torch.Generator().manual_seed(1)), logits, forced, 1)
-    after_one = _states([params])[0]
-    _decode(Sampler(torch.Generator().manual_seed(2)), logits, after_one, 1)
-    assert torch.equal(forced.generator.get_state(), after_one.generator.get_state())
     rest = _decode(Sampler(torch.Generator().manual_seed(3)), logits, forced, 5)
     assert [*first, *rest] == [other, *sampled[1:]]  # the seeded stream stays aligned
     assert len(set(sampled)) > 1  # it really samples

@@ -8,7 +8,7 @@ import torch
 
 from kvferry.sampling_params import SamplingParams
 from kvferry.scheduler.output import NewRequestData
-from kvferry.worker.sampler import SamplingBatch, draw_one
+from kvferry.worker.sampler import SamplingBatch
 
 
 @dataclass
@@ -19,19 +19,10 @@ class RequestState:
     params: SamplingParams
     block_ids: list[list[int]]  # per KV cache group
     num_computed_tokens: int
-    generator: torch.Generator | None
     forced_first_token_id: int | None = None  # the first sample yields this token
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> RequestState:
-        generator = None
-        if data.sampling_params.seed is not None and not data.sampling_params.greedy:
-            generator = torch.Generator().manual_seed(data.sampling_params.seed)
-            # A request resumed after preemption already drew once per output token: replay
-            # those draws so its seeded stream continues where it stopped.
-            num_outputs = len(data.token_ids) - data.num_prompt_tokens
-            for _ in range(num_outputs):
-                draw_one(generator)
         return cls(
             req_id=data.req_id,
             token_ids=list(data.token_ids),
@@ -39,13 +30,17 @@ class RequestState:
             params=data.sampling_params,
             block_ids=[list(ids) for ids in data.block_ids],
             num_computed_tokens=data.num_computed_tokens,
-            generator=generator,
             forced_first_token_id=data.forced_token_id,
         )
 
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def seed(self) -> int | None:
+        """The seed of a sampled request's draws; None: greedy, or the engine's shared stream."""
+        return None if self.params.greedy else self.params.seed
 
     @property
     def forced_token_id(self) -> int | None:
@@ -60,7 +55,8 @@ def build_sampling_batch(states: list[RequestState]) -> SamplingBatch:
         top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64),
         top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
         min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
-        generators=[s.generator for s in states],
+        seeds=[s.seed for s in states],
+        positions=[len(s.token_ids) for s in states],  # the token sampled now goes there
         num_logprobs=[p.logprobs for p in params],
     )
     forced = [s.forced_token_id for s in states]

@@ -1,14 +1,16 @@
 """Sampling on the device: penalties, temperature, top-k, top-p, min-p, seeds, logprobs.
 
 A row is sampled by inverse CDF: one uniform draw u, then the first token whose cumulative
-probability exceeds u. Seeded requests draw from their own generator, one draw per sampled
-token, so a seed reproduces the same tokens whatever else shares the batch. (An
+probability exceeds u. A seeded request's draw is a hash of its seed and the sampled
+token's position in the sequence (seeded_draws.py), so a seed reproduces the same tokens
+whatever else shares the batch, and however the request reached that position (resumed
+after preemption, continued by a P/D decoder or by another decoder after a failover). (An
 exponential race, argmax(p / Exp(1) noise), needs a draw per vocabulary entry: 78 ms per
 step for 64 rows of a 49k vocabulary on 2 CPU cores, against 4 ms for this.)
 
 A row may come with a forced token (a P/D decoder's first token is the prefiller's): the
-row is sampled as usual, then its token replaced. Sampling it first keeps the one draw per
-token of a seeded row, and its logprobs are this engine's, for the forced token.
+row is sampled as usual, then its token replaced; its logprobs are this engine's, for the
+forced token. Later tokens' draws do not depend on it (they are keyed by position).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kvferry.messages.model_runner import SampleLogprobs
+from kvferry.worker.seeded_draws import position_draws
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +34,10 @@ class SamplingBatch:
     top_k: torch.Tensor  # int64 [N]; 0 = off
     top_p: torch.Tensor  # float32 [N]
     min_p: torch.Tensor  # float32 [N]
-    generators: list[torch.Generator | None]  # per row; None = the engine's shared stream
+    # Per row, the seed (None: the engine's shared stream) and the sampled token's absolute
+    # position in the sequence (prompt + outputs so far).
+    seeds: list[int | None]
+    positions: list[int]
     num_logprobs: list[int | None]
     # Penalties (None when no row uses them).
     repetition_penalty: torch.Tensor | None = None  # [N]
@@ -75,21 +81,19 @@ class Sampler:
         probs = torch.softmax(scaled, dim=-1)
         if bool((batch.min_p > 0).any()):
             probs = apply_min_p(probs, batch.min_p)
-        sampled = sample_inverse_cdf(probs, self._uniform_draws(probs.shape[0], batch.generators))
+        draws = self._uniform_draws(batch.seeds, batch.positions).to(probs.device)
+        sampled = sample_inverse_cdf(probs, draws)
         return torch.where(greedy, logits.argmax(dim=-1), sampled)
 
-    def _uniform_draws(self, num_rows: int, generators: list[torch.Generator | None]) -> torch.Tensor:
-        """One U[0, 1) draw per row ([N, 1], float64): a seeded row's from its own generator."""
-        draws = torch.rand(num_rows, 1, dtype=torch.float64, generator=self.generator)
-        for row, gen in enumerate(generators):
-            if gen is not None:
-                draws[row] = draw_one(gen)
-        return draws
-
-
-def draw_one(generator: torch.Generator) -> torch.Tensor:
-    """The one draw a seeded request makes per sampled token (also replayed on resume)."""
-    return torch.rand(1, dtype=torch.float64, generator=generator)
+    def _uniform_draws(self, seeds: list[int | None], positions: list[int]) -> torch.Tensor:
+        """One U[0, 1) draw per row ([N, 1], float64): a seeded row's keyed by its seed and
+        position, the others' from the shared stream."""
+        draws = torch.rand(len(seeds), dtype=torch.float64, generator=self.generator)
+        seeded = [seed is not None for seed in seeds]
+        if any(seeded):
+            keyed = position_draws([seed or 0 for seed in seeds], positions)
+            draws = torch.where(torch.tensor(seeded), keyed, draws)
+        return draws.unsqueeze(1)
 
 
 def sample_inverse_cdf(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
