@@ -2,12 +2,21 @@
 (a veth pair into a bridge, an address of its own), KV moving over NIXL/UCX between them.
 
 Greedy answers through the proxy equal a colocated engine's, with the prompt's KV read
-over the network (the decoder's NIXL bytes grow). Then the prefiller's link is cut after
-its prefill and before the decoder reads (``ip link set down``): the decoder (policy
-recompute) cannot read the KV, computes the prompt itself and still answers the same
-text; the link is restored and both block pools end all free; nothing hangs.
+over the network (the decoder's NIXL bytes grow; UCX is held to TCP, so the bytes cross
+the veth links). Then the prefiller's link is cut (``ip link set down``):
 
-Needs root and ``ip netns``; skips cleanly where namespaces cannot be created (CI).
+- after its prefill and before the decoder reads: the decoder (policy recompute) cannot
+  read the KV, computes the prompt itself and still answers the same text;
+- during the decoder's READ (the link shaped with ``tc`` so that the READ lasts seconds,
+  the cut made once the decoder counts the READ started): the READ stalls, the decoder
+  gives it up at ``transfer_timeout_s``, recomputes and answers the same text; the
+  prefiller's lease, neither extended nor acknowledged, expires.
+
+Each time the link is restored, both block pools end all free and nothing hangs; after
+the mid-transfer cut, KV moves over the network again.
+
+Needs root, ``ip netns`` and ``tc``; skips cleanly where namespaces (or a shaped link)
+cannot be created (CI).
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,7 +45,12 @@ SUFFIX = {"prefill": "p", "decode": "d", "proxy": "x"}
 PORT = 8000
 MAX_TOKENS = 12
 PROMPTS = ["the cat sees a small bird", "a dog sees the red ball in the morning"]
-FAST = {"handshake_timeout_s": 2.0, "ack_timeout_s": 2.0}
+WORDS = "morning the in ball red the sees dog a bird small a sees cat the".split()
+LONG = " ".join(WORDS[i % len(WORDS)] for i in range(900))  # ~900 tokens, ~0.7 MB of KV, cached nowhere
+TRANSFER_TIMEOUT_S = 8.0
+FAST = {"handshake_timeout_s": 2.0, "ack_timeout_s": 2.0, "transfer_timeout_s": TRANSFER_TIMEOUT_S}
+RECOVERY_S = 60.0  # TCP retransmission backoff after the ~10 s outage is far less
+SLOW_LINK = ["rate", "2mbit", "burst", "16kb", "latency", "2s"]  # the shaped READ takes ~3 s
 
 
 def _ip(*args: str) -> None:
@@ -96,7 +111,9 @@ def _start(name: str, args: list[str], log_dir: Path) -> Server:
     cmd = ["ip", "netns", "exec", _ns(name), sys.executable, "-m", "kvferry.entrypoints.cli"]
     cmd += ["--log-level", "WARNING", *args, "--host", _addr(name), "--port", str(PORT)]
     log = log_dir / f"{name}.log"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), UCX_NET_DEVICES="eth0")
+    # TCP only: on one host UCX would otherwise move the KV through shared memory (CMA),
+    # past the namespaces' links.
+    env = dict(os.environ, PYTHONPATH=str(ROOT), UCX_NET_DEVICES="eth0", UCX_TLS="tcp")
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
@@ -138,8 +155,8 @@ def servers(namespaces: None, tiny_llama: Path, tmp_path_factory: pytest.TempPat
 @pytest.fixture(scope="module")
 def reference(tiny_llama: Path) -> dict[str, str]:
     llm = LLM(str(tiny_llama), kv_cache_bytes=5 << 20)
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
-    return {p: o.outputs[0].text for p, o in zip(PROMPTS, outs, strict=True)}
+    outs = llm.generate([*PROMPTS, LONG], SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    return {p: o.outputs[0].text for p, o in zip([*PROMPTS, LONG], outs, strict=True)}
 
 
 def _complete(server: Server, body: dict) -> dict:
@@ -182,3 +199,90 @@ def test_link_cut_before_the_read_recomputes_and_frees_both_sides(servers: dict,
     assert servers["decode"].metrics()["kv_connector_nixl_failed_transfers"] > failed_before
     wait_idle(servers["decode"])
     wait_idle(servers["prefill"], timeout=30)
+
+
+def _tc(name: str, *args: str) -> None:
+    cmd = ["ip", "netns", "exec", _ns(name), "tc", *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+    if done.returncode != 0:
+        raise OSError(f"tc {' '.join(args)}: {done.stderr.strip()}")
+
+
+def _grew(server: Server, name: str, before: dict[str, float]) -> bool:
+    return server.metrics().get(name, 0.0) > before.get(name, 0.0)
+
+
+def _wait_grown(server: Server, name: str, before: dict[str, float], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not _grew(server, name, before):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{server.name}: {name} did not grow within {timeout} s:\n{server.tail()}")
+        time.sleep(0.05)
+
+
+def _pd(servers: dict, prompt: str) -> str:
+    """Prefill on the prefiller, then decode on the decoder (no proxy): the answer's text."""
+    leg = {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    params = _complete(servers["prefill"], leg)["kv_transfer_params"]
+    return _complete(servers["decode"], {"prompt": prompt, "kv_transfer_params": params})["choices"][0][
+        "text"
+    ]
+
+
+def _wait_reads_again(servers: dict, prompt: str, expected: str, timeout: float) -> None:
+    """P/D requests until one reads its KV over the network again; each answers right.
+
+    The first after an outage may not: what the decoder sent while the link was down
+    (lease heartbeats) waits in its side-channel connection for TCP's next retransmission,
+    which backs off exponentially, and the Check behind it times out (recompute)."""
+    deadline = time.monotonic() + timeout
+    decode = servers["decode"]
+    while True:
+        before = decode.metrics()
+        assert _pd(servers, prompt) == expected
+        if _grew(decode, "kv_connector_nixl_bytes_read", before):
+            return
+        assert time.monotonic() < deadline, (
+            f"no KV read over the network {timeout} s after the link came back"
+        )
+
+
+def test_link_cut_mid_transfer_times_out_recomputes_and_recovers(servers: dict, reference: dict) -> None:
+    """The prefiller's link is shaped (so the READ of ~0.7 MB takes seconds), the decoder's
+    READ starts (its transfer counter grows), the link goes down: the READ stalls, the
+    decoder gives it up at transfer_timeout_s and recomputes; the prefiller's lease, never
+    extended nor acknowledged, expires. Link restored: both pools end free and the next
+    prompt's KV moves over the network again."""
+    prefill, decode = servers["prefill"], servers["decode"]
+    _wait_reads_again(servers, PROMPTS[0], reference[PROMPTS[0]], RECOVERY_S)  # after an earlier cut
+    leg = {"prompt": LONG, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    params = _complete(prefill, leg)["kv_transfer_params"]
+    before, prefill_before = decode.metrics(), prefill.metrics()
+    box: dict = {}
+    worker = threading.Thread(
+        target=lambda: box.update(r=_complete(decode, {"prompt": LONG, "kv_transfer_params": params})),
+        daemon=True,
+    )
+    try:
+        _tc("prefill", "qdisc", "add", "dev", "eth0", "root", "tbf", *SLOW_LINK)
+    except (OSError, FileNotFoundError) as exc:
+        pytest.skip(f"cannot shape the prefiller's link: {exc}")
+    try:
+        worker.start()
+        _wait_grown(decode, "kv_connector_nixl_transfers", before, 30)
+        _ip("link", "set", _veth("prefill"), "down")
+        assert not _grew(decode, "kv_connector_nixl_bytes_read", before), "the READ ended before the cut"
+        _wait_grown(decode, "kv_connector_nixl_failed_transfers", before, TRANSFER_TIMEOUT_S + 30)
+        assert not _grew(decode, "kv_connector_nixl_bytes_read", before)
+    finally:
+        _ip("link", "set", _veth("prefill"), "up")
+        _tc("prefill", "qdisc", "del", "dev", "eth0", "root")
+    worker.join(60)
+    assert not worker.is_alive(), "the decoder hung after the link came back"
+    assert box["r"]["choices"][0]["text"] == reference[LONG]
+    assert _grew(prefill, "kv_connector_nixl_expired_leases", prefill_before)
+    wait_idle(decode)
+    wait_idle(prefill, timeout=30)
+    _wait_reads_again(servers, PROMPTS[0], reference[PROMPTS[0]], RECOVERY_S)
+    wait_idle(decode)
+    wait_idle(prefill)
