@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 
 import pytest
+from fastapi import FastAPI, Request
 
-from kvferry.entrypoints.edge import check_content_type, parse_json, parse_model
-from kvferry.entrypoints.http_common import sse
+from kvferry.entrypoints.edge import check_content_type, parse_json, parse_model, read_json
+from kvferry.entrypoints.edge_options import EdgeLimits
+from kvferry.entrypoints.http_common import CLIENT_CLOSED_STATUS, sse
+from kvferry.entrypoints.openai.errors import install_error_handlers
 from kvferry.entrypoints.openai.protocol import CompletionRequest
 from kvferry.entrypoints.proxy.sse import SSEDecoder
 from kvferry.errors import InvalidRequestError
@@ -103,3 +108,39 @@ def test_sse_events_are_one_line_even_for_splitlines() -> None:
     event = sse(obj)
     assert event.endswith("\n\n") and event.splitlines() == [event[:-2], ""]
     assert json.loads(event.removeprefix("data: ")) == obj
+
+
+def test_a_client_gone_while_its_body_is_read_is_not_an_internal_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Part of the body, then a disconnect (a proxy dropping an aborted client's upstream
+    call, seen in the soak): answered 499 quietly, not logged as an error nor re-raised."""
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> dict:
+        return {"body": await read_json(request, EdgeLimits())}
+
+    incoming = [
+        {"type": "http.request", "body": b'{"prompt": "hi', "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return incoming.pop(0) if incoming else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+        "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2),
+        "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")],
+    }  # fmt: skip
+    with caplog.at_level(logging.INFO):
+        asyncio.run(app(scope, receive, send))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == CLIENT_CLOSED_STATUS
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

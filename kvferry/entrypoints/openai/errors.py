@@ -6,13 +6,14 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from kvferry.engine.async_engine import RequestFailedError
 from kvferry.engine.core_protocol import EngineDeadError
 from kvferry.entrypoints.edge import validation_message
-from kvferry.entrypoints.http_common import error_body
+from kvferry.entrypoints.http_common import CLIENT_CLOSED_STATUS, error_body
 from kvferry.errors import InvalidRequestError, KVFerryError, ModelNotFoundError
 
 __all__ = [
@@ -64,6 +65,13 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         err_type = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
         return error_response(exc.status_code, str(exc.detail), err_type)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _on_disconnect(request: Request, _: ClientDisconnect) -> Response:
+        # The client left while its body was being read (a proxy dropping an aborted
+        # client's upstream call): nothing to answer, nothing went wrong here.
+        logger.info("%s %s: the client left before its request was read", request.method, request.url.path)
+        return Response(status_code=CLIENT_CLOSED_STATUS)
 
     async def _on_exception(_: Request, exc: Exception) -> JSONResponse:
         return exception_response(exc)
