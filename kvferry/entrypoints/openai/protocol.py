@@ -56,7 +56,7 @@ class _CommonRequest(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     kv_transfer_params: dict[str, Any] | None = None
-    # completions only: choices also carry token ids (prompt's once, then the new ones)
+    # choices also carry token ids (the prompt's once, then the new ones)
     return_token_ids: bool = False
 
     @property
@@ -144,6 +144,9 @@ class ChatCompletionRequest(_CommonRequest):
     logprobs: bool = False
     top_logprobs: Int64 | None = None
     add_generation_prompt: bool = True
+    # extras: the prompt as token ids, used instead of the messages' chat template (the P/D
+    # proxy continues a chat answer on another decoder from the ids already sent)
+    prompt_token_ids: list[TokenId] | None = Field(default=None, min_length=1)
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

@@ -1,4 +1,10 @@
-"""POST /v1/chat/completions: the chat template, then one generation, streamed (SSE) or not."""
+"""POST /v1/chat/completions: the chat template, then one generation, streamed (SSE) or not.
+
+Extras: ``prompt_token_ids`` is the prompt as token ids instead of the messages' template,
+and ``return_token_ids`` has choices carry ``token_ids`` (and ``prompt_token_ids`` once),
+as for completions: together they let the P/D proxy continue a chat answer on another
+decoder from exactly the tokens already sent.
+"""
 
 from __future__ import annotations
 
@@ -40,9 +46,7 @@ async def create_chat_completion(
     model = state.check_model(body.model)
     params = body.to_sampling_params()
     engine = state.engine
-    prompt = await asyncio.to_thread(  # a long conversation takes a while: off the event loop
-        engine.input_processor.apply_chat_template, body.template_messages(), body.add_generation_prompt
-    )
+    prompt = await _prompt(body, state)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     gens = [engine.generate(prompt, params, request_id, body.kv_transfer_params)]
     meta = {"id": request_id, "created": int(time.time()), "model": model}
@@ -56,6 +60,14 @@ async def create_chat_completion(
     )
 
 
+async def _prompt(body: ChatCompletionRequest, state: ServerState) -> str | list[int]:
+    if body.prompt_token_ids is not None:
+        return list(body.prompt_token_ids)
+    return await asyncio.to_thread(  # a long conversation takes a while: off the event loop
+        state.engine.input_processor.apply_chat_template, body.template_messages(), body.add_generation_prompt
+    )
+
+
 def _response(
     state: ServerState, body: ChatCompletionRequest, meta: dict, finals: list[RequestOutput]
 ) -> dict:
@@ -64,7 +76,8 @@ def _response(
     if body.logprobs and comp.logprobs is not None:
         lps = chat_logprobs(state.engine.tokenizer, comp.token_ids, comp.logprobs)
     message = {"role": "assistant", "content": comp.text}
-    choice = common.final_choice(0, {"message": message}, lps, finals[0])
+    ids = common.token_id_fields(body.return_token_ids, finals[0], list(comp.token_ids), True)
+    choice = common.final_choice(0, {"message": message, **ids}, lps, finals[0])
     return common.response_body({**meta, "object": "chat.completion"}, [choice], finals)
 
 
@@ -74,6 +87,7 @@ async def _chunks(
     meta = {**meta, "object": "chat.completion.chunk"}
     yield chat_role_chunk(meta)
     final = None
+    sent_prompt_ids = False
     async for _, out in common.merge(firsts, gens):
         if out.finished:
             final = out
@@ -81,8 +95,14 @@ async def _chunks(
         if body.logprobs and out.delta_logprobs:
             lps = chat_logprobs(state.engine.tokenizer, out.delta_token_ids, out.delta_logprobs)
         delta = {"content": out.delta_text} if out.delta_text or lps is not None else {}
-        chunk = common.stream_chunk(meta, 0, {"delta": delta}, lps, out)
+        ids = common.token_id_fields(
+            body.return_token_ids, out, list(out.delta_token_ids), not sent_prompt_ids
+        )
+        if ids and not out.delta_text and not ids["token_ids"] and not out.finished:
+            ids = {}  # nothing new: no chunk
+        chunk = common.stream_chunk(meta, 0, {"delta": delta, **ids}, lps, out, bool(ids))
         if chunk is not None:
+            sent_prompt_ids = sent_prompt_ids or bool(ids)
             yield chunk
     if body.include_usage and final is not None:
         yield {**meta, "choices": [], "usage": common.usage([final])}

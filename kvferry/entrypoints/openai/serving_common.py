@@ -137,6 +137,16 @@ def stream_chunk(
     return chunk
 
 
+def token_id_fields(wanted: bool, out: RequestOutput, new: list[int], with_prompt: bool) -> dict[str, Any]:
+    """``token_ids`` (and, with ``with_prompt``, ``prompt_token_ids``) when ``wanted``."""
+    if not wanted:
+        return {}
+    ids: dict[str, Any] = {"token_ids": new}
+    if with_prompt:
+        ids["prompt_token_ids"] = list(out.prompt_token_ids)
+    return ids
+
+
 def usage(outputs: list[RequestOutput]) -> dict[str, Any]:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(o.outputs[0].token_ids) for o in outputs if o.outputs)

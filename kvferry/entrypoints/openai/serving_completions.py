@@ -69,7 +69,8 @@ def _response(state: ServerState, body: CompletionRequest, meta: dict, finals: l
         lps = None
         if body.logprobs is not None and comp.logprobs is not None:
             lps = completion_logprobs(state.engine.tokenizer, comp.token_ids, comp.logprobs)
-        content = {"text": comp.text, **_token_ids(body, out, list(comp.token_ids), True)}
+        ids = common.token_id_fields(body.return_token_ids, out, list(comp.token_ids), True)
+        content = {"text": comp.text, **ids}
         choices.append(common.final_choice(i, content, lps, out))
     return common.response_body(meta, choices, finals)
 
@@ -98,20 +99,12 @@ def _chunk(
     choice.offset += len(out.delta_text)
     if out.finished:
         choice.final = out
-    ids = _token_ids(body, out, list(out.delta_token_ids), not choice.sent_prompt_ids)
+    ids = common.token_id_fields(
+        body.return_token_ids, out, list(out.delta_token_ids), not choice.sent_prompt_ids
+    )
     if ids and not out.delta_text and not ids["token_ids"] and not out.finished:
         ids = {}  # nothing new: no chunk
     chunk = common.stream_chunk(meta, index, {"text": out.delta_text, **ids}, lps, out, bool(ids))
     if chunk is not None and ids:
         choice.sent_prompt_ids = True
     return chunk
-
-
-def _token_ids(body: CompletionRequest, out: RequestOutput, new: list[int], with_prompt: bool) -> dict:
-    """``token_ids`` (and once ``prompt_token_ids``) when the request asked for them."""
-    if not body.return_token_ids:
-        return {}
-    ids: dict[str, Any] = {"token_ids": new}
-    if with_prompt:
-        ids["prompt_token_ids"] = list(out.prompt_token_ids)
-    return ids

@@ -7,15 +7,24 @@ matters for the answer is only that the new decoder sees the same tokens.
 
 Non-streamed, nothing has reached the client: the original request is sent again.
 Streamed, the client already has some text: the decode request asks for token ids
-(``return_token_ids``, completions only), so the proxy knows the prompt's and the sent
-tokens' ids, and the continuation's prompt is those ids, not re-tokenized text (text
-does not always tokenize back into the same ids). ``max_tokens`` shrinks by the tokens
-already sent, and usage is corrected to count them as completion tokens. A greedy answer
-is then byte-identical to an undisturbed one; a seeded sampled one is not (the new
-decoder's random stream starts over).
+(``return_token_ids``), so the proxy knows the prompt's and the sent tokens' ids, and the
+continuation's prompt is those ids, not re-tokenized text (text does not always tokenize
+back into the same ids): a completion's ``prompt``, a chat request's ``prompt_token_ids``
+(the chat template's output plus the sent tokens, used instead of the messages; the
+answer stays a chat stream, its repeated role chunk dropped). ``max_tokens`` (and chat's
+``max_completion_tokens``) shrinks by the tokens already sent, and usage is corrected to
+count them as completion tokens. A greedy answer is then byte-identical to an undisturbed
+one, and so is a seeded sampled one: an engine's seeded draw for a token is keyed by the
+seed and the token's position in the sequence (kvferry/worker/seeded_draws.py), so the
+new decoder draws what the lost one would have. (Unseeded sampled answers continue
+coherently but are not reproducible anyway. Presence and frequency penalties count only
+output tokens, so with those the continuation sees the sent tokens as prompt.)
 
-Chat streams are not continued (the chat endpoint takes no token-id prompt): their
-client gets the in-stream error, as before.
+Counted in the proxy's /metrics: ``kvferry_proxy:decode_failovers{mode}`` for an answer a
+decoder had accepted and was lost during (mode ``stream`` or ``complete``), and
+``kvferry_proxy:requests_moved{role="decode", cause}`` for a request no decoder accepted
+yet: the chosen one refused the connection (``refused``) or was lost before its answer's
+status line (``lost``), and the request went whole to another decoder (upstream.py).
 """
 
 from __future__ import annotations
@@ -32,7 +41,8 @@ TOKEN_ID_FIELDS = ("token_ids", "prompt_token_ids")
 class SentTokens:
     """The token ids of one leg's answer that a decoder already streamed."""
 
-    def __init__(self) -> None:
+    def __init__(self, chat: bool) -> None:
+        self.chat = chat
         self.prompt: list[int] | None = None
         self.generated: list[int] = []
         self.resumed_after = 0  # tokens sent before the current decoder took over
@@ -57,9 +67,10 @@ class SentTokens:
         out["return_token_ids"] = True
         if self.prompt is None:  # the lost decoder sent nothing: start over
             return out
-        out["prompt"] = self.prompt + self.generated
-        if isinstance(out.get("max_tokens"), int):
-            out["max_tokens"] = max(1, out["max_tokens"] - len(self.generated))
+        out["prompt_token_ids" if self.chat else "prompt"] = self.prompt + self.generated
+        for name in ("max_tokens", "max_completion_tokens") if self.chat else ("max_tokens",):
+            if isinstance(out.get(name), int):
+                out[name] = max(1, out[name] - len(self.generated))
         self.resumed_after = len(self.generated)
         return out
 
@@ -70,3 +81,15 @@ class SentTokens:
             return
         usage["prompt_tokens"] = usage.get("prompt_tokens", 0) - self.resumed_after
         usage["completion_tokens"] = usage.get("completion_tokens", 0) + self.resumed_after
+
+
+def is_role_chunk(chunk: dict) -> bool:
+    """A chat stream's opening chunk: the assistant's role, no content, ids or end yet."""
+    choices = chunk.get("choices") or []
+    return bool(choices) and all(
+        (choice.get("delta") or {}).get("role")
+        and not (choice.get("delta") or {}).get("content")
+        and choice.get("finish_reason") is None
+        and not choice.get("token_ids")
+        for choice in choices
+    )

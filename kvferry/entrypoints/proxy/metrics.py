@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
+from enum import StrEnum
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -14,6 +15,13 @@ from kvferry.entrypoints.proxy.pool import InstancePool
 logger = logging.getLogger(__name__)
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class MoveCause(StrEnum):
+    """Why a request went to another instance of its role before any answer."""
+
+    REFUSED = "refused"  # the instance refused the connection: it never got the request
+    LOST = "lost"  # it closed the connection, then refused a new one: it died holding it
 
 
 class _PoolCollector(Collector):
@@ -72,10 +80,22 @@ class ProxyMetrics:
 
         self._failovers = Counter(
             "kvferry_proxy:decode_failovers",
-            "answers continued on another decoder after theirs was lost, by streamed or not",
+            "answers continued on another decoder after theirs, which had accepted the request, "
+            "was lost; by streamed or not",
             ["mode"],
             registry=self.registry,
         )
+
+        self._moved = Counter(
+            "kvferry_proxy:requests_moved",
+            "requests an instance never answered (refused, or lost before its status line) "
+            "sent to another instance of the role instead",
+            ["role", "cause"],
+            registry=self.registry,
+        )
+
+    def moved(self, role: str, cause: MoveCause) -> None:
+        self._moved.labels(role, cause.value).inc()
 
     def failover(self, streamed: bool) -> None:
         self._failovers.labels("stream" if streamed else "complete").inc()

@@ -33,10 +33,9 @@ from collections.abc import AsyncIterator
 from kvferry.entrypoints.http_common import SSE_DONE as SSE_DONE_EVENT
 from kvferry.entrypoints.http_common import chat_role_chunk, gather_or_cancel, interleave, sse
 from kvferry.entrypoints.proxy.errors import exception_event_body
-from kvferry.entrypoints.proxy.failover import DECODER_LOST, SentTokens
+from kvferry.entrypoints.proxy.failover import DECODER_LOST, SentTokens, is_role_chunk
 from kvferry.entrypoints.proxy.pd import (
     CHAT,
-    COMPLETIONS,
     Prefilled,
     ProxyContext,
     decode_body,
@@ -69,8 +68,9 @@ class StreamLeg:
         self.early: str | None = None  # the prefill's text, sent before the decoder's stream
         self.pending = ""  # early text still to drop from the decoder's stream
         self.stream: UpstreamStream | None = None
-        self.sent = SentTokens()
-        self.can_fail_over = path == COMPLETIONS and len(ctx.decode.instances) > 1
+        self.sent = SentTokens(chat=path == CHAT)
+        self.can_fail_over = len(ctx.decode.instances) > 1
+        self.role_sent = False  # chat: the client got the role chunk (a later decoder's is dropped)
         self.client_wants_ids = bool(body.get("return_token_ids"))
 
     async def prepare(self, allow_early: bool) -> None:
@@ -101,6 +101,7 @@ class StreamLeg:
         if self.early is not None:
             for chunk in early_chunks(self.path, self.prefill.response, self.early):
                 yield chunk
+            self.role_sent = self.path == CHAT
             self.pending = self.early
             await self._open_decoder()
         while True:
@@ -127,6 +128,8 @@ class StreamLeg:
                 self.sent.record(obj, self.client_wants_ids)
                 self.sent.fix_usage(obj)
             chunk = self._strip_early(obj)
+            if chunk is not None and self._role_again(chunk):
+                continue
             if chunk is not None:
                 yield chunk
 
@@ -142,6 +145,14 @@ class StreamLeg:
         self.ctx.metrics.failover(streamed=True)
         body = self.sent.resume_body(self.body)
         self.stream = await self.ctx.upstream.open_stream(self.ctx.decode, self.path, body, self.headers)
+
+    def _role_again(self, chunk: dict) -> bool:
+        """Whether ``chunk`` is a chat role chunk the client already got (from the prefill's
+        early text, or from a decoder lost since)."""
+        if self.path != CHAT or not is_role_chunk(chunk):
+            return False
+        again, self.role_sent = self.role_sent, True
+        return again
 
     def _strip_early(self, chunk: dict) -> dict | None:
         if self.early is None:

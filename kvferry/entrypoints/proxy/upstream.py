@@ -1,8 +1,8 @@
 """Calls to instances over one pooled httpx.AsyncClient.
 
 A refused connection (nothing was sent) marks the instance unhealthy and the request
-goes to the next healthy instance of the role. A pooled keep-alive connection the instance
-closed meanwhile (it answered nothing: no status line) is not a failure: the request goes
+goes to the next healthy instance of the role (counted in ``requests_moved``). A pooled
+keep-alive connection the instance closed meanwhile (it answered nothing: no status line) is not a failure: the request goes
 again to the same instance on another connection (up to STALE_RETRIES times). An instance
 silent for longer than the read timeout is a 504; any other failure is a 502 at once. An
 instance's error answer becomes an ``UpstreamHTTPError`` carrying its status and body.
@@ -25,12 +25,13 @@ from kvferry.entrypoints.proxy.errors import (
     UpstreamTimeoutError,
     UpstreamUnavailableError,
 )
-from kvferry.entrypoints.proxy.metrics import ProxyMetrics
+from kvferry.entrypoints.proxy.metrics import MoveCause, ProxyMetrics
 from kvferry.entrypoints.proxy.pool import Instance, InstancePool
 from kvferry.entrypoints.proxy.sse import sse_data
 
 logger = logging.getLogger(__name__)
 
+UPSTREAM_OUTCOME = {MoveCause.LOST: "lost", MoveCause.REFUSED: "connect_error"}
 SSE_DONE = object()  # what iter_sse yields for "data: [DONE]"
 RELEASE_KV_PATH = "/v1/kv_transfer/release"
 RELEASE_TIMEOUT_S = 5.0
@@ -186,9 +187,9 @@ class Upstream:
             except (*_RETRYABLE, InstanceLostError) as exc:
                 pool.release(inst)
                 pool.mark(inst, False, f"{type(exc).__name__}: {exc}")
-                lost = isinstance(exc, InstanceLostError)
-                self.metrics.upstream(pool.role, inst.url, "lost" if lost else "connect_error")
-                if lost and not move_when_lost:
+                cause = MoveCause.LOST if isinstance(exc, InstanceLostError) else MoveCause.REFUSED
+                self.metrics.upstream(pool.role, inst.url, UPSTREAM_OUTCOME[cause])
+                if cause is MoveCause.LOST and not move_when_lost:
                     raise
                 tried.append(inst)
                 if len(tried) == len(pool.instances) or pool.num_healthy == 0:
@@ -196,6 +197,7 @@ class Upstream:
                     raise UpstreamUnavailableError(
                         f"could not connect to any {pool.role} instance (tried {urls}): {exc}"
                     ) from exc
+                self.metrics.moved(pool.role, cause)
                 continue
             except BaseException:
                 pool.release(inst)
