@@ -12,8 +12,10 @@ looping over a mix of requests:
 It ends with a JSON summary: requests by kind and outcome, greedy mismatches, KV blocks
 still held on every instance once the load stopped (read from each instance's /metrics,
 found through the proxy's), and the deployment's resident memory (all its processes)
-before and after the load. A clean run has zero mismatches, zero held blocks and no
-unexpected outcomes:
+before and after the load, with samples during it by instance and the trend over the
+load's second half, with and without the KV memory the instances committed
+(soak_memory.py). A clean run has zero mismatches, zero held blocks, no unexpected
+outcomes and no upward memory trend:
 
     kvferry bench soak smollm2 --clients 64 --duration 600
 """
@@ -36,6 +38,7 @@ from pathlib import Path
 
 import httpx
 
+from kvferry.bench.soak_memory import MemorySample, memory_summary, sample_memory
 from kvferry.bench.soak_probe import held_blocks, instance_urls, tree_rss
 from kvferry.entrypoints.disagg import Child, spawn, stop_all, wait_healthy
 from kvferry.ports import free_port
@@ -63,6 +66,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--mix", type=float, nargs=3, default=[0.7, 0.15, 0.15], metavar=("N", "A", "B"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rss-every", type=float, default=30.0, help="seconds between memory samples")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--log-dir", default=None, help="deployment logs (default: a new temporary dir)")
     parser.add_argument("--output", default="bench-results/soak.json")
@@ -157,12 +161,14 @@ async def client_loop(url: str, cases: list[tuple[str, str]], args, deadline: fl
                 tally.add(kind, type(exc).__name__)
 
 
-async def soak(url: str, cases: list[tuple[str, str]], args) -> Tally:
-    tally = Tally()
+async def soak(
+    url: str, cases: list[tuple[str, str]], args, pid: int, urls: list[str]
+) -> tuple[Tally, list[MemorySample]]:
+    tally, samples = Tally(), []
     deadline = time.monotonic() + args.duration
     loops = [client_loop(url, cases, args, deadline, tally, args.seed + i) for i in range(args.clients)]
-    await asyncio.gather(*loops)
-    return tally
+    await asyncio.gather(*loops, sample_memory(pid, urls, args.rss_every, deadline, samples))
+    return tally, samples
 
 
 def deployment(args: argparse.Namespace, port: int, log_dir: Path) -> Child:
@@ -172,7 +178,14 @@ def deployment(args: argparse.Namespace, port: int, log_dir: Path) -> Child:
     return Child("disagg", cmd, f"http://127.0.0.1:{port}", log_dir / "disagg.log")
 
 
-def summarize(args, tally: Tally, held: dict[str, int], rss: tuple[int, int], seconds: float) -> dict:
+def summarize(
+    args,
+    tally: Tally,
+    held: dict[str, int],
+    rss: tuple[int, int],
+    samples: list[MemorySample],
+    seconds: float,
+) -> dict:
     unexpected = {k: v for k, v in tally.outcomes.items() if not k.endswith((":ok", ":refused"))}
     return {
         "model": args.model,
@@ -186,6 +199,7 @@ def summarize(args, tally: Tally, held: dict[str, int], rss: tuple[int, int], se
         "held_blocks": held,
         "rss_start_bytes": rss[0],
         "rss_end_bytes": rss[1],
+        **memory_summary(samples),
     }
 
 
@@ -209,9 +223,10 @@ def run(args: argparse.Namespace) -> dict:
 def measure(args: argparse.Namespace, child: Child) -> dict:
     prompts = make_prompts(args.num_prompts, args.seed)
     cases = list(zip(prompts, asyncio.run(references(child.url, prompts, args.max_tokens))))
+    urls = instance_urls(child.url)
     rss_start = tree_rss(child.proc.pid)
     begin = time.monotonic()
-    tally = asyncio.run(soak(child.url, cases, args))
+    tally, samples = asyncio.run(soak(child.url, cases, args, child.proc.pid, urls))
     seconds = time.monotonic() - begin
-    held = held_blocks(instance_urls(child.url))
-    return summarize(args, tally, held, (rss_start, tree_rss(child.proc.pid)), seconds)
+    held = held_blocks(urls)
+    return summarize(args, tally, held, (rss_start, tree_rss(child.proc.pid)), samples, seconds)

@@ -58,15 +58,62 @@ def _children() -> dict[int, list[int]]:
     return tree
 
 
-def tree_rss(pid: int) -> int:
-    """Resident bytes of ``pid`` and all its descendants (0 for those gone meanwhile)."""
-    tree, total, todo = _children(), 0, [pid]
+def _rss(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE
+    except (OSError, ValueError, IndexError):
+        return 0  # gone meanwhile
+
+
+def _subtree_rss(pid: int, tree: dict[int, list[int]]) -> int:
+    total, todo = 0, [pid]
     while todo:
         current = todo.pop()
         todo.extend(tree.get(current, []))
-        try:
-            resident_pages = int(Path(f"/proc/{current}/statm").read_text().split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        total += resident_pages * PAGE
+        total += _rss(current)
     return total
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of ``pid`` and all its descendants (0 for those gone meanwhile)."""
+    return _subtree_rss(pid, _children())
+
+
+def _role(pid: int) -> str:
+    """What a process of ``kvferry disagg`` is, from its command line."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return f"pid {pid}"
+    text = b" ".join(argv).decode(errors="replace")
+    for word, role in (("proxy", "proxy"), ('"producer"', "prefill"), ('"consumer"', "decode")):
+        if word in text:
+            return f"{role} {pid}"
+    return f"pid {pid}"
+
+
+def rss_by_child(pid: int) -> dict[str, int]:
+    """Resident bytes of ``pid`` ("launcher") and of every process under each of its
+    children (an instance: API server, then its engine core and workers), named by the
+    instance's role: "prefill 12", "prefill 12 > 15", ..."""
+    tree = _children()
+    out = {"launcher": _rss(pid)}
+    for child in tree.get(pid, []):
+        role = _role(child)
+        out[role] = _rss(child)
+        todo = list(tree.get(child, []))
+        while todo:
+            current = todo.pop()
+            todo.extend(tree.get(current, []))
+            out[f"{role} > {current}"] = _rss(current)
+    return out
+
+
+def kv_resident(urls: list[str]) -> int:
+    """KV memory committed on all the instances (/metrics' kv_resident_bytes)."""
+    total = 0.0
+    for url in urls:
+        for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith("kvferry:kv_resident_bytes"):
+                total += float(line.rpartition(" ")[2])
+    return int(total)
