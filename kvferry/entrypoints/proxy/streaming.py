@@ -128,9 +128,7 @@ class StreamLeg:
                 self.sent.record(obj, self.client_wants_ids)
                 self.sent.fix_usage(obj)
             chunk = self._strip_early(obj)
-            if chunk is not None and self._role_again(chunk):
-                continue
-            if chunk is not None:
+            if chunk is not None and not self._role_again(chunk):
                 yield chunk
 
     async def _fail_over(self, exc: Exception) -> None:
