@@ -122,18 +122,21 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # --prefill-budget-with-decodes: while requests are decoding, the prompt tokens one step
     # may compute (chunked prefill), so a long prompt does not stall their next tokens for
-    # a whole max_num_batched_tokens step. None: no separate budget.
-    prefill_budget_with_decodes: int | None = None
+    # a whole max_num_batched_tokens step. A budget at or above max_num_batched_tokens caps
+    # nothing. The default: a 1,000-token prompt arriving while a request decodes stalls it
+    # for one 1,000-token step without a budget and for at most a 256-token chunk with
+    # this one, for the same prompt time overall (docs/benchmarks.md, "Prefill budget").
+    prefill_budget_with_decodes: int = 256
 
     def __post_init__(self) -> None:
         _at_least_one("max_num_batched_tokens", self.max_num_batched_tokens)
         _at_least_one("max_num_seqs", self.max_num_seqs)
-        budget = self.prefill_budget_with_decodes
-        if budget is not None and not 0 < budget <= self.max_num_batched_tokens:
-            raise ConfigError(
-                f"the prefill budget with decodes must be in 1..max_num_batched_tokens "
-                f"({self.max_num_batched_tokens}), not {budget}"
-            )
+        _at_least_one("the prefill budget with decodes", self.prefill_budget_with_decodes)
+
+    @property
+    def caps_prefill_with_decodes(self) -> bool:
+        """True when a step with decodes computes fewer prompt tokens than one without."""
+        return self.enable_chunked_prefill and self.prefill_budget_with_decodes < self.max_num_batched_tokens
 
 
 class ExecutorKind(str, Enum):
@@ -275,7 +278,7 @@ class EngineOptions:
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
     max_num_seqs: int = SchedulerConfig.max_num_seqs
     enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
-    prefill_budget_with_decodes: int | None = SchedulerConfig.prefill_budget_with_decodes
+    prefill_budget_with_decodes: int = SchedulerConfig.prefill_budget_with_decodes
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
     executor: ExecutorKind = ParallelConfig.executor
     cpu_cores: tuple[int, ...] | None = ParallelConfig.cpu_cores

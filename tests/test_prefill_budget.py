@@ -11,6 +11,7 @@ import time
 import pytest
 
 from kvferry.config import SchedulerConfig
+from kvferry.engine.core import describe_step_budget
 from kvferry.errors import ConfigError
 from kvferry.messages.engine_core import EngineCoreRequest
 from kvferry.sampling_params import SamplingParams
@@ -20,7 +21,7 @@ BUDGET = 48
 LONG = 300
 
 
-def _run(tiny_llama, budget: int | None) -> tuple[dict[str, list[int]], list[tuple[int, int]]]:
+def _run(tiny_llama, budget: int) -> tuple[dict[str, list[int]], list[tuple[int, int]]]:
     """Three short requests decode, then a long prompt arrives: the tokens per request and,
     per step, (prompt tokens scheduled, decodes scheduled)."""
     llm = make_llm(tiny_llama, enforce_eager=True)
@@ -54,15 +55,24 @@ def _run(tiny_llama, budget: int | None) -> tuple[dict[str, list[int]], list[tup
 
 def test_prompt_tokens_are_capped_while_requests_decode(tiny_llama):
     capped_tokens, capped = _run(tiny_llama, BUDGET)
-    free_tokens, free = _run(tiny_llama, None)
+    free_tokens, free = _run(tiny_llama, SchedulerConfig.max_num_batched_tokens)
     assert capped_tokens == free_tokens
     assert all(prompt <= BUDGET for prompt, decodes in capped if decodes)
     assert sum(prompt for prompt, _ in capped) == sum(prompt for prompt, _ in free)
     assert any(prompt > BUDGET for prompt, decodes in free if decodes)  # the cap did something
 
 
-def test_the_budget_must_fit_the_step():
-    with pytest.raises(ConfigError, match="prefill budget"):
-        SchedulerConfig(max_num_batched_tokens=64, prefill_budget_with_decodes=128)
+def test_a_budget_caps_by_default_and_one_as_large_as_the_step_caps_nothing():
+    assert SchedulerConfig().caps_prefill_with_decodes
+    assert not SchedulerConfig(
+        max_num_batched_tokens=64, prefill_budget_with_decodes=128
+    ).caps_prefill_with_decodes
+    assert not SchedulerConfig(enable_chunked_prefill=False).caps_prefill_with_decodes
     with pytest.raises(ConfigError, match="prefill budget"):
         SchedulerConfig(prefill_budget_with_decodes=0)
+
+
+def test_the_start_up_log_states_the_budget():
+    assert describe_step_budget(SchedulerConfig()).endswith("at most 256 prompt tokens while requests decode")
+    off = SchedulerConfig(prefill_budget_with_decodes=2048)
+    assert describe_step_budget(off).endswith("prompt tokens not capped while requests decode")

@@ -6,7 +6,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from kvferry.config import EngineConfig, ExecutorKind
+from kvferry.config import EngineConfig, ExecutorKind, SchedulerConfig
 from kvferry.connector.base import KVConnectorRole
 from kvferry.connector.factory import create_connector, prepare_engine_config
 from kvferry.engine.profile_run import size_kv_cache
@@ -72,11 +72,12 @@ class EngineCore:
         self._warm_up(kv_config)
         self._last_log = time.monotonic()
         logger.info(
-            "engine ready in %.1fs: %s, %d KV blocks of %d tokens",
+            "engine ready in %.1fs: %s, %d KV blocks of %d tokens, %s",
             time.perf_counter() - start,
             config.model.served_model_name,
             kv_config.num_blocks,
             kv_config.block_size,
+            describe_step_budget(config.scheduler),
         )
 
     def _warm_up(self, kv_config: KVCacheConfig) -> None:
@@ -158,3 +159,11 @@ class EngineCore:
         if self.connector is not None:
             self.connector.shutdown()
         self.executor.shutdown()
+
+
+def describe_step_budget(config: SchedulerConfig) -> str:
+    """The step's token budgets, as the start-up log states them."""
+    tokens = f"{config.max_num_batched_tokens} tokens per step"
+    if not config.caps_prefill_with_decodes:
+        return f"{tokens}, prompt tokens not capped while requests decode"
+    return f"{tokens}, at most {config.prefill_budget_with_decodes} prompt tokens while requests decode"

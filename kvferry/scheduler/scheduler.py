@@ -156,11 +156,10 @@ class Scheduler:
 
     def _prefill_room(self) -> int | None:
         """The step's cap on prompt tokens: the configured budget while a request decodes."""
-        budget = self.config.prefill_budget_with_decodes
-        if budget is None or not self.config.enable_chunked_prefill:
+        if not self.config.caps_prefill_with_decodes:
             return None
         decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
-        return budget if decoding else None
+        return self.config.prefill_budget_with_decodes if decoding else None
 
     def _schedule_running(self, plan: StepPlan) -> None:
         kv = self.kv_cache_manager
