@@ -229,10 +229,13 @@ def test_server_and_client_commands_share_model_cores_and_limits(tmp_path: Path)
     assert kvf[kvf.index("serve") - 1] == "kvferry.entrypoints.cli" and "--enforce-eager" in kvf
     assert kvf[kvf.index("--kv-cache-memory") + 1] == "1.5"
 
-    client = serving.client_command(
-        setup, "http://127.0.0.1:8123", serving.Load(900, 32, 5), 0.25, tmp_path / "r.json"
-    )
+    load = serving.Load(900, 32, 5, (0.25, 0.5))
+    client = serving.client_command(setup, "http://127.0.0.1:8123", load, 0, tmp_path / "r.json")
     flags = dict(zip(client, client[1:]))
+    second = serving.client_command(setup, "http://127.0.0.1:8124", load, 1, tmp_path / "s.json")
+    second_flags = dict(zip(second, second[1:]))
+    # each rate its own prompts (a rate's prompts would be cached at the next), same for both engines
+    assert second_flags["--request-rate"] == "0.5" and second_flags["--seed"] != flags["--seed"]
     assert flags["--backend"] == "openai" and flags["--dataset-name"] == "random"
     assert flags["--random-input-len"] == "900" and flags["--random-output-len"] == "32"
     assert flags["--num-prompts"] == "5" and flags["--request-rate"] == "0.25"

@@ -62,15 +62,20 @@ def server_command(engine: str, setup: Setup, port: int) -> list[str]:
     return [*setup.pin, *serve, *setup.kvferry_engine_args()]
 
 
-def client_command(setup: Setup, url: str, load: Load, rate: float, out: Path) -> list[str]:
-    """`vllm bench serve` at one request rate, saving its result JSON as `out`."""
+def client_command(setup: Setup, url: str, load: Load, rate_index: int, out: Path) -> list[str]:
+    """`vllm bench serve` at the `rate_index`-th request rate, saving its result JSON as `out`.
+
+    Each rate draws its own prompts (seed + rate index): the prompts of one rate would be
+    in both engines' prefix caches at the next, and a cached 1,000-token prompt measures no
+    prefill. Both engines get the same prompts at the same rate."""
+    rate = load.rates[rate_index]
     command = [setup.vllm_bin("vllm"), "bench", "serve", "--backend", "openai", "--base-url", url]
     command += ["--endpoint", "/v1/completions", "--model", SERVED_NAME]
     command += ["--tokenizer", str(setup.model_dir.absolute()), "--dataset-name", "random"]
     command += ["--random-input-len", str(load.input_len), "--random-output-len", str(load.output_len)]
     command += ["--random-range-ratio", "0", "--ignore-eos", "--num-prompts", str(load.num_prompts)]
     command += ["--temperature", "0"]  # greedy: vLLM's client no longer sends it by default
-    command += ["--request-rate", _rate_arg(rate), "--seed", str(setup.seed), "--disable-tqdm"]
+    command += ["--request-rate", _rate_arg(rate), "--seed", str(setup.seed + rate_index), "--disable-tqdm"]
     command += ["--percentile-metrics", ",".join(METRICS), "--metric-percentiles", "50,99"]
     command += ["--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
     return [*setup.vllm_env_argv(), *command]
@@ -88,11 +93,12 @@ def parse_bench_serve(path: Path) -> dict:
     return kept
 
 
-def run_client(setup: Setup, url: str, load: Load, rate: float, tag: str) -> dict:
+def run_client(setup: Setup, url: str, load: Load, rate_index: int, tag: str) -> dict:
+    rate = load.rates[rate_index]
     out = setup.work_dir / f"serve-{tag}-rate{_rate_arg(rate)}.json"
     log = out.with_suffix(".log")
     out.unlink(missing_ok=True)
-    command = client_command(setup, url, load, rate, out)
+    command = client_command(setup, url, load, rate_index, out)
     logger.info("serving: %s at %s req/s (log %s)", tag, _rate_arg(rate), log)
     with log.open("wb") as sink:
         subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, timeout=setup.timeout, check=False)
@@ -112,6 +118,6 @@ def bench_server(engine: str, setup: Setup, load: Load, startup_timeout: float =
         begin = time.monotonic()
         wait_healthy([child], begin + startup_timeout, threading.Event())
         logger.info("%s server ready in %.0f s", engine, time.monotonic() - begin)
-        return [run_client(setup, child.url, load, rate, engine) for rate in load.rates]
+        return [run_client(setup, child.url, load, index, engine) for index in range(len(load.rates))]
     finally:
         stop_all([child], grace=30.0)
