@@ -76,8 +76,6 @@ def serving_part(setup: Setup, engines: list[str], load: serving.Load) -> dict:
         "load": vars(load) | {"rates": list(load.rates)},
         "client": "vllm bench serve --backend openai",
     }
-    if setup.vllm_venv is None:
-        return doc | {"error": "the serving client is vLLM's: run with --engines including vllm"}
     for engine in engines:
         try:
             doc[engine] = serving.bench_server(engine, setup, load)
@@ -90,7 +88,9 @@ def serving_part(setup: Setup, engines: list[str], load: serving.Load) -> dict:
 def run_peers(args: argparse.Namespace) -> dict:
     parts, engines = args.parts, args.engines
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the health polls
-    venv = ensure_vllm(Path(args.vllm_venv)).parent.parent if "vllm" in engines else None
+    # vLLM's venv runs its engine, and also the serving client every engine is measured with
+    needs_vllm = "vllm" in engines or "serve" in parts
+    venv = ensure_vllm(Path(args.vllm_venv)).parent.parent if needs_vllm else None
     model_dir = hf_model_dir(args.model, args.dtype, Path(args.model_cache))
     setup = make_setup(args, model_dir, venv)
     doc: dict = {"bench": "peers", "model": args.model, "model_dir": str(model_dir), "dtype": args.dtype}
