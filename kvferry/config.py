@@ -125,7 +125,7 @@ class SchedulerConfig:
     # a whole max_num_batched_tokens step. A budget at or above max_num_batched_tokens caps
     # nothing. The default: a 1,000-token prompt arriving while a request decodes stalls it
     # for one 1,000-token step without a budget and for at most a 256-token chunk with
-    # this one, for the same prompt time overall (docs/benchmarks.md, "Prefill budget").
+    # this one, for +3% on the prompt's own compute (docs/benchmarks.md, "Prefill budget").
     prefill_budget_with_decodes: int = 256
 
     def __post_init__(self) -> None:

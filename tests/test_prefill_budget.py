@@ -76,3 +76,14 @@ def test_the_start_up_log_states_the_budget():
     assert describe_step_budget(SchedulerConfig()).endswith("at most 256 prompt tokens while requests decode")
     off = SchedulerConfig(prefill_budget_with_decodes=2048)
     assert describe_step_budget(off).endswith("prompt tokens not capped while requests decode")
+
+
+def test_the_cli_help_states_the_configs_default():
+    import argparse
+
+    from kvferry.entrypoints.engine_args import add_engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    (action,) = [a for a in parser._actions if "--prefill-budget-with-decodes" in a.option_strings]
+    assert f"default {SchedulerConfig().prefill_budget_with_decodes};" in action.help

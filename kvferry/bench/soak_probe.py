@@ -65,18 +65,19 @@ def _rss(pid: int) -> int:
         return 0  # gone meanwhile
 
 
-def _subtree_rss(pid: int, tree: dict[int, list[int]]) -> int:
-    total, todo = 0, [pid]
+def _descendants(pid: int, tree: dict[int, list[int]]) -> list[int]:
+    """Every process under ``pid`` in ``tree`` (not ``pid`` itself)."""
+    found, todo = [], list(tree.get(pid, []))
     while todo:
         current = todo.pop()
+        found.append(current)
         todo.extend(tree.get(current, []))
-        total += _rss(current)
-    return total
+    return found
 
 
 def tree_rss(pid: int) -> int:
     """Resident bytes of ``pid`` and all its descendants (0 for those gone meanwhile)."""
-    return _subtree_rss(pid, _children())
+    return sum(_rss(current) for current in [pid, *_descendants(pid, _children())])
 
 
 def _role(pid: int) -> str:
@@ -101,10 +102,7 @@ def rss_by_child(pid: int) -> dict[str, int]:
     for child in tree.get(pid, []):
         role = _role(child)
         out[role] = _rss(child)
-        todo = list(tree.get(child, []))
-        while todo:
-            current = todo.pop()
-            todo.extend(tree.get(current, []))
+        for current in _descendants(child, tree):
             out[f"{role} > {current}"] = _rss(current)
     return out
 

@@ -60,7 +60,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--prefill-budget-with-decodes",
         type=int,
         metavar="TOKENS",
-        help="while requests decode, at most this many prompt tokens per step (chunked prefill; default 256; at or above --max-num-batched-tokens: no cap)",
+        # the default is SchedulerConfig's, written out here: kvferry.config imports torch
+        help="while requests decode, at most this many prompt tokens per step (chunked prefill; "
+        "default 256; at or above --max-num-batched-tokens: no cap)",
     )
     parser.add_argument("--tensor-parallel-size", "-tp", type=int)
     parser.add_argument("--executor", choices=["uniproc", "multiproc", "ray"])

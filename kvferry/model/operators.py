@@ -4,8 +4,8 @@
 autograd kernel, then the implementation), several times the cost of a function
 registered as the operator's only kernel (docs/benchmarks.md, "bf16 decode"). A decode
 step calls one operator per linear and per attention layer (~150 for SmolLM2), eagerly and
-from a compiled graph alike, so kvferry registers its operators this way: the schema inferred from the
-function's annotations (as `custom_op` does), the function as the CompositeExplicitAutograd
+from a compiled graph alike, so kvferry registers its operators this way: the schema
+inferred from the function's annotations (as `custom_op` does), the function as the CompositeExplicitAutograd
 kernel (kvferry's forwards never need gradients), a fake kernel for the compiler.
 """
 

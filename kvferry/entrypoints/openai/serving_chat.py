@@ -95,11 +95,7 @@ async def _chunks(
         if body.logprobs and out.delta_logprobs:
             lps = chat_logprobs(state.engine.tokenizer, out.delta_token_ids, out.delta_logprobs)
         delta = {"content": out.delta_text} if out.delta_text or lps is not None else {}
-        ids = common.token_id_fields(
-            body.return_token_ids, out, list(out.delta_token_ids), not sent_prompt_ids
-        )
-        if ids and not out.delta_text and not ids["token_ids"] and not out.finished:
-            ids = {}  # nothing new: no chunk
+        ids = common.delta_token_id_fields(body.return_token_ids, out, not sent_prompt_ids)
         chunk = common.stream_chunk(meta, 0, {"delta": delta, **ids}, lps, out, bool(ids))
         if chunk is not None:
             sent_prompt_ids = sent_prompt_ids or bool(ids)

@@ -147,6 +147,15 @@ def token_id_fields(wanted: bool, out: RequestOutput, new: list[int], with_promp
     return ids
 
 
+def delta_token_id_fields(wanted: bool, out: RequestOutput, with_prompt: bool) -> dict[str, Any]:
+    """A stream chunk's token-id fields: empty when ``out`` brings nothing new (no text, no
+    token, not the end), so that such an output makes no chunk."""
+    ids = token_id_fields(wanted, out, list(out.delta_token_ids), with_prompt)
+    if ids and not out.delta_text and not ids["token_ids"] and not out.finished:
+        return {}
+    return ids
+
+
 def usage(outputs: list[RequestOutput]) -> dict[str, Any]:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(o.outputs[0].token_ids) for o in outputs if o.outputs)

@@ -99,11 +99,7 @@ def _chunk(
     choice.offset += len(out.delta_text)
     if out.finished:
         choice.final = out
-    ids = common.token_id_fields(
-        body.return_token_ids, out, list(out.delta_token_ids), not choice.sent_prompt_ids
-    )
-    if ids and not out.delta_text and not ids["token_ids"] and not out.finished:
-        ids = {}  # nothing new: no chunk
+    ids = common.delta_token_id_fields(body.return_token_ids, out, not choice.sent_prompt_ids)
     chunk = common.stream_chunk(meta, index, {"text": out.delta_text, **ids}, lps, out, bool(ids))
     if chunk is not None and ids:
         choice.sent_prompt_ids = True

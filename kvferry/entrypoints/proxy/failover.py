@@ -86,10 +86,14 @@ class SentTokens:
 def is_role_chunk(chunk: dict) -> bool:
     """A chat stream's opening chunk: the assistant's role, no content, ids or end yet."""
     choices = chunk.get("choices") or []
-    return bool(choices) and all(
-        (choice.get("delta") or {}).get("role")
-        and not (choice.get("delta") or {}).get("content")
+    return bool(choices) and all(_opens_the_role(choice) for choice in choices)
+
+
+def _opens_the_role(choice: dict) -> bool:
+    delta = choice.get("delta") or {}
+    return (
+        bool(delta.get("role"))
+        and not delta.get("content")
         and choice.get("finish_reason") is None
         and not choice.get("token_ids")
-        for choice in choices
     )
