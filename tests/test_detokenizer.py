@@ -59,3 +59,28 @@ def test_stop_token_is_not_in_the_text(tiny_llama):
     outs, _ = _stream(processor, "r", ids, finish_at_end=FinishReason.STOP)
     assert outs[-1].outputs[0].text == " one two"
     assert outs[-1].outputs[0].token_ids == ids
+
+
+def _sent_so_far(outs):
+    tokens: list[int] = []
+    text = ""
+    for out in outs:
+        tokens += out.delta_token_ids
+        text += out.delta_text
+        yield tokens, text
+
+
+def test_streamed_deltas_carry_the_tokens_whose_text_they_carry(tiny_llama):
+    """A token waits with its pending bytes (and with text held back for a stop string):
+    at every delta, the tokens sent so far decode to the text sent so far."""
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    for params in (SamplingParams(), SamplingParams(stop=["never in the text"])):
+        processor = OutputProcessor(tok)
+        processor.add_request("r", None, [1, 2], params)
+        outs, _ = _stream(processor, "r", ids)
+        held = [o for o in outs if not o.delta_text and not o.finished]
+        assert held and all(not o.delta_token_ids for o in held)  # bytes or text did wait
+        for tokens, text in _sent_so_far(outs):
+            assert tok.decode(tokens) == text
+        assert tokens == ids and text == tok.decode(ids)

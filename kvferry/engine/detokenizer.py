@@ -20,6 +20,11 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.token_ids)
 
+    @property
+    def pending(self) -> bool:
+        """Whether some tokens' bytes wait for the tokens that finish their character."""
+        return self.read_offset < len(self.token_ids)
+
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 

@@ -1,4 +1,10 @@
-"""Front-end side of outputs: detokenize, apply stop strings, build RequestOutputs."""
+"""Front-end side of outputs: detokenize, apply stop strings, build RequestOutputs.
+
+A streamed delta carries the tokens whose text it carries: while a token's bytes wait for
+the rest of their character, or its text is held back for a forming stop string, the
+token (and its logprobs) waits too. A consumer that continues an answer from the tokens it
+was sent (the proxy's decode failover) then never loses text.
+"""
 
 from __future__ import annotations
 
@@ -23,6 +29,9 @@ class _RequestState:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     emitted_len: int = 0  # chars of text already sent to the client
+    emitted_tokens: int = 0  # tokens already sent (their text is all in the first emitted_len)
+    # (tokens, chars): after that many tokens the text is that long, no bytes pending.
+    boundaries: list[tuple[int, int]] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     num_cached_tokens: int = 0
 
@@ -84,10 +93,10 @@ class OutputProcessor:
                 finish_reason, stop_reason, stopped_by_string = FinishReason.STOP, hit, True
         state.token_ids.extend(new_tokens)
         state.logprobs.extend(out.new_logprobs)
+        if not state.detokenizer.pending:
+            state.boundaries.append((len(state.token_ids), len(state.text)))
         finished = finish_reason is not None
-        return self._make_output(
-            state, out, new_tokens, finish_reason, stop_reason, finished
-        ), stopped_by_string
+        return self._make_output(state, out, finish_reason, stop_reason, finished), stopped_by_string
 
     def _find_stop_string(self, state: _RequestState) -> str | None:
         """Search the freshly decoded tail for a stop string; truncate the text at it."""
@@ -105,10 +114,24 @@ class OutputProcessor:
         )
         return stop
 
-    def _make_output(self, state, out, new_tokens, finish_reason, stop_reason, finished) -> RequestOutput:
-        visible = len(state.text) if finished else max(state.emitted_len, len(state.text) - state.holdback)
+    @staticmethod
+    def _sendable(state: _RequestState, finished: bool) -> tuple[int, int]:
+        """(tokens, chars) the next delta may reach: the last token boundary whose text is
+        not held back; everything once finished."""
+        if finished:
+            return len(state.token_ids), len(state.text)
+        limit = len(state.text) - state.holdback
+        reach = (state.emitted_tokens, state.emitted_len)
+        while state.boundaries and state.boundaries[0][1] <= limit:
+            reach = max(reach, state.boundaries.pop(0))
+        return reach
+
+    def _make_output(self, state, out, finish_reason, stop_reason, finished) -> RequestOutput:
+        tokens_end, visible = self._sendable(state, finished)
         delta_text = state.text[state.emitted_len : visible]
-        state.emitted_len = visible
+        delta_tokens = state.token_ids[state.emitted_tokens : tokens_end]
+        delta_logprobs = state.logprobs[state.emitted_tokens : tokens_end]
+        state.emitted_len, state.emitted_tokens = visible, tokens_end
         reason = finish_reason.value if finish_reason is not None else None
         completion = CompletionOutput(
             text=state.text[:visible],
@@ -125,8 +148,8 @@ class OutputProcessor:
             finished=finished,
             num_cached_tokens=state.num_cached_tokens,
             delta_text=delta_text,
-            delta_token_ids=new_tokens,
-            delta_logprobs=list(out.new_logprobs),
+            delta_token_ids=delta_tokens,
+            delta_logprobs=delta_logprobs,
             error=out.error,
             invalid_param=out.invalid_param,
             kv_transfer_params=out.kv_transfer_params,

@@ -7,7 +7,9 @@ matters for the answer is only that the new decoder sees the same tokens.
 
 Non-streamed, nothing has reached the client: the original request is sent again.
 Streamed, the client already has some text: the decode request asks for token ids
-(``return_token_ids``), so the proxy knows the prompt's and the sent tokens' ids, and the
+(``return_token_ids``), so the proxy knows the prompt's and the sent tokens' ids (a
+streamed delta carries exactly the tokens whose text it carries, engine/output_processor.py:
+a token whose bytes or text were still held back is not among them), and the
 continuation's prompt is those ids, not re-tokenized text (text does not always tokenize
 back into the same ids): a completion's ``prompt``, a chat request's ``prompt_token_ids``
 (the chat template's output plus the sent tokens, used instead of the messages; the
