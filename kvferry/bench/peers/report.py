@@ -15,7 +15,7 @@ EVEN = 0.02  # within 2%: neither is ahead
 
 @dataclass(frozen=True)
 class Row:
-    part: str  # offline | serving
+    part: str  # offline | serving | pd
     metric: str
     unit: str
     kvferry: float | None
@@ -78,7 +78,20 @@ SERVING_METRICS = (
 )
 
 
-def serving_rows(serving: dict) -> list[Row]:
+PD_METRICS = (
+    ("output_throughput", "output tok/s", "tok/s", True),
+    ("median_ttft_ms", "p50 TTFT", "ms", False),
+    ("p99_ttft_ms", "p99 TTFT", "ms", False),
+    ("median_tpot_ms", "p50 TPOT", "ms", False),
+    ("p99_tpot_ms", "p99 TPOT", "ms", False),
+    ("median_itl_ms", "p50 ITL", "ms", False),
+    ("p99_itl_ms", "p99 ITL", "ms", False),
+    ("median_e2el_ms", "p50 end-to-end", "ms", False),
+    ("p99_e2el_ms", "p99 end-to-end", "ms", False),
+)
+
+
+def serving_rows(serving: dict, part: str = "serving", metrics: tuple = SERVING_METRICS) -> list[Row]:
     """Rows per request rate from each engine's parsed `vllm bench serve` results."""
     by_rate: dict[float, dict[str, dict]] = {}
     for engine in ENGINES:
@@ -87,10 +100,15 @@ def serving_rows(serving: dict) -> list[Row]:
     rows = []
     for rate in sorted(by_rate):
         pair = by_rate[rate]
-        for key, name, unit, higher in SERVING_METRICS:
+        for key, name, unit, higher in metrics:
             values = [pair.get(engine, {}).get(key) for engine in ENGINES]
-            rows.append(Row("serving", f"{name} @ {rate:g} req/s", unit, *values, higher))
+            rows.append(Row(part, f"{name} @ {rate:g} req/s", unit, *values, higher))
     return rows
+
+
+def pd_rows(pd: dict) -> list[Row]:
+    """Rows per request rate of the P/D part: vLLM's P/D and kvferry disagg."""
+    return serving_rows(pd, "pd", PD_METRICS)
 
 
 def _fmt(value: float | None) -> str:
@@ -120,16 +138,26 @@ def kvferry_speedup(row: Row) -> float | None:
     return ratio if row.higher_is_better else 1.0 / ratio
 
 
-def save_plot(path: Path, rows: list[Row], serving: dict, title: str) -> bool:
-    """Offline speedups as bars, serving metrics vs rate as lines; False without matplotlib."""
+PLOTTED = ("output_throughput", "mean_ttft_ms", "mean_tpot_ms")
+PD_PLOTTED = ("output_throughput", "median_ttft_ms", "median_tpot_ms")
+
+
+def save_plot(path: Path, rows: list[Row], serving: dict, title: str, pd: dict | None = None) -> bool:
+    """Offline speedups as bars, serving metrics vs rate as lines, and a second row for the
+    P/D part's metrics vs rate when it has results; False without matplotlib."""
     plt = pyplot()
     if plt is None:
         return False
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
-    _offline_bars(axes[0], [r for r in rows if r.part == "offline"])
-    plotted = [m for m in SERVING_METRICS if m[0] in ("output_throughput", "mean_ttft_ms", "mean_tpot_ms")]
-    for ax, (key, name, unit, _) in zip(axes[1:], plotted):
-        _serving_lines(ax, serving, key, f"{name} ({unit})")
+    with_pd = any((pd or {}).get(engine) for engine in ENGINES)
+    fig, axes = plt.subplots(2 if with_pd else 1, 4, figsize=(20, 8.4 if with_pd else 4.2), squeeze=False)
+    _offline_bars(axes[0][0], [r for r in rows if r.part == "offline"])
+    plotted = [m for m in SERVING_METRICS if m[0] in PLOTTED]
+    for ax, (key, name, unit, _) in zip(axes[0][1:], plotted):
+        _serving_lines(ax, serving, key, f"serving: {name} ({unit})")
+    if with_pd:
+        for ax, (key, name, unit, _) in zip(axes[1][1:], [m for m in PD_METRICS if m[0] in PD_PLOTTED]):
+            _serving_lines(ax, pd or {}, key, f"P/D: {name} ({unit})")
+        axes[1][0].axis("off")
     save_figure(fig, path, title)
     return True
 
@@ -155,8 +183,32 @@ def _serving_lines(ax, serving: dict, key: str, label: str) -> None:
         if points:
             ax.plot(*zip(*points), "-o", label=engine, color=color)
     ax.set_xticks(range(len(rates)), [f"{rate:g}" for rate in rates])
-    ax.set_title(f"serving: {label}")
+    ax.set_title(label)
     ax.set_xlabel("request rate (req/s)")
     ax.grid(True, alpha=0.3)
     if ax.lines:
         ax.legend(fontsize="small")
+
+
+def pd_summary(pd: dict) -> str:
+    """What the P/D part checked and what failed, in a few lines."""
+    cores = pd.get("cores", {})
+    lines = [f"pd: prefill on cores {cores.get('prefill')}, decode on cores {cores.get('decode')}"]
+    probe = (pd.get("vllm_check") or {}).get("probe")
+    if probe:
+        got = probe["decoder_prompt_tokens"]
+        lines.append(
+            f"pd: vLLM's decoder got {got.get('external_kv_transfer', 0):g} of the probe's "
+            f"{probe['prompt_tokens']} prompt tokens by KV transfer ({got.get('local_compute', 0):g} "
+            f"computed); greedy answer {'identical to' if probe['identical'] else 'differs from'} "
+            f"vLLM colocated (first {probe['common_prefix_chars']} of {len(probe['pd_text'])} chars agree)"
+        )
+    moved = (pd.get("vllm_check") or {}).get("repinned") or {}
+    for name, threads in moved.items():
+        if threads:
+            was = ", ".join(sorted({t["was"] for t in threads}))
+            lines.append(f"pd: {name}: {len(threads)} thread(s) had left its cores (to {was}); put back")
+    for engine in ENGINES:
+        if pd.get(engine + "_error"):
+            lines.append(f"pd: {engine} failed: {pd[engine + '_error'].splitlines()[0]}")
+    return "\n".join(lines)

@@ -7,20 +7,17 @@ import logging
 import subprocess
 from pathlib import Path
 
-from kvferry.bench.peers import command, offline, report, serving
+from kvferry.bench.peers import command, offline, pd, report, serving
 from kvferry.bench.peers.convert import hf_model_dir
-from kvferry.bench.peers.install import ensure_vllm
+from kvferry.bench.peers.install import ensure_nixl, ensure_vllm
 from kvferry.bench.peers.setup import Setup, all_cores
 from kvferry.bench.results import host_facts, save_json
 from kvferry.entrypoints.disagg import LaunchError
 
 logger = logging.getLogger(__name__)
 
-PD_NOT_BUILT = {
-    "status": "not built",
-    "note": "P/D against vLLM's disaggregated serving is a later step; no figures are reported",
-}
-# What one engine's failure in a part looks like; the other engine and parts still run.
+# What one engine's failure in a part looks like; the other engine and parts still run
+# (pd.PDCheckError is a RuntimeError).
 ENGINE_FAILURES = (offline.DriverError, LaunchError, RuntimeError, subprocess.TimeoutExpired, OSError)
 
 
@@ -85,12 +82,35 @@ def serving_part(setup: Setup, engines: list[str], load: serving.Load) -> dict:
     return doc
 
 
+def pd_part(setup: Setup, engines: list[str], load: serving.Load) -> dict:
+    """Each engine's P/D deployment (1 prefill + 1 decode, same cores) under vLLM's client."""
+    prefill_cores, decode_cores = pd.role_cores(setup.cores)
+    doc: dict = {
+        "load": vars(load) | {"rates": list(load.rates)},
+        "client": "vllm bench serve --backend openai",
+        "cores": {"prefill": prefill_cores, "decode": decode_cores},
+        "deployments": {
+            "kvferry": "kvferry disagg --prefill 1 --decode 1",
+            "vllm": "vllm serve x2 (NixlConnector, kv_both, kv_buffer_device cpu) behind kvferry proxy",
+        },
+    }
+    for engine in engines:
+        try:
+            doc[engine], doc[engine + "_check"] = pd.bench_pd(engine, setup, load)
+        except ENGINE_FAILURES as exc:
+            logger.error("pd %s failed: %s", engine, exc)
+            doc[engine + "_error"] = str(exc)
+    return doc
+
+
 def run_peers(args: argparse.Namespace) -> dict:
     parts, engines = args.parts, args.engines
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the health polls
     # vLLM's venv runs its engine, and also the serving client every engine is measured with
-    needs_vllm = "vllm" in engines or "serve" in parts
+    needs_vllm = "vllm" in engines or "serve" in parts or "pd" in parts
     venv = ensure_vllm(Path(args.vllm_venv)).parent.parent if needs_vllm else None
+    if venv is not None and "pd" in parts and "vllm" in engines:
+        ensure_nixl(venv)  # vLLM's NixlConnector
     model_dir = hf_model_dir(args.model, args.dtype, Path(args.model_cache))
     setup = make_setup(args, model_dir, venv)
     doc: dict = {"bench": "peers", "model": args.model, "model_dir": str(model_dir), "dtype": args.dtype}
@@ -102,7 +122,7 @@ def run_peers(args: argparse.Namespace) -> dict:
     if "serve" in parts:
         doc["serving"] = serving_part(setup, engines, command.serving_load(args))
     if "pd" in parts:
-        doc["pd"] = PD_NOT_BUILT
+        doc["pd"] = pd_part(setup, engines, command.serving_load(args))
     return finish(doc, Path(args.output))
 
 
@@ -113,12 +133,13 @@ def finish(doc: dict, output: Path) -> dict:
         rows += report.offline_rows(doc["offline"], doc["offline"]["shape"])
     serving_doc = doc.get("serving", {})
     rows += report.serving_rows(serving_doc)
+    rows += report.pd_rows(doc.get("pd", {}))
     doc["comparison"] = [row.as_dict() for row in rows]
     path = save_json(doc, output)
     title = f"kvferry vs vLLM (CPU): {doc['model']} {doc['dtype']}, cores {doc['cores']}"
-    report.save_plot(path.with_suffix(".png"), rows, serving_doc, title)
+    report.save_plot(path.with_suffix(".png"), rows, serving_doc, title, doc.get("pd"))
     print(report.format_table(rows))
     if "pd" in doc:
-        print(f"pd: {doc['pd']['status']} ({doc['pd']['note']})")
+        print(report.pd_summary(doc["pd"]))
     logger.info("results: %s (plot %s); logs in %s", path, path.with_suffix(".png"), doc["work_dir"])
     return doc
