@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch._library.opaque_object import MemberType, register_opaque_type
 from torch._opaque_base import OpaqueBase
 
-from kvferry.model.layers.packed import PackedWeight
+from kvferry.model.layers.packed import PackedWeight, onednn_linear
 from kvferry.model.operators import operator
 
 GROUP_SIZE = 32  # input features per scale and zero point (GGUF's Q4 block)
@@ -67,7 +67,7 @@ class Int4Weight(OpaqueBase):
 
     def dense_matmul(self, rows: torch.Tensor) -> torch.Tensor:
         if isinstance(self.dense, PackedWeight):
-            return torch.ops.mkldnn._linear_pointwise(rows, self.dense.tensor, None, "none", [], "")
+            return onednn_linear(rows, self.dense.tensor, None)
         return F.linear(rows, self.dense)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -16,6 +16,14 @@ an opaque GEMM than around a plain one, so bf16 outputs may still part from the 
 ones after a near-tie (one of 8 SmolLM2 prompts, at its 17th token). Without native bf16,
 bfloat16 weights stay plain (oneDNN would emulate it).
 
+oneDNN builds (JIT-compiles) one GEMM primitive per row count and keeps it in two caches of
+1,024 entries each (its own and ideep's), about 0.7 MiB resident apiece: a server that sees
+every row count from 1 to 2,048 would grow by up to ~1.4 GiB per engine process (the soak's
+climbing memory, docs/benchmarks.md). `onednn_linear` pads the rows up to a ladder of
+`row_bucket` sizes instead: exact up to 15 rows, then 8 steps per doubling (at most 1/8
+extra rows, ~70 sizes up to 2,048), so the primitives a process builds are few and made
+early. Rows are independent in a GEMM: the padding rows (zeros) are computed and dropped.
+
 A packed weight is an opaque object to torch.compile and the GEMM the
 `kvferry::packed_linear` operator: a captured graph calls oneDNN on the packed weight as
 eager code does (the same numbers), and the compiler never copies the weight into the
@@ -32,6 +40,29 @@ from kvferry.cpu_features import native_half_precision
 from kvferry.model.operators import operator
 
 BATCH_HINT = 64  # rows oneDNN tunes the layout for; measured as good from 1 to 2048 rows
+EXACT_ROWS = 15  # row counts below 16 are used as they are
+STEPS_PER_DOUBLING = 8
+
+
+def row_bucket(rows: int) -> int:
+    """The row count oneDNN computes for `rows`: `rows` itself up to 15, above that rounded
+    up to a multiple of 1/8 of its power of two (at most 12.5% more)."""
+    if rows <= EXACT_ROWS:
+        return rows
+    step = (1 << (rows.bit_length() - 1)) // STEPS_PER_DOUBLING
+    return -(-rows // step) * step
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T + b on a oneDNN-packed `weight`, with the rows padded to `row_bucket`."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    padded = row_bucket(rows)
+    if padded == rows:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    flat = x.new_zeros(padded, x.shape[-1])
+    flat[:rows] = x.reshape(rows, x.shape[-1])
+    out = torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], "")
+    return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -78,7 +109,7 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
 def packed_linear_op(
     x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed.tensor, bias, "none", [], "")
+    return onednn_linear(x, packed.tensor, bias)
 
 
 @packed_linear_op.register_fake
