@@ -100,6 +100,9 @@ def test_vllm_instances_and_their_proxy(tmp_path: Path) -> None:
     assert proxy.cmd[proxy.cmd.index("kvferry.entrypoints.cli") + 1] == "proxy"
     assert proxy.url.endswith(flags["--port"]) and _port_ok(int(flags["--port"]))
     assert flags["-c"] == "0-1"  # on all the cores, as disagg's proxy
+    assert "--no-early-first-token" in proxy.cmd  # vLLM's decoder samples the first token again
+    args = build_parser().parse_args(proxy.cmd[proxy.cmd.index("kvferry.entrypoints.cli") + 1 :])
+    assert args.early_first_token is False and args.prefill == [prefill.url]
 
 
 def test_disagg_command_is_kvferrys_own_disagg_with_the_same_limits(tmp_path: Path) -> None:
@@ -184,13 +187,15 @@ def _streamed_text(resp: httpx.Response) -> str:
     return text
 
 
-def test_kvferry_proxy_speaks_vllms_kv_transfer_protocol() -> None:
+@pytest.mark.parametrize("early", [False, True])
+def test_kvferry_proxy_speaks_vllms_kv_transfer_protocol(early: bool) -> None:
     from kvferry.entrypoints.proxy.app import build_app
     from kvferry.entrypoints.proxy.config import ProxyConfig
 
     prefill, decode = VLLMLike("p"), VLLMLike("d")
     with serve_in_thread(prefill.app) as p_url, serve_in_thread(decode.app) as d_url:
-        proxy = build_app(ProxyConfig(prefill_urls=(p_url,), decode_urls=(d_url,)))
+        config = ProxyConfig(prefill_urls=(p_url,), decode_urls=(d_url,), early_first_token=early)
+        proxy = build_app(config)
         with serve_in_thread(proxy) as url:
             body = {"model": "m", "prompt": "hi", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
             plain = httpx.post(url + "/v1/completions", json=body, timeout=30)
@@ -325,37 +330,62 @@ def test_pd_rows_summary_and_plot(tmp_path: Path) -> None:
         and by_metric["p50 TTFT @ 0.15 req/s"].ahead == "kvferry"
     )
     assert by_metric["output tok/s @ 0.3 req/s"].ratio == 2.0
+    pd_doc["vllm"][1]["loadavg_1m"] = [2.5, 4.25]
+    pd_doc["vllm"][0]["loadavg_1m"] = [3.0, 2.0]
     assert "p99 end-to-end @ 0.3 req/s" in by_metric and "p50 ITL @ 0.15 req/s" in by_metric
     summary = report.pd_summary(pd_doc | {"kvferry_error": "disagg died\nlog tail"})
     assert "369 of the probe's 369 prompt tokens by KV transfer (0 computed)" in summary
     assert "differs from vLLM colocated (first 4 of 6 chars agree)" in summary
     assert "vllm-prefill: 1 thread(s) had left its cores (to 1); put back" in summary
     assert "kvferry failed: disagg died" in summary and "log tail" not in summary
+    assert "1-minute load average during the vllm runs: 2-4.25" in summary
     table = report.format_table(rows)
     assert "pd" in table.splitlines()[2] and "0.50x" in table
-    assert report.save_plot(tmp_path / "one.png", [], {}, "t")
-    assert report.save_plot(tmp_path / "two.png", rows, {}, "t", pd_doc)
-    assert (tmp_path / "two.png").stat().st_size > (tmp_path / "one.png").stat().st_size
+    offline = report.Row("offline", "prefill", "s", 1.0, 2.0, False)
+    for name, plot_rows, pd_part in (
+        ("none", [], None),
+        ("pd", rows, pd_doc),
+        ("both", [offline, *rows], pd_doc),
+    ):
+        assert report.save_plot(tmp_path / f"{name}.png", plot_rows, {}, "t", pd_part)
+    heights = {name: _png_size(tmp_path / f"{name}.png")[1] for name in ("none", "pd", "both")}
+    assert heights["none"] == heights["pd"] and heights["both"] == pytest.approx(2 * heights["pd"], rel=0.05)
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    header = path.read_bytes()[:24]
+    assert header[:8] == b"\x89PNG\r\n\x1a\n"
+    return int.from_bytes(header[16:20], "big"), int.from_bytes(header[20:24], "big")
 
 
 # ---- kvferry disagg as the bench starts it ---------------------------------------------------
 
 
-def test_the_bench_starts_and_stops_kvferry_disagg(tiny_llama: Path, tmp_path: Path) -> None:
+def test_the_bench_runs_kvferry_disagg_and_stops_it(tiny_llama: Path, tmp_path: Path, monkeypatch) -> None:
     cores = ",".join(map(str, sorted(os.sched_getaffinity(0))))
     setup = replace(_setup(tmp_path), cores=cores, model_dir=tiny_llama, dtype="float32", kv_cache_gib=0.01)
-    child = pd.disagg_child(setup)
-    disagg.spawn(child)
-    try:
-        pd.wait_disagg(child, time.monotonic() + 300)
+    setup = replace(setup, kvferry_args=[])
+    seen: list[tuple[str, int, str]] = []
+
+    def one_request(setup: Setup, url: str, load, rate_index: int, tag: str) -> dict:
+        """Instead of vLLM's client: one greedy request through disagg's proxy."""
         body = {"model": "peers-bench", "prompt": "hello there", "max_tokens": 4, "temperature": 0}
-        answer = httpx.post(child.url + "/v1/completions", json=body, timeout=60).json()
-        assert answer["usage"]["completion_tokens"] == 4
-    finally:
-        disagg.stop_all([child], grace=60.0)
-    assert child.proc.returncode == 0, child.log_tail()
-    logs = sorted(p.name for p in (tmp_path / "pd-kvferry-logs").iterdir())
+        answer = httpx.post(url + "/v1/completions", json=body, timeout=120).json()
+        seen.append((url, rate_index, tag))
+        return {"request_rate": load.rates[rate_index], "tokens": answer["usage"]["completion_tokens"]}
+
+    monkeypatch.setattr(pd.serving, "run_client", one_request)
+    results, facts = pd.bench_pd("kvferry", setup, pd.Load(10, 4, 1, (0.5, 1.0)))
+    assert [r["tokens"] for r in results] == [4, 4] and [r["request_rate"] for r in results] == [0.5, 1.0]
+    assert all(len(r["loadavg_1m"]) == 2 for r in results)
+    assert [(i, tag) for _, i, tag in seen] == [(0, "pd-kvferry"), (1, "pd-kvferry")]
+    log = (tmp_path / "pd-kvferry.log").read_text()
+    assert pd.DISAGG_READY in log and "all stopped" in log  # disagg stopped cleanly, its children too
+    logs = sorted(p.name for p in Path(facts["logs"]).iterdir())
     assert logs == ["decode-0.log", "prefill-0.log", "proxy.log"]
+    url = seen[0][0]
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(url + "/health", timeout=2)
 
 
 @pytest.mark.skipif(

@@ -6,7 +6,11 @@ them (``disagg.split_cores``: the first half of the cores prefills, the second d
 - vLLM: two ``vllm serve`` with its NixlConnector (``kv_both``, ``kv_buffer_device`` cpu,
   a side-channel port each), fronted by ``kvferry proxy``, which speaks vLLM's protocol:
   the prefill leg asks ``{"do_remote_decode": true}`` with ``max_tokens`` 1, the decode
-  leg gets the prefill answer's ``kv_transfer_params`` as they are. vLLM's NIXL worker
+  leg gets the prefill answer's ``kv_transfer_params`` as they are. The proxy runs with
+  ``--no-early-first-token``: vLLM's params carry no first token, its decoder samples the
+  first token again (recomputing the last prompt token in a step of its own), and in bf16
+  that token is not always the prefiller's, so a prefill token streamed early could be
+  followed by a decoder answer that does not start with it. vLLM's NIXL worker
   moves its process's main thread to the last core of each NUMA node (cores it keeps for
   KV transfer, read from /sys, not from the process's affinity), which takes it off the
   instance's cores: every thread found outside them once the instance is up is put back
@@ -86,6 +90,7 @@ def vllm_instance(setup: Setup, role: str, cores: str) -> Child:
 def proxy_child(setup: Setup, prefill: Child, decode: Child) -> Child:
     port = free_port()
     cmd = _cli("proxy", "--prefill", prefill.url, "--decode", decode.url, "--port", str(port))
+    cmd.append("--no-early-first-token")  # vLLM's decoder samples the first token again
     return Child(
         "vllm-proxy", [*setup.pin, *cmd], f"http://127.0.0.1:{port}", setup.work_dir / "pd-vllm-proxy.log"
     )
@@ -216,6 +221,14 @@ def check_transferred(probe: dict) -> None:
 # ---- the two deployments -------------------------------------------------------------------
 
 
+def run_client(setup: Setup, url: str, load: Load, rate_index: int, tag: str) -> dict:
+    """serving.run_client, with the host's 1-minute load average before and after (the two
+    instances account for about 2: more is other work on the machine)."""
+    before = os.getloadavg()[0]
+    result = serving.run_client(setup, url, load, rate_index, tag)
+    return result | {"loadavg_1m": [round(before, 2), round(os.getloadavg()[0], 2)]}
+
+
 def bench_vllm(setup: Setup, load: Load) -> tuple[list[dict], dict]:
     """vLLM's P/D behind kvferry's proxy: per-rate results and what was checked."""
     prefill_cores, decode_cores = role_cores(setup.cores)
@@ -230,7 +243,7 @@ def bench_vllm(setup: Setup, load: Load) -> tuple[list[dict], dict]:
         repinned = {c.name: repin(c.proc.pid, cores[c.name]) for c in (prefill, decode) if c.proc}
         probe = probe_vllm(prefill, decode, proxy, setup.timeout)
         check_transferred(probe)
-        results = [serving.run_client(setup, proxy.url, load, i, "pd-vllm") for i in range(len(load.rates))]
+        results = [run_client(setup, proxy.url, load, i, "pd-vllm") for i in range(len(load.rates))]
         strays = {c.name: repin(c.proc.pid, cores[c.name], apply=False) for c in (prefill, decode) if c.proc}
     finally:
         stop_all([proxy, prefill, decode], grace=30.0)
@@ -260,9 +273,7 @@ def bench_kvferry(setup: Setup, load: Load) -> tuple[list[dict], dict]:
         begin = time.monotonic()
         wait_disagg(child, begin + STARTUP_TIMEOUT)
         logger.info("kvferry disagg ready in %.0f s", time.monotonic() - begin)
-        results = [
-            serving.run_client(setup, child.url, load, i, "pd-kvferry") for i in range(len(load.rates))
-        ]
+        results = [run_client(setup, child.url, load, i, "pd-kvferry") for i in range(len(load.rates))]
     finally:
         stop_all([child], grace=60.0)  # disagg stops its instances and proxy itself
     return results, {"logs": str(setup.work_dir / "pd-kvferry-logs")}

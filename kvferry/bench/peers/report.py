@@ -139,25 +139,27 @@ def kvferry_speedup(row: Row) -> float | None:
 
 
 PLOTTED = ("output_throughput", "mean_ttft_ms", "mean_tpot_ms")
-PD_PLOTTED = ("output_throughput", "median_ttft_ms", "median_tpot_ms")
+PD_PLOTTED = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "p99_itl_ms")
 
 
 def save_plot(path: Path, rows: list[Row], serving: dict, title: str, pd: dict | None = None) -> bool:
-    """Offline speedups as bars, serving metrics vs rate as lines, and a second row for the
-    P/D part's metrics vs rate when it has results; False without matplotlib."""
+    """A row of offline speedups (bars) and serving metrics vs rate (lines) when those parts
+    ran, a row of the P/D part's metrics vs rate when it has results; False without matplotlib."""
     plt = pyplot()
     if plt is None:
         return False
     with_pd = any((pd or {}).get(engine) for engine in ENGINES)
-    fig, axes = plt.subplots(2 if with_pd else 1, 4, figsize=(20, 8.4 if with_pd else 4.2), squeeze=False)
-    _offline_bars(axes[0][0], [r for r in rows if r.part == "offline"])
-    plotted = [m for m in SERVING_METRICS if m[0] in PLOTTED]
-    for ax, (key, name, unit, _) in zip(axes[0][1:], plotted):
-        _serving_lines(ax, serving, key, f"serving: {name} ({unit})")
+    top = any(r.part in ("offline", "serving") for r in rows) or not with_pd
+    nrows = int(top) + int(with_pd)
+    fig, axes = plt.subplots(nrows, 4, figsize=(20, 4.2 * nrows), squeeze=False)
+    if top:
+        _offline_bars(axes[0][0], [r for r in rows if r.part == "offline"])
+        plotted = [m for m in SERVING_METRICS if m[0] in PLOTTED]
+        for ax, (key, name, unit, _) in zip(axes[0][1:], plotted):
+            _serving_lines(ax, serving, key, f"serving: {name} ({unit})")
     if with_pd:
-        for ax, (key, name, unit, _) in zip(axes[1][1:], [m for m in PD_METRICS if m[0] in PD_PLOTTED]):
+        for ax, (key, name, unit, _) in zip(axes[-1], [m for m in PD_METRICS if m[0] in PD_PLOTTED]):
             _serving_lines(ax, pd or {}, key, f"P/D: {name} ({unit})")
-        axes[1][0].axis("off")
     save_figure(fig, path, title)
     return True
 
@@ -208,6 +210,10 @@ def pd_summary(pd: dict) -> str:
         if threads:
             was = ", ".join(sorted({t["was"] for t in threads}))
             lines.append(f"pd: {name}: {len(threads)} thread(s) had left its cores (to {was}); put back")
+    for engine in ENGINES:
+        loads = [x for result in pd.get(engine) or [] for x in result.get("loadavg_1m") or []]
+        if loads:
+            lines.append(f"pd: 1-minute load average during the {engine} runs: {min(loads):g}-{max(loads):g}")
     for engine in ENGINES:
         if pd.get(engine + "_error"):
             lines.append(f"pd: {engine} failed: {pd[engine + '_error'].splitlines()[0]}")

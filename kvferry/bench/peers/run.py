@@ -91,7 +91,8 @@ def pd_part(setup: Setup, engines: list[str], load: serving.Load) -> dict:
         "cores": {"prefill": prefill_cores, "decode": decode_cores},
         "deployments": {
             "kvferry": "kvferry disagg --prefill 1 --decode 1",
-            "vllm": "vllm serve x2 (NixlConnector, kv_both, kv_buffer_device cpu) behind kvferry proxy",
+            "vllm": "vllm serve x2 (NixlConnector, kv_both, kv_buffer_device cpu) behind "
+            "kvferry proxy --no-early-first-token",
         },
     }
     for engine in engines:
