@@ -117,6 +117,8 @@ def test_early_first_token_needs_a_decoder_that_repeats_it() -> None:
     assert decoder_repeats_first_token({}, handed)  # sampled, unseeded: the decoder outputs it too
     assert decoder_repeats_first_token({"temperature": 0}, {"choices": []})  # no connector: greedy
     assert not decoder_repeats_first_token({"temperature": 0.8}, {"choices": []})
+    given_kv_only = {"choices": [], "kv_transfer_params": {"remote_block_ids": [1], "remote_engine_id": "p"}}
+    assert not decoder_repeats_first_token({"temperature": 0}, given_kv_only)  # vLLM: samples again
     bad = {"choices": [], "kv_transfer_params": {"first_token_id": True}}
     assert not decoder_repeats_first_token({}, bad)
 

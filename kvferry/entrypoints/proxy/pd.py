@@ -129,8 +129,12 @@ def forwards_first_token(prefill_response: dict) -> bool:
 
 def decoder_repeats_first_token(body: dict, prefill_response: dict) -> bool:
     """Whether the decoder's answer starts with the prefiller's token: it is handed the token,
-    or (no connector: it recomputes the prompt) greedy decoding finds that token again."""
-    return forwards_first_token(prefill_response) or is_greedy(body)
+    or (no connector: it recomputes the prompt) greedy decoding finds that token again. A
+    decoder given KV but not the token (vLLM's NixlConnector) recomputes the last prompt
+    token from the transferred KV and samples again: in bf16 not always the same token."""
+    if forwards_first_token(prefill_response):
+        return True
+    return prefill_response.get("kv_transfer_params") is None and is_greedy(body)
 
 
 def stop_may_cut(text: str, stop: object) -> bool:
