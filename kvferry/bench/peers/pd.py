@@ -6,11 +6,12 @@ them (``disagg.split_cores``: the first half of the cores prefills, the second d
 - vLLM: two ``vllm serve`` with its NixlConnector (``kv_both``, ``kv_buffer_device`` cpu,
   a side-channel port each), fronted by ``kvferry proxy``, which speaks vLLM's protocol:
   the prefill leg asks ``{"do_remote_decode": true}`` with ``max_tokens`` 1, the decode
-  leg gets the prefill answer's ``kv_transfer_params`` as they are. The proxy runs with
-  ``--no-early-first-token``: vLLM's params carry no first token, its decoder samples the
-  first token again (recomputing the last prompt token in a step of its own), and in bf16
-  that token is not always the prefiller's, so a prefill token streamed early could be
-  followed by a decoder answer that does not start with it. vLLM's NIXL worker
+  leg gets the prefill answer's ``kv_transfer_params`` as they are. vLLM's params carry no
+  first token, its decoder samples the first token again (recomputing the last prompt
+  token in a step of its own), and in bf16 that token is not always the prefiller's: the
+  proxy streams no prefill token early for such a decoder (pd.decoder_repeats_first_token),
+  and runs with ``--no-early-first-token`` besides, so the two engines' TTFT mean the same
+  thing whatever the proxy's rule. vLLM's NIXL worker
   moves its process's main thread to the last core of each NUMA node (cores it keeps for
   KV transfer, read from /sys, not from the process's affinity), which takes it off the
   instance's cores: every thread found outside them once the instance is up is put back
