@@ -146,6 +146,15 @@ def test_strip_sent_drops_the_early_text_across_chunks() -> None:
     assert strip_sent("/v1/completions", usage, "")[0] == usage
 
 
+def test_strip_sent_keeps_the_token_ids_of_the_early_text() -> None:
+    """The early text carried no ids: the decoder's chunk for it keeps them (text dropped)."""
+    chunk = _text_chunk("Hello")
+    chunk["choices"][0].update(token_ids=[9], prompt_token_ids=[1, 2])
+    out, pending = strip_sent("/v1/completions", chunk, "Hello")
+    assert pending == "" and out["choices"][0]["text"] == ""
+    assert out["choices"][0]["token_ids"] == [9] and out["choices"][0]["prompt_token_ids"] == [1, 2]
+
+
 def test_strip_sent_chat_drops_the_role_chunk() -> None:
     role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
     assert strip_sent("/v1/chat/completions", role, "Hi")[0] is None

@@ -188,7 +188,7 @@ def _skip(text: str, pending: str) -> tuple[str, str]:
 
 def strip_sent(path: str, chunk: dict, pending: str) -> tuple[dict | None, str]:
     """Drop from a decoder chunk what the client already got early: ``pending`` text and,
-    for chat, the role. Returns the chunk (None when nothing is left) and what is still pending."""
+    for chat, the role (token ids stay: the early text carried none). Returns the chunk (None when nothing is left) and what is still pending."""
     choices = []
     for choice in chunk.get("choices") or []:
         choice = dict(choice)
@@ -205,11 +205,17 @@ def strip_sent(path: str, chunk: dict, pending: str) -> tuple[dict | None, str]:
                 _skip(choice.get("text") or "", pending) if pending else (choice.get("text"), pending)
             )
             choice["text"] = text
-        if text or choice.get("finish_reason") is not None or choice.get("logprobs") is not None:
+        if text or choice.get("finish_reason") is not None or _carries_more(choice):
             choices.append(choice)
     if not choices and not chunk.get("usage"):
         return None, pending
     return {**chunk, "choices": choices}, pending
+
+
+def _carries_more(choice: dict) -> bool:
+    """Whether a choice carries more than text: logprobs, or token ids the client asked for
+    (the early text went without them)."""
+    return any(choice.get(name) is not None for name in ("logprobs", "token_ids", "prompt_token_ids"))
 
 
 def _has_text(chunk: dict) -> bool:
