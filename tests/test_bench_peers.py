@@ -200,7 +200,7 @@ def test_report_with_one_engine_missing_has_no_ratio() -> None:
     assert " - " in report.format_table(rows)
 
 
-def _setup(tmp_path: Path) -> Setup:
+def peers_setup(tmp_path: Path) -> Setup:
     return Setup(
         model_dir=tmp_path / "model",
         dtype="bfloat16",
@@ -215,7 +215,7 @@ def _setup(tmp_path: Path) -> Setup:
 
 
 def test_server_and_client_commands_share_model_cores_and_limits(tmp_path: Path) -> None:
-    setup = _setup(tmp_path)
+    setup = peers_setup(tmp_path)
     vllm = serving.server_command("vllm", setup, 8123)
     kvf = serving.server_command("kvferry", setup, 8124)
     assert "VLLM_TARGET_DEVICE=cpu" in vllm and "VLLM_CPU_KVCACHE_SPACE=1.5" in vllm

@@ -27,6 +27,7 @@ from kvferry.bench.peers.setup import Setup
 from kvferry.entrypoints import disagg
 from kvferry.entrypoints.cli import build_parser
 from kvferry.ports import LOWEST_PORT, ephemeral_start
+from tests.test_bench_peers import peers_setup
 from tests.test_proxy_fakes import serve_in_thread
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,20 +43,6 @@ vllm:prompt_tokens_by_source_total{engine="0",model_name="peers-bench",source="e
 vllm:prompt_tokens_by_source_created{engine="0",model_name="peers-bench",source="local_compute"} 1.79e+09
 vllm:nixl_xfer_time_seconds_count{engine="0",model_name="peers-bench"} 2.0
 """
-
-
-def _setup(tmp_path: Path) -> Setup:
-    return Setup(
-        model_dir=tmp_path / "model",
-        dtype="bfloat16",
-        work_dir=tmp_path,
-        cores="0-1",
-        max_model_len=2048,
-        max_num_seqs=8,
-        kv_cache_gib=1.5,
-        vllm_venv=tmp_path / "venv",
-        kvferry_args=["--enforce-eager"],
-    )
 
 
 @pytest.mark.parametrize("cores", [(0, 1), (0, 1, 2, 3), (2, 3, 4), (5,)])
@@ -74,7 +61,7 @@ def _port_ok(port: int) -> bool:
 
 
 def test_vllm_instances_and_their_proxy(tmp_path: Path) -> None:
-    setup = _setup(tmp_path)
+    setup = peers_setup(tmp_path)
     prefill = pd.vllm_instance(setup, "prefill", "0")
     decode = pd.vllm_instance(setup, "decode", "1")
     for child, core in ((prefill, "0"), (decode, "1")):
@@ -106,7 +93,7 @@ def test_vllm_instances_and_their_proxy(tmp_path: Path) -> None:
 
 
 def test_disagg_command_is_kvferrys_own_disagg_with_the_same_limits(tmp_path: Path) -> None:
-    setup = _setup(tmp_path)
+    setup = peers_setup(tmp_path)
     child = pd.disagg_child(setup)
     assert child.cmd[:3] == ["taskset", "-c", "0-1"]
     argv = child.cmd[child.cmd.index("kvferry.entrypoints.cli") + 1 :]
@@ -363,7 +350,9 @@ def _png_size(path: Path) -> tuple[int, int]:
 
 def test_the_bench_runs_kvferry_disagg_and_stops_it(tiny_llama: Path, tmp_path: Path, monkeypatch) -> None:
     cores = ",".join(map(str, sorted(os.sched_getaffinity(0))))
-    setup = replace(_setup(tmp_path), cores=cores, model_dir=tiny_llama, dtype="float32", kv_cache_gib=0.01)
+    setup = replace(
+        peers_setup(tmp_path), cores=cores, model_dir=tiny_llama, dtype="float32", kv_cache_gib=0.01
+    )
     setup = replace(setup, kvferry_args=[])
     seen: list[tuple[str, int, str]] = []
 

@@ -122,8 +122,8 @@ class OutputProcessor:
             return len(state.token_ids), len(state.text)
         limit = len(state.text) - state.holdback
         reach = (state.emitted_tokens, state.emitted_len)
-        while state.boundaries and state.boundaries[0][1] <= limit:
-            reach = max(reach, state.boundaries.pop(0))
+        while state.boundaries and state.boundaries[0][1] <= limit:  # boundaries only grow
+            reach = state.boundaries.pop(0)
         return reach
 
     def _make_output(self, state, out, finish_reason, stop_reason, finished) -> RequestOutput:

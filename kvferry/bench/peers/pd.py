@@ -37,6 +37,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvferry.bench.peers import serving
+from kvferry.bench.peers.report import VLLM_TRANSFERRED
 from kvferry.bench.peers.serving import SERVED_NAME, Load
 from kvferry.bench.peers.setup import Setup
 from kvferry.entrypoints.disagg import (
@@ -58,7 +59,6 @@ STARTUP_TIMEOUT = 900.0
 PROBE_TOKENS = 32
 PROBE_PROMPT = "A short story about a lighthouse keeper: " + "the waves rolled against the rocks " * 40
 COLOCATED_SALT = "kvferry-bench-colocated"
-TRANSFERRED = "external_kv_transfer"  # vLLM's prompt_tokens_by_source label for pulled KV
 
 
 class PDCheckError(RuntimeError):
@@ -211,7 +211,7 @@ def probe_vllm(prefill: Child, decode: Child, proxy: Child, timeout: float) -> d
 
 def check_transferred(probe: dict) -> None:
     """Raise unless vLLM's decoder got the probe's prompt by KV transfer."""
-    got = probe["decoder_prompt_tokens"].get(TRANSFERRED, 0.0)
+    got = probe["decoder_prompt_tokens"].get(VLLM_TRANSFERRED, 0.0)
     if got <= 0:
         raise PDCheckError(
             f"vLLM's decoder received no prompt token by KV transfer (by source: "

@@ -78,6 +78,7 @@ SERVING_METRICS = (
 )
 
 
+VLLM_TRANSFERRED = "external_kv_transfer"  # vLLM's prompt_tokens_by_source label for pulled KV
 PD_METRICS = (
     ("output_throughput", "output tok/s", "tok/s", True),
     ("median_ttft_ms", "p50 TTFT", "ms", False),
@@ -200,7 +201,7 @@ def pd_summary(pd: dict) -> str:
     if probe:
         got = probe["decoder_prompt_tokens"]
         lines.append(
-            f"pd: vLLM's decoder got {got.get('external_kv_transfer', 0):g} of the probe's "
+            f"pd: vLLM's decoder got {got.get(VLLM_TRANSFERRED, 0):g} of the probe's "
             f"{probe['prompt_tokens']} prompt tokens by KV transfer ({got.get('local_compute', 0):g} "
             f"computed); greedy answer {'identical to' if probe['identical'] else 'differs from'} "
             f"vLLM colocated (first {probe['common_prefix_chars']} of {len(probe['pd_text'])} chars agree)"

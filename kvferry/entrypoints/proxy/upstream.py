@@ -3,9 +3,10 @@
 A refused connection (nothing was sent) marks the instance unhealthy and the request
 goes to the next healthy instance of the role (counted in ``requests_moved``). A pooled
 keep-alive connection the instance closed meanwhile (it answered nothing: no status line)
-is not a failure: the request goes again to the same instance on another connection (up to STALE_RETRIES times). An instance
-silent for longer than the read timeout is a 504; any other failure is a 502 at once. An
-instance's error answer becomes an ``UpstreamHTTPError`` carrying its status and body.
+is not a failure: the request goes again to the same instance on another connection (up
+to STALE_RETRIES times). An instance silent for longer than the read timeout is a 504;
+any other failure is a 502 at once. An instance's error answer becomes an
+``UpstreamHTTPError`` carrying its status and body.
 Streams are parsed by their SSE framing (sse.py).
 """
 
