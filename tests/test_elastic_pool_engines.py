@@ -107,6 +107,7 @@ def test_a_request_larger_than_the_pool_is_refused(tiny_llama, pool_name):
     assert llm.stats().num_blocks == 24
     (out,) = llm.generate({"prompt_token_ids": [5] * 450}, SamplingParams(max_tokens=4))
     assert out.error is not None and "more KV cache than the engine has" in out.error
+    assert out.invalid_param == "prompt"  # the client's error: HTTP 400
 
 
 # An engine on the pool that takes most of it, says so, and waits to be killed.

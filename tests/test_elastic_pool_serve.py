@@ -85,3 +85,29 @@ def _check_pool_metrics(peaks: list[dict[str, float]], ends: list[dict[str, floa
         assert peak["kv_resident_bytes"] < peak["kv_reserved_bytes"]
         assert end["kv_resident_bytes"] == end["kv_pool_held_bytes"] == end["kv_pool_used_bytes"] == 0
         assert end["kv_pages_mapped"] == end["kv_pages_returned"] > 0
+
+
+def test_a_prompt_larger_than_the_pool_is_a_400_and_the_server_keeps_serving(tiny_llama, tmp_path, pool_name):
+    """The pool caps the engine's blocks: a prompt needing more KV than the whole pool is the
+    client's error (HTTP 400, OpenAI-style body naming the prompt), not a hang or a 500."""
+    tiny_pool = (
+        "--kv-allocator",
+        "elastic",
+        "--kv-memory-pool",
+        f"{pool_name}-tiny",
+        "--kv-pool-size",
+        "288KiB",
+    )
+    (server,) = _start([tiny_llama], tmp_path, "tiny_pool", tiny_pool)
+    try:
+        body = {"max_tokens": 4, "temperature": 0}
+        refused = server.post({**body, "prompt": [5] * 450})  # 29 blocks of 16; the pool holds 24
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["param"] == "prompt" and "more KV cache than the engine has" in error["message"]
+        assert server.post({**body, "prompt": PROMPTS[0]}).status_code == 200
+        wait_idle(server)
+        assert server.metrics()["kv_pool_used_bytes"] == 0
+    finally:
+        assert stop([server]) == [0]
+        KVPoolSpec(f"{pool_name}-tiny").path.unlink(missing_ok=True)

@@ -247,14 +247,15 @@ class Scheduler:
         if not chunkable and num_new > plan.token_budget:
             if num_new <= self.config.max_num_batched_tokens:
                 return False
-            self._finish(request, RequestStatus.FINISHED_ERROR, self._too_long_message(request, num_new))
+            message = self._too_long_message(request, num_new)
+            self._finish(request, RequestStatus.FINISHED_ERROR, message, invalid_param="prompt")
             return True
         num_new = plan.prefill_tokens(num_new) if chunkable else min(num_new, plan.token_budget)
         if num_new == 0 and not load_async:  # the step's prompt tokens are spent
             return False
         if not kv.can_fit(request.num_tokens):
             message = f"the request needs more KV cache than the engine has ({kv.num_blocks} blocks)"
-            self._finish(request, RequestStatus.FINISHED_ERROR, message)
+            self._finish(request, RequestStatus.FINISHED_ERROR, message, invalid_param="prompt")
             return True
         if kv.allocate_slots(request, num_new + num_external, hits) is None:
             return False

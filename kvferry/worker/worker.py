@@ -41,8 +41,14 @@ class Worker:
 
     def prepare_memory_profile(self, num_blocks: int) -> KVCacheConfig:
         """Bind a provisional KV cache of `num_blocks` blocks (no connector: it registers the
-        final tensors) and start measuring; the engine then runs the profiling step."""
-        provisional_cache = replace(self.config.cache, num_gpu_blocks_override=num_blocks)
+        final tensors) and start measuring; the engine then runs the profiling step.
+
+        The provisional cache lives only for that step and is not drawn from a shared KV
+        memory pool: a pool smaller than one full step still sizes a usable engine (whose
+        too-large prompts are refused), where capping the profiling step failed the start."""
+        provisional_cache = replace(
+            self.config.cache, num_gpu_blocks_override=num_blocks, kv_memory_pool=None
+        )
         provisional = self._kv_cache_config(provisional_cache, budget_bytes=0)
         self.runner.bind_kv_caches(provisional, allocate_kv_caches(provisional, self.device))
         ranks_on_host = self.tp.size if self.device.type == "cpu" else 1
