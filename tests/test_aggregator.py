@@ -79,3 +79,21 @@ def test_a_failure_completed_within_the_bound_is_not_surfaced_twice():
     assert done.finished_recving == {"g"} and done.failed_recving == {"g"}
     for _ in range(3):
         assert agg.aggregate([out(), out()]).failed_recving == set()
+
+
+def test_abandoned_requests_are_forgotten_once_reported_or_after_the_bound():
+    """A long-running server keeps no record per abandoned request: an abandoned receive is
+    forgotten when its missing workers report it late, or after another bound of steps."""
+    agg = KVOutputAggregator(2, failed_quorum_steps=2)
+    both = {"late", "never"}
+    agg.aggregate([out(finished_recving=both, failed_recving=both), None])
+    agg.aggregate([None, None])
+    overdue = agg.aggregate([None, None])
+    assert overdue.failed_recving == {"late", "never"} and agg.abandoned == 2
+    late = agg.aggregate([None, out(finished_recving={"late"}, failed_recving={"late"})])
+    assert not late.finished_recving and not late.failed_recving
+    assert agg.abandoned == 1  # "late" has every worker's report: forgotten
+    agg.aggregate([None, None])
+    assert agg.abandoned == 0 and agg.pending == 0  # "never": forgotten after the bound
+    for _ in range(3):  # the late failure is not surfaced a second time
+        assert agg.aggregate([None, None]) is None

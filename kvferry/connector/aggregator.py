@@ -5,7 +5,9 @@ workers reported it: a worker that reports the same request twice counts once. F
 are unioned, and a failed receive is held until the same request completes its quorum, so
 the scheduler sees failure and completion together. A failed receive whose quorum does not
 complete within `failed_quorum_steps` aggregation steps is surfaced anyway (as finished and
-failed, with a warning) instead of being held forever; late reports for it are dropped.
+failed, with a warning) instead of being held forever; late reports for it are dropped,
+and it is forgotten once every worker has reported it or another `failed_quorum_steps`
+steps have passed (a long-running server keeps no record per abandoned request).
 """
 
 from __future__ import annotations
@@ -28,12 +30,15 @@ class KVOutputAggregator:
         self._send_reporters: dict[str, set[int]] = defaultdict(set)
         self._recv_reporters: dict[str, set[int]] = defaultdict(set)
         self._failed_since: dict[str, int] = {}  # failed receive -> step it was first reported
-        self._abandoned: set[str] = set()  # surfaced before their quorum; late reports dropped
+        # surfaced before their quorum -> (step surfaced, workers that reported it); late
+        # reports are dropped until the rest have reported or the bound passes again
+        self._abandoned: dict[str, tuple[int, set[int]]] = {}
         self._step = 0
 
     def aggregate(self, outputs: list[KVConnectorOutput | None]) -> KVConnectorOutput | None:
         """Merge one step's outputs; `outputs[i]` is worker i's (None: nothing to report)."""
         self._step += 1
+        self._forget_abandoned()
         if all(o is None for o in outputs) and not self._failed_since:
             return None
         result = KVConnectorOutput()
@@ -45,14 +50,31 @@ class KVOutputAggregator:
 
     def _merge(self, result: KVConnectorOutput, worker: int, out: KVConnectorOutput) -> None:
         result.finished_sending |= self._count(self._send_reporters, worker, out.finished_sending)
-        recving = out.finished_recving - self._abandoned
+        failed = out.failed_recving - self._abandoned.keys()
+        recving = self._drop_late(worker, out.finished_recving)
         result.finished_recving |= self._count(self._recv_reporters, worker, recving)
-        for req_id in out.failed_recving - self._abandoned:
+        for req_id in failed:
             self._failed_since.setdefault(req_id, self._step)
         result.invalid_block_ids |= out.invalid_block_ids
         result.events.extend(out.events)
         if out.stats is not None:
             result.stats = out.stats if result.stats is None else result.stats.aggregate(out.stats)
+
+    def _drop_late(self, worker: int, reported: set[str]) -> set[str]:
+        """`reported` without abandoned requests, noting which workers reported those late."""
+        late = reported & self._abandoned.keys()
+        for req_id in late:
+            reporters = self._abandoned[req_id][1]
+            reporters.add(worker)
+            if len(reporters) >= self.expected:
+                del self._abandoned[req_id]
+        return reported - late
+
+    def _forget_abandoned(self) -> None:
+        """Abandoned requests whose late reports are overdue too are forgotten."""
+        for req_id, (since, _) in list(self._abandoned.items()):
+            if self._step - since >= self.failed_quorum_steps:
+                del self._abandoned[req_id]
 
     def _count(self, reporters: dict[str, set[int]], worker: int, reported: set[str]) -> set[str]:
         done = set()
@@ -73,7 +95,8 @@ class KVOutputAggregator:
                 self._abandon(req_id, result)
 
     def _abandon(self, req_id: str, result: KVConnectorOutput) -> None:
-        reported = len(self._recv_reporters.pop(req_id, ()))
+        reporters = self._recv_reporters.pop(req_id, set())
+        reported = len(reporters)
         logger.warning(
             "request %s: receive failed and only %d of %d workers reported it within %d steps; "
             "surfacing the failure without the rest",
@@ -83,10 +106,15 @@ class KVOutputAggregator:
             self.failed_quorum_steps,
         )
         del self._failed_since[req_id]
-        self._abandoned.add(req_id)
+        self._abandoned[req_id] = (self._step, reporters)
         result.finished_recving.add(req_id)
         result.failed_recving.add(req_id)
 
     @property
     def pending(self) -> int:
         return len(self._send_reporters) + len(self._recv_reporters)
+
+    @property
+    def abandoned(self) -> int:
+        """Abandoned requests still remembered (to drop their late reports)."""
+        return len(self._abandoned)
