@@ -1,0 +1,157 @@
+"""P/D through a `kvferry proxy` with elastic KV memory on the decoder only (prefill TP=1,
+decode TP=2), on the prefiller only (TP=2 -> TP=1) and on both (TP=2 -> TP=1): real
+`kvferry serve` processes with NIXL agents, one proxy per pair. Greedy answers, streamed
+or not, equal a colocated eager engine's byte for byte, text and token ids, with the
+prompt's KV read over NIXL. At the end every block pool is all free and every elastic
+side has returned every page it mapped (prefix caching is off, so nothing stays cached)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from kvferry.engine.llm import LLM
+from kvferry.sampling_params import SamplingParams
+from tests.test_pd_support import MODEL, Server, nixl, prompt_set, start_server, stop, wait_healthy, wait_idle
+from tests.test_proxy_fakes import free_port, start_cli
+from tests.test_proxy_fakes import stop as stop_procs
+from tests.test_proxy_fakes import wait_healthy as wait_proc_healthy
+
+MAX_TOKENS = 12
+# fp32: TP sums agree; no prefix caching: an idle engine keeps no block, so every page goes back
+COMMON = ("--max-num-batched-tokens", "64", "--dtype", "float32", "--enforce-eager", "--no-prefix-caching")
+ELASTIC = (*COMMON, "--kv-allocator", "elastic")
+
+# name: (role, TP size, elastic)
+SERVERS = {
+    "p_eager": ("producer", 1, False),
+    "p_elastic": ("producer", 2, True),
+    "d_elastic_tp2": ("consumer", 2, True),
+    "d_eager": ("consumer", 1, False),
+    "d_elastic": ("consumer", 1, True),
+}
+PAIRS = {  # elastic on: (prefiller, decoder)
+    "decoder_only_tp1_2": ("p_eager", "d_elastic_tp2"),
+    "prefiller_only_tp2_1": ("p_elastic", "d_eager"),
+    "both_tp2_1": ("p_elastic", "d_elastic"),
+}
+
+
+@dataclass(frozen=True)
+class Answer:
+    text: str
+    token_ids: list[int]
+    cached: int | None  # prompt tokens the decoder did not compute (None: streamed)
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
+    logs = tmp_path_factory.mktemp("elastic_disagg")
+    started = {
+        name: start_server(tiny_llama, logs, name, nixl(role), tp=tp, args=ELASTIC if elastic else COMMON)
+        for name, (role, tp, elastic) in SERVERS.items()
+    }
+    try:
+        wait_healthy(list(started.values()))
+        yield started
+    finally:
+        codes = stop(list(started.values()))
+    assert codes == [0] * len(started), {s.name: s.tail() for s in started.values()}
+
+
+@pytest.fixture(scope="module")
+def proxies(servers: dict[str, Server], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """One `kvferry proxy` per pair, by pair name: its URL."""
+    logs = tmp_path_factory.mktemp("elastic_disagg_proxy")
+    procs: dict[str, subprocess.Popen] = {}
+    urls: dict[str, str] = {}
+    try:
+        for pair, (prefiller, decoder) in PAIRS.items():
+            port = free_port()
+            args = ["--log-level", "WARNING", "proxy", "--prefill", servers[prefiller].url]
+            args += ["--decode", servers[decoder].url, "--port", str(port), "--health-interval", "1"]
+            procs[pair] = start_cli(args, logs / f"{pair}.log")
+            urls[pair] = f"http://127.0.0.1:{port}"
+        for pair, proc in procs.items():
+            wait_proc_healthy(proc, urls[pair], logs / f"{pair}.log")
+        yield urls
+    finally:
+        codes = stop_procs(list(procs.values()))
+    assert codes == [0] * len(procs), [(logs / f"{pair}.log").read_text()[-3000:] for pair in procs]
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_llama: Path) -> list[str | list[int]]:
+    return prompt_set(AutoTokenizer.from_pretrained(tiny_llama))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama: Path, prompts: list, servers: dict) -> list[Answer]:
+    """The colocated eager engine's greedy answers (computed while the servers start)."""
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_bytes=5 << 20, max_num_batched_tokens=64)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    return [Answer(o.outputs[0].text, list(o.outputs[0].token_ids), None) for o in outs]
+
+
+def _complete(url: str, prompt: str | list[int], stream: bool) -> Answer:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+    body |= {"return_token_ids": True, "stream": stream}
+    if not stream:
+        resp = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert resp.status_code == 200, resp.text
+        choice, usage = resp.json()["choices"][0], resp.json()["usage"]
+        return Answer(choice["text"], choice["token_ids"], usage["prompt_tokens_details"]["cached_tokens"])
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    choices = [c for chunk in chunks for c in chunk["choices"]]
+    ids = [i for c in choices for i in c.get("token_ids") or []]
+    return Answer("".join(c["text"] for c in choices), ids, None)
+
+
+def _num_tokens(tokenizer, prompt: str | list[int]) -> int:  # noqa: ANN001 - a HF tokenizer
+    return len(prompt) if isinstance(prompt, list) else len(tokenizer.encode(prompt))
+
+
+def _pages_all_returned(server: Server, timeout: float = 30.0) -> dict[str, float]:
+    """Once the elastic side's workers returned every page they mapped (the return reaches
+    them with the engine's next step): its /metrics."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = server.metrics()
+        if m["kv_pages_mapped"] == m["kv_pages_returned"] and m["kv_resident_bytes"] == 0:
+            return m
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{server.name}: pages not all returned: {m}")
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("pair", list(PAIRS))
+def test_pd_through_the_proxy_with_elastic_memory_equals_colocated_eager(
+    servers, proxies, prompts, reference, tiny_llama, pair
+):
+    prefiller, decoder = (servers[name] for name in PAIRS[pair])
+    streams = [i % 2 == 1 for i in range(len(prompts))]
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda p, s: _complete(proxies[pair], p, s), prompts, streams))
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    for prompt, answer, expected in zip(prompts, answers, reference, strict=True):
+        assert (answer.text, answer.token_ids) == (expected.text, expected.token_ids), prompt
+        if answer.cached is not None:  # every prompt token but the last came over NIXL
+            assert answer.cached == _num_tokens(tok, prompt) - 1, prompt
+    for server in (prefiller, decoder):
+        wait_idle(server)
+        if SERVERS[server.name][2]:
+            m = _pages_all_returned(server)
+            assert m["kv_pages_mapped"] > 0  # elastic memory was used
+        else:
+            assert server.metrics()["kv_resident_bytes"] == server.metrics()["kv_reserved_bytes"] > 0
