@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from kvferry.config import CacheConfig, ExecutorKind, KVTransferConfig, ParallelConfig
+from kvferry.config import CacheConfig, ExecutorKind, KVRole, KVTransferConfig, ParallelConfig
 from kvferry.connector.factory import resolve_connector_class
 from kvferry.entrypoints.engine_args import parse_kv_transfer_config
 from kvferry.errors import ConfigError
@@ -41,7 +41,7 @@ def test_bad_kv_transfer_config_is_a_clear_startup_error(raw, message):
 def test_role_the_connector_does_not_support(monkeypatch):
     from kvferry.connector.recording import RecordingConnector
 
-    monkeypatch.setattr(RecordingConnector, "supported_roles", frozenset({"producer"}))
+    monkeypatch.setattr(RecordingConnector, "supported_roles", frozenset({KVRole.PRODUCER}))
     with pytest.raises(ConfigError, match="does not support kv_role 'consumer'"):
         resolve_connector_class(KVTransferConfig("RecordingConnector", kv_role="consumer"))
 

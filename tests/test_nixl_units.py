@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvferry.config import KVRole
 from kvferry.connector.nixl.leases import Hold, LeaseTable, readers_of
 from kvferry.connector.nixl.params import RemotePrefill, parse_remote_prefill, validate_params
 from kvferry.connector.nixl.protocol import (
@@ -69,21 +70,21 @@ def test_params_roundtrip():
 )
 def test_malformed_params_are_client_errors(change):
     with pytest.raises(InvalidRequestError) as info:
-        validate_params("consumer", {**GOOD, **change})
+        validate_params(KVRole.CONSUMER, {**GOOD, **change})
     assert info.value.param == "kv_transfer_params"
 
 
 def test_params_must_fit_the_role():
-    validate_params("producer", {"do_remote_decode": True})
-    validate_params("both", GOOD)
+    validate_params(KVRole.PRODUCER, {"do_remote_decode": True})
+    validate_params(KVRole.BOTH, GOOD)
     with pytest.raises(InvalidRequestError):
-        validate_params("consumer", {"do_remote_decode": True})
+        validate_params(KVRole.CONSUMER, {"do_remote_decode": True})
     with pytest.raises(InvalidRequestError):
-        validate_params("producer", GOOD)
+        validate_params(KVRole.PRODUCER, GOOD)
     with pytest.raises(InvalidRequestError):
-        validate_params("both", {"do_remote_decode": 1})
+        validate_params(KVRole.BOTH, {"do_remote_decode": 1})
     with pytest.raises(InvalidRequestError):
-        validate_params("both", ["do_remote_decode"])  # type: ignore[arg-type]
+        validate_params(KVRole.BOTH, ["do_remote_decode"])  # type: ignore[arg-type]
 
 
 # ---- leases -----------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from kvferry.config import KVRole
 from kvferry.errors import KVFerryError
 from kvferry.kv.layout_choice import LayoutParty
 from kvferry.kv.spec import KVCacheConfig, Layout
@@ -49,8 +50,8 @@ class KVConnectorMetadata:
 class KVConnectorBase:
     """Base class. Subclasses override the hooks they need; defaults do nothing."""
 
-    # kv_role values this connector accepts ("producer", "consumer", "both").
-    supported_roles: ClassVar[frozenset[str]] = frozenset({"producer", "consumer", "both"})
+    # The roles this connector can take.
+    supported_roles: ClassVar[frozenset[KVRole]] = frozenset(KVRole)
     # Invariant 2: may the per-layer hooks be captured in a graph (compiled CPU, CUDA)?
     # (These three are declared per class; MultiConnector sets its own per instance, from
     # the children it was built with.)

@@ -53,7 +53,7 @@ def resolve_connector_class(config: KVTransferConfig) -> type[KVConnectorBase]:
         )
     if config.kv_role not in cls.supported_roles:
         raise ConfigError(
-            f"{class_name} does not support kv_role {config.kv_role.value!r} (supports {sorted(cls.supported_roles)})"
+            f"{class_name} does not support kv_role {config.kv_role.value!r} (supports {sorted(r.value for r in cls.supported_roles)})"
         )
     return cls
 

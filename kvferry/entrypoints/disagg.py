@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvferry.config import KVRole
 from kvferry.connector.nixl.auth import SECRET_ENV
 from kvferry.entrypoints.edge_options import add_edge_args
 from kvferry.entrypoints.http_common import API_KEY_ENV
@@ -44,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CONNECTOR = "NixlConnector"
 NO_CONNECTOR = "none"
-KV_ROLES = {"prefill": "producer", "decode": "consumer"}
+KV_ROLES = {"prefill": KVRole.PRODUCER, "decode": KVRole.CONSUMER}
 # Engine options that disagg sets per role itself, so they are not passed through.
 OWN_ENGINE_OPTIONS = {"help", "tensor_parallel_size", "kv_transfer_config", "cpu_cores"}
 LOG_TAIL_BYTES = 4000
@@ -169,7 +170,7 @@ def kv_transfer_json(
     channel = {"side_channel_host": "127.0.0.1", "side_channel_port": side_port} if side_port else {}
     config: dict = {
         "kv_connector": connector,
-        "kv_role": KV_ROLES[role],
+        "kv_role": KV_ROLES[role].value,
         "kv_connector_extra_config": {**channel, **extra},
     }
     if policy is not None:

@@ -29,6 +29,7 @@ import logging
 from dataclasses import dataclass
 from typing import TypeGuard
 
+from kvferry.config import KVRole
 from kvferry.errors import InvalidRequestError
 from kvferry.messages.kv_connector import KVTransferParams
 
@@ -151,7 +152,7 @@ def parse_remote_prefill(params: KVTransferParams | None) -> RemotePrefill | Non
     )
 
 
-def validate_params(kv_role: str, params: KVTransferParams | None) -> None:
+def validate_params(kv_role: KVRole, params: KVTransferParams | None) -> None:
     """The front end's synchronous check: types, and what this instance's role can do."""
     if params is None:
         return
@@ -159,7 +160,7 @@ def validate_params(kv_role: str, params: KVTransferParams | None) -> None:
         raise _fail("must be a JSON object")
     remote_decode = _flag(params, "do_remote_decode")
     remote_prefill = parse_remote_prefill(params) is not None
-    if remote_decode and kv_role == "consumer":
+    if remote_decode and kv_role is KVRole.CONSUMER:
         raise _fail("do_remote_decode needs a prefill instance (kv_role producer or both)")
-    if remote_prefill and kv_role == "producer":
+    if remote_prefill and kv_role is KVRole.PRODUCER:
         raise _fail("do_remote_prefill needs a decode instance (kv_role consumer or both)")
