@@ -3,10 +3,13 @@ it, and a killed engine's bytes coming back. No model."""
 
 from __future__ import annotations
 
+import fcntl
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 
@@ -126,6 +129,107 @@ def test_a_killed_engines_bytes_return_to_the_pool(pool_name):
     finally:
         child.kill()
         pool.close()
+
+
+_RACER = """
+import random, sys, time
+from kvferry.kv.shared_pool import KVPoolSpec, SharedKVPool
+pool = SharedKVPool(KVPoolSpec(sys.argv[1]))
+page, rounds, rng = int(sys.argv[2]), int(sys.argv[3]), random.Random(sys.argv[4])
+print("ready", flush=True)
+sys.stdin.readline()  # both start at once
+for _ in range(rounds):
+    pages = rng.randint(1, 3)
+    if not pool.try_take(pages * page):
+        print("refused", pages)
+        continue
+    start = time.monotonic_ns()  # within the grant: after the take, before the give
+    time.sleep(rng.choice((0, 0, 0.0002)))
+    end = time.monotonic_ns()
+    pool.give(pages * page)
+    print("grant", pages, start, end)
+pool.close()
+print("done", flush=True)
+"""
+RACE_PAGES = 4  # two racers asking 1-3 pages each: often one must wait for the other's
+
+
+@dataclass(frozen=True)
+class Grant:
+    pages: int
+    start: int  # monotonic ns, system-wide: comparable across processes
+    end: int
+
+
+def _grants(log: str) -> tuple[list[Grant], int]:
+    """A racer's grants and how many times it was refused (from its output after "ready")."""
+    lines = [line.split() for line in log.splitlines()]
+    assert lines[-1] == ["done"], log[-2000:]
+    grants = [Grant(*map(int, line[1:])) for line in lines if line[0] == "grant"]
+    return grants, sum(line[0] == "refused" for line in lines)
+
+
+def _most_granted_at_once(grants: list[Grant]) -> int:
+    """The most pages granted at one instant over all racers (a sweep over the intervals;
+    at a tie an end comes before a start: the give happened before the other's take)."""
+    events = sorted([(g.start, 1, g.pages) for g in grants] + [(g.end, 0, -g.pages) for g in grants])
+    most = held = 0
+    for _, _, pages in events:
+        held += pages
+        most = max(most, held)
+    return most
+
+
+def _observe(observer: SharedKVPool, stop: threading.Event, seen: list[int]) -> None:
+    """A third process's view: the pool's total held bytes, read under the ledger's lock."""
+    with open(observer.spec.path, "rb") as ledger:
+        while not stop.is_set():
+            fcntl.flock(ledger, fcntl.LOCK_EX)
+            try:
+                seen.append(observer.used_bytes())
+            finally:
+                fcntl.flock(ledger, fcntl.LOCK_UN)
+            stop.wait(0.0005)  # leave the racers the lock most of the time
+
+
+def test_two_processes_racing_for_the_last_pages_never_get_more_than_the_pool(pool_name):
+    """Two processes take and give back grants of 1-3 pages of a 4-page pool as fast as they
+    can: the ledger never grants more than the pool (seen by an observer under the lock, and
+    from the racers' own grant intervals), both get pages and both are refused sometimes,
+    neither fails, and the pool ends empty."""
+    observer = SharedKVPool(KVPoolSpec(pool_name, RACE_PAGES * PAGE))
+    racers = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RACER, pool_name, str(PAGE), "1500", str(seed)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for seed in (1, 2)
+    ]
+    stop, seen = threading.Event(), []
+    watcher = threading.Thread(target=_observe, args=(observer, stop, seen))
+    try:
+        assert [r.stdout.readline() for r in racers] == ["ready\n"] * 2
+        watcher.start()
+        for racer in racers:
+            racer.stdin.write("go\n")
+            racer.stdin.flush()
+        outputs = [r.communicate(timeout=30) for r in racers]
+    finally:
+        stop.set()
+        if watcher.is_alive():
+            watcher.join()
+        for racer in racers:
+            racer.kill()
+    assert [r.returncode for r in racers] == [0, 0], [err for _, err in outputs]
+    logs = [_grants(out) for out, _ in outputs]
+    assert all(grants and refused for grants, refused in logs)  # each got pages, each waited
+    assert _most_granted_at_once([g for grants, _ in logs for g in grants]) <= RACE_PAGES
+    assert max(seen) <= RACE_PAGES * PAGE and any(0 < s for s in seen)
+    assert observer.used_bytes() == 0  # every grant given back, every racer gone
+    observer.close()
 
 
 def _config(pool: KVPoolSpec, **cache: object):  # noqa: ANN202 - KVCacheConfig
