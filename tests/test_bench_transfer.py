@@ -46,7 +46,7 @@ def test_bench_transfer_connector_reads_each_prompt_through_the_nixl_connector(
     args = build_parser().parse_args([*argv, "--output", str(out)])
     args.func(args)
     doc = json.loads(out.read_text())
-    assert doc["bench"] == "transfer_connector"
+    assert doc["bench"] == "transfer_connector" and doc["kv_allocator"] == "eager"
     assert [r["prompt_tokens"] for r in doc["results"]] == [40, 40, 100, 100]
     block_bytes = 2 * 16 * 2 * 16 * 4  # tiny qwen2: K and V of 16 tokens x 2 KV heads x 16 dims, fp32
     layers = 2
@@ -54,6 +54,28 @@ def test_bench_transfer_connector_reads_each_prompt_through_the_nixl_connector(
         blocks = -(-row["prompt_tokens"] // 16)
         assert row["bytes"] == blocks * layers * block_bytes
         assert 0 < row["descriptors"] <= blocks * layers * 2 and row["ms"] > 0
+
+
+def test_bench_transfer_connector_over_elastic_memory(tmp_path: Path, tiny_qwen2: Path) -> None:
+    """--kv-allocator elastic reaches both engines: the READs are the eager run's, and the
+    pages each engine mapped for them are returned once the transfers are done."""
+    pytest.importorskip("nixl._api")
+    out = tmp_path / "elastic.json"
+    argv = ["bench", "transfer", "--connector", str(tiny_qwen2), "--prompt-tokens", "100", "--iters", "1"]
+    args = build_parser().parse_args([*argv, "--kv-allocator", "elastic", "--output", str(out)])
+    args.func(args)
+    doc = json.loads(out.read_text())
+    assert doc["kv_allocator"] == "elastic"
+    (row,) = doc["results"]
+    assert row["bytes"] == 7 * 2 * 2 * 16 * 2 * 16 * 4 and row["descriptors"] > 0  # 7 blocks, 2 layers
+    for side in ("prefill", "decode"):
+        assert doc["kv_pages"][side]["mapped"] > 0, side
+
+
+def test_kv_allocator_is_for_the_connector_bench() -> None:
+    args = build_parser().parse_args(["bench", "transfer", "--kv-allocator", "elastic"])
+    with pytest.raises(TransferBenchError, match="--connector"):
+        args.func(args)
 
 
 def test_verify_catches_a_misplaced_block() -> None:

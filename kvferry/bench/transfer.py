@@ -33,6 +33,7 @@ from pathlib import Path
 
 from kvferry.bench.results import host_facts, save_json
 from kvferry.errors import KVFerryError
+from kvferry.kv.spec import KVAllocator
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="measure the NixlConnector between a prefill and a decode engine of MODEL instead",
     )
     parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[1000, 4000], help="with --connector")
+    parser.add_argument(
+        "--kv-allocator",
+        type=KVAllocator,
+        choices=list(KVAllocator),
+        default=KVAllocator.EAGER,
+        help="with --connector: both engines' KV memory (elastic: pages mapped while in use)",
+    )
     for side in ("prefill", "decode"):
         parser.add_argument(
             f"--{side}-layout",
@@ -260,6 +268,8 @@ def run_settings(args: argparse.Namespace, settings: list[Setting], init: Initia
 def run(args: argparse.Namespace) -> dict:
     if args.connector:
         return run_connector(args)
+    if args.kv_allocator is not KVAllocator.EAGER:
+        raise TransferBenchError("--kv-allocator is for --connector (the engines' KV memory)")
 
     settings = settings_of(args)
     size = max(s.size for s in settings)
@@ -329,7 +339,12 @@ def connector_config(args: argparse.Namespace, role: str, layout: str):
     blocks = -(-(longest + 1) // block_size) + 4
     return EngineConfig(
         model=model,
-        cache=CacheConfig(block_size=block_size, num_gpu_blocks_override=blocks, layout=layout),
+        cache=CacheConfig(
+            block_size=block_size,
+            num_gpu_blocks_override=blocks,
+            layout=layout,
+            kv_allocator=args.kv_allocator,
+        ),
         kv_transfer=KVTransferConfig("NixlConnector", kv_role=role),
     )
 
@@ -407,6 +422,12 @@ def connector_rows(args: argparse.Namespace, prefiller, decoder) -> list[dict]:
     return rows
 
 
+def pages_of(engine) -> dict[str, int]:
+    """The engine's KV memory pages mapped and returned since start (eager: all, none)."""
+    memory = engine.stats().kv_memory
+    return {"mapped": memory.pages_mapped_total, "returned": memory.pages_returned_total}
+
+
 def run_connector(args: argparse.Namespace) -> dict:
 
     from kvferry.engine.core import EngineCore
@@ -416,6 +437,7 @@ def run_connector(args: argparse.Namespace) -> dict:
         decoder = EngineCore(connector_config(args, "consumer", args.decode_layout))
         try:
             rows = connector_rows(args, prefiller, decoder)
+            memory = {"prefill": pages_of(prefiller), "decode": pages_of(decoder)}
         finally:
             decoder.shutdown()
     finally:
@@ -424,6 +446,8 @@ def run_connector(args: argparse.Namespace) -> dict:
         "bench": "transfer_connector",
         "model": args.connector,
         "layouts": {"prefill": args.prefill_layout, "decode": args.decode_layout},
+        "kv_allocator": str(args.kv_allocator),
+        "kv_pages": memory,
         "iters": args.iters,
         **host_facts(),
         "results": rows,
