@@ -237,12 +237,33 @@ class KVTransferConfig:
             raise ConfigError("kv_connector_extra_config must be a JSON object")
 
 
+class CaptureMode(str, Enum):
+    """Whether decode steps run as one compiled program (--capture; kvferry.worker.capture)."""
+
+    AUTO = "auto"  # compiled where it measured faster than eager at start-up (the default)
+    ALWAYS = "always"  # compiled, not measured
+    NEVER = "never"  # every forward eager (--enforce-eager)
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True)
 class CompilationConfig:
-    """The captured forward (kvferry.worker.capture): decode steps run as one compiled
-    program unless `enforce_eager` (--enforce-eager)."""
+    """The captured forward (kvferry.worker.capture). `enforce_eager` is vLLM's name for
+    `capture=NEVER`, kept in step with it: setting either sets both."""
 
+    capture: CaptureMode = CaptureMode.AUTO
     enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        capture = _member(CaptureMode, self.capture, "capture mode")
+        if self.enforce_eager and capture is CaptureMode.ALWAYS:
+            raise ConfigError("--enforce-eager contradicts --capture always")
+        if self.enforce_eager:
+            capture = CaptureMode.NEVER
+        object.__setattr__(self, "capture", capture)
+        object.__setattr__(self, "enforce_eager", capture is CaptureMode.NEVER)
 
 
 @dataclass(frozen=True)
@@ -284,7 +305,8 @@ class EngineOptions:
     cpu_cores: tuple[int, ...] | None = ParallelConfig.cpu_cores
     cpu_threads: int | None = ParallelConfig.cpu_threads
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
-    enforce_eager: bool = CompilationConfig.enforce_eager
+    capture: CaptureMode = CompilationConfig.capture  # "always" etc. coerced
+    enforce_eager: bool = CompilationConfig.enforce_eager  # capture=NEVER, vLLM's name
     seed: int = EngineConfig.seed
 
     def __post_init__(self) -> None:
@@ -294,6 +316,7 @@ class EngineOptions:
         object.__setattr__(self, "kv_layout", _member(Layout, self.kv_layout, "KV layout"))
         object.__setattr__(self, "kv_allocator", _member(KVAllocator, self.kv_allocator, "KV allocator"))
         object.__setattr__(self, "executor", _member(ExecutorKind, self.executor, "executor"))
+        object.__setattr__(self, "capture", _member(CaptureMode, self.capture, "capture mode"))
 
     def engine_config(self, model: ModelConfig) -> EngineConfig:
         """The EngineConfig of these options for the resolved `model`
@@ -322,6 +345,6 @@ class EngineOptions:
                 cpu_threads=self.cpu_threads,
             ),
             kv_transfer=self.kv_transfer,
-            compilation=CompilationConfig(enforce_eager=self.enforce_eager),
+            compilation=CompilationConfig(capture=self.capture, enforce_eager=self.enforce_eager),
             seed=self.seed,
         )

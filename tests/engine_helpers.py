@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvferry.config import (
     CacheConfig,
+    CaptureMode,
     CompilationConfig,
     EngineConfig,
     KVTransferConfig,
@@ -49,6 +50,7 @@ def make_llm(
     tp: int = 1,
     executor: str = "uniproc",
     enforce_eager: bool = False,
+    capture: CaptureMode = CaptureMode.AUTO,  # ALWAYS where a test asserts the compiled path ran
     device: str = "cpu",
     quantization: WeightQuantization = WeightQuantization.NONE,
 ) -> LLM:
@@ -66,7 +68,7 @@ def make_llm(
         scheduler=SchedulerConfig(budget, max_num_seqs, chunked),
         parallel=ParallelConfig(tensor_parallel_size=tp, executor=executor),
         kv_transfer=kv_transfer or KVTransferConfig(),
-        compilation=CompilationConfig(enforce_eager=enforce_eager),
+        compilation=CompilationConfig(capture=capture, enforce_eager=enforce_eager),
         device=device,
         seed=seed,
     )

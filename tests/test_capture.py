@@ -1,9 +1,12 @@
 """The captured forward (kvferry.worker.capture): decode steps run compiled, with every
-connector hook still called, and the same greedy tokens as the eager forward."""
+connector hook still called, and the same greedy tokens as the eager forward. Tests that
+assert the compiled path ran force --capture always (auto measures, and a noisy host could
+decide eager); auto's decision is tested with a timer that makes one forward win."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -12,15 +15,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvferry.config import KVTransferConfig
+from kvferry.config import CaptureMode, CompilationConfig, KVTransferConfig
 from kvferry.connector.base import KVConnectorBase
 from kvferry.connector.recording import RecordingConnector
+from kvferry.engine import capture_choice
+from kvferry.entrypoints.cli import build_parser
+from kvferry.entrypoints.engine_args import engine_config_from_args
+from kvferry.errors import ConfigError
 from kvferry.model.forward_context import HookPlacement
 from kvferry.sampling_params import SamplingParams
-from kvferry.worker.capture import CaptureStats, cuda_graph_size, hook_placement
+from kvferry.worker.capture import CaptureStats, StepTiming, cuda_graph_size, hook_placement
 from tests.engine_helpers import PROMPT_TEXTS, assert_pool_full, make_llm, tokenize_all
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+ALWAYS = CaptureMode.ALWAYS
 
 
 def _tokens(llm, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
@@ -37,7 +45,7 @@ def test_captured_greedy_equals_eager(tiny_model: Path, batch: int) -> None:
     """Batches of 1 (padded to 2), 3 and 10 decodes; prompts of different lengths."""
     prompts = tokenize_all(tiny_model, PROMPT_TEXTS[:batch])
     eager = _tokens(make_llm(tiny_model, enforce_eager=True), prompts)
-    llm = make_llm(tiny_model)
+    llm = make_llm(tiny_model, capture=ALWAYS)
     before = _stats(llm).compiled_steps
     assert _tokens(llm, prompts) == eager
     stats = _stats(llm)
@@ -59,7 +67,7 @@ def test_captured_equals_eager_with_chunked_prefill_and_preemption(tiny_llama: P
     kwargs = {"budget": 24, "block_size": 4, "num_blocks": 24, "max_num_seqs": 8}
     eager_llm = make_llm(tiny_llama, enforce_eager=True, **kwargs)
     eager = _tokens(eager_llm, prompts, params)
-    llm = make_llm(tiny_llama, **kwargs)
+    llm = make_llm(tiny_llama, capture=ALWAYS, **kwargs)
     assert _tokens(llm, prompts, params) == eager
     assert llm.stats().num_preemptions > 0 and eager_llm.stats().num_preemptions > 0
     assert _stats(llm).compiled_steps > 0
@@ -74,7 +82,7 @@ def test_captured_sampling_and_logprobs_match_eager(tiny_qwen2: Path) -> None:
     )
     requests = [{"prompt_token_ids": p} for p in prompts]
     eager = make_llm(tiny_qwen2, enforce_eager=True).generate(requests, params)
-    captured = make_llm(tiny_qwen2).generate(requests, params)
+    captured = make_llm(tiny_qwen2, capture=ALWAYS).generate(requests, params)
     for a, b in zip(eager, captured, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
@@ -83,19 +91,79 @@ def test_captured_sampling_and_logprobs_match_eager(tiny_qwen2: Path) -> None:
             assert [p for _, p in la.top] == pytest.approx([p for _, p in lb.top], abs=1e-4)
 
 
-def test_tensor_parallel_captured_equals_eager(tiny_llama: Path) -> None:
-    """TP=2 (one process per rank): the all-reduces run inside each rank's compiled graph."""
+def test_tensor_parallel_captured_equals_eager(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TP=2 (one process per rank): the all-reduces run inside each rank's compiled graph;
+    --capture auto's decision (compiled made to win) is the engine's, the same on both ranks."""
     prompts = tokenize_all(tiny_llama, PROMPT_TEXTS[:4])
     eager_llm = make_llm(tiny_llama, tp=2, enforce_eager=True)
     eager = _tokens(eager_llm, prompts)
     eager_llm.engine.shutdown()
+    _make_win(monkeypatch, compiled=True)
     llm = make_llm(tiny_llama, tp=2)
     try:
         assert _tokens(llm, prompts) == eager
         ranks = llm.engine.executor.capture_stats()
         assert len(ranks) == 2 and all(r.compiled_steps >= GREEDY.max_tokens - 1 for r in ranks)
+        assert ranks[0].decision == ranks[1].decision == llm.engine.capture_decision
+        assert ranks[0].decision.compiled and ranks[0].decision.timings
     finally:
         llm.engine.shutdown()
+
+
+def _make_win(monkeypatch: pytest.MonkeyPatch, compiled: bool) -> None:
+    """Each timed dummy step still runs; it reads 1 s for the winning forward, 2 s for the other."""
+    real = capture_choice.time_step
+
+    def timed(run: capture_choice.RunStep, step: object, is_compiled: bool) -> float:
+        real(run, step, is_compiled)
+        return 1.0 if is_compiled is compiled else 2.0
+
+    monkeypatch.setattr(capture_choice, "time_step", timed)
+
+
+@pytest.mark.parametrize("compiled_wins", [True, False], ids=["compiled-wins", "eager-wins"])
+def test_auto_keeps_the_faster_forward_and_logs_both_numbers(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, compiled_wins: bool
+) -> None:
+    """The default (--capture auto) times dummy decode steps at batch 1 and min(max_num_seqs,
+    32) and keeps the faster forward; either way the greedy tokens are eager's, batch of 1
+    (padded when compiled) included."""
+    prompts = tokenize_all(tiny_llama, PROMPT_TEXTS[:3])
+    eager = [_tokens(make_llm(tiny_llama, enforce_eager=True), p) for p in (prompts[:1], prompts)]
+    _make_win(monkeypatch, compiled=compiled_wins)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=capture_choice.__name__):
+        llm = make_llm(tiny_llama, max_num_seqs=8)
+    decision = _stats(llm).decision
+    assert decision == llm.engine.capture_decision and decision.mode is CaptureMode.AUTO
+    assert decision.compiled is compiled_wins
+    fast, slow = (1.0, 2.0) if compiled_wins else (2.0, 1.0)
+    assert decision.timings == (StepTiming(1, fast, slow), StepTiming(8, fast, slow))
+    state = "on" if compiled_wins else "off"
+    expected = (
+        f"captured forward: {state} (decode step {fast * 1e3:.1f} vs {slow * 1e3:.1f} ms eager at batch 1; "
+        f"decode step {fast * 1e3:.1f} vs {slow * 1e3:.1f} ms eager at batch 8)"
+    )
+    assert [r.getMessage() for r in caplog.records if r.name == capture_choice.__name__] == [expected]
+    before = _stats(llm).compiled_steps
+    assert [_tokens(llm, p) for p in (prompts[:1], prompts)] == eager
+    decodes = 2 * (GREEDY.max_tokens - 1)
+    assert _stats(llm).compiled_steps - before == (decodes if compiled_wins else 0)
+    assert_pool_full(llm)
+
+
+def test_capture_mode_flags_and_their_vllm_names(tiny_llama: Path) -> None:
+    def mode(*flags: str) -> CaptureMode:
+        args = build_parser().parse_args(["serve", str(tiny_llama), *flags])
+        return engine_config_from_args(args).compilation.capture
+
+    assert mode() is CaptureMode.AUTO
+    assert mode("--capture", "always") is CaptureMode.ALWAYS
+    assert mode("--enforce-eager") is mode("--capture", "never") is CaptureMode.NEVER
+    assert CompilationConfig(enforce_eager=True).capture is CaptureMode.NEVER
+    assert CompilationConfig(capture="never").enforce_eager  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="contradicts"):
+        CompilationConfig(capture=CaptureMode.ALWAYS, enforce_eager=True)
 
 
 class SplitRecordingConnector(RecordingConnector):
@@ -113,7 +181,7 @@ def _record(tmp_path: Path, model: Path, connector: str) -> tuple[list[dict], ob
     # tests in this process (an engine with the same placement would reuse it untraced).
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    llm = make_llm(model, kv_transfer=transfer)
+    llm = make_llm(model, kv_transfer=transfer, capture=ALWAYS)
     _tokens(llm, tokenize_all(model, PROMPT_TEXTS[:3]), SamplingParams(max_tokens=4, temperature=0.0))
     assert_pool_full(llm)
     return [json.loads(line) for line in path.read_text().splitlines()], llm
@@ -207,6 +275,6 @@ def test_cuda_graph_sizes_are_powers_of_two() -> None:
 def test_cuda_graphs_greedy_equals_eager(tiny_llama: Path) -> None:
     prompts = tokenize_all(tiny_llama, PROMPT_TEXTS[:5])
     eager = _tokens(make_llm(tiny_llama, enforce_eager=True, device="cuda"), prompts)
-    llm = make_llm(tiny_llama, device="cuda")
+    llm = make_llm(tiny_llama, device="cuda", capture=ALWAYS)
     assert _tokens(llm, prompts) == eager
     assert _stats(llm).compiled_steps >= GREEDY.max_tokens - 1

@@ -112,6 +112,7 @@ def test_every_option_reaches_the_config(tiny_llama: Path):
         "cpu_cores": (0, 1),
         "cpu_threads": 1,
         "kv_transfer": KVTransferConfig(kv_connector="NixlConnector"),
+        "capture": "always",
         "enforce_eager": True,
         "seed": 7,
     }

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from kvferry.config import EngineConfig, ExecutorKind, SchedulerConfig
 from kvferry.connector.base import KVConnectorRole
 from kvferry.connector.factory import create_connector, prepare_engine_config
+from kvferry.engine.capture_choice import decide_capture
 from kvferry.engine.profile_run import size_kv_cache
 from kvferry.engine.warmup import warmup_steps
 from kvferry.executor.base import Executor
@@ -70,6 +71,7 @@ class EngineCore:
             config.scheduler, config.cache, kv_config, config.model.max_model_len, connector=self.connector
         )
         self._warm_up(kv_config)
+        self.capture_decision = decide_capture(self.executor, config, kv_config, self._run_dummy)
         self._last_log = time.monotonic()
         logger.info(
             "engine ready in %.1fs: %s, %d KV blocks of %d tokens, %s",
@@ -81,11 +83,15 @@ class EngineCore:
         )
 
     def _warm_up(self, kv_config: KVCacheConfig) -> None:
-        """Dummy steps through the real path; connector metadata comes from the scheduler half."""
+        """Dummy steps through the real path (the decode one compiles the captured forward)."""
         for step in warmup_steps(self.config, kv_config):
-            if self.connector is not None:
-                step.kv_connector_metadata = self.connector.build_connector_meta(SchedulerOutput.empty())
-            self.executor.execute_model(step)
+            self._run_dummy(step)
+
+    def _run_dummy(self, step: SchedulerOutput) -> None:
+        """A dummy step through the real path; connector metadata comes from the scheduler half."""
+        if self.connector is not None:
+            step.kv_connector_metadata = self.connector.build_connector_meta(SchedulerOutput.empty())
+        self.executor.execute_model(step)
 
     def add_request(self, req: EngineCoreRequest) -> None:
         self.scheduler.add_request(req, self.config.model.eos_token_ids)

@@ -1,6 +1,9 @@
-"""Dummy steps for warm-up: real SchedulerOutputs that take the exact path of real steps."""
+"""Dummy steps for warm-up and for timing decode steps: real SchedulerOutputs that take the
+exact path of real steps."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from kvferry.config import EngineConfig
 from kvferry.kv.spec import KVCacheConfig
@@ -41,3 +44,40 @@ def warmup_steps(config: EngineConfig, kv_config: KVCacheConfig) -> list[Schedul
         ),
         SchedulerOutput([], CachedRequestData(), {}, 0, {WARMUP_REQ_ID}, set()),
     ]
+
+
+CAPTURE_REQ_PREFIX = "__kvferry_capture_"
+
+
+@dataclass(frozen=True)
+class DecodeTiming:
+    """Dummy requests of one token each, prefilled once, then decoded one token a step:
+    the steps that time a decode batch compiled and eager (kvferry.engine.capture_choice)."""
+
+    prefill: SchedulerOutput
+    decodes: list[SchedulerOutput]
+    finish: SchedulerOutput
+
+
+def decode_blocks_per_request(block_size: int, num_decodes: int) -> int:
+    return -(-(num_decodes + 2) // block_size)  # the prompt token, the decoded ones, a sampled one
+
+
+def decode_timing_steps(kv_config: KVCacheConfig, batch_size: int, num_decodes: int) -> DecodeTiming:
+    """`batch_size` dummy requests, their prefill, `num_decodes` decode steps and the drop."""
+    counts = [decode_blocks_per_request(kv_config.block_size, num_decodes)] * batch_size
+    params = SamplingParams(max_tokens=num_decodes + 1, temperature=0.0)
+    ids = [f"{CAPTURE_REQ_PREFIX}{batch_size}_{i}" for i in range(batch_size)]
+    tables = dummy_block_tables(kv_config, counts)
+    new = [NewRequestData(req_id, [0], 1, params, blocks, 0) for req_id, blocks in zip(ids, tables)]
+    one_each = dict.fromkeys(ids, 1)
+
+    def decode(num_computed: int) -> SchedulerOutput:
+        cached = CachedRequestData(ids, [None] * batch_size, [num_computed] * batch_size)
+        return SchedulerOutput([], cached, one_each, batch_size, set(), set())
+
+    return DecodeTiming(
+        prefill=SchedulerOutput(new, CachedRequestData(), one_each, batch_size, set(), set()),
+        decodes=[decode(1 + n) for n in range(num_decodes)],
+        finish=SchedulerOutput([], CachedRequestData(), {}, 0, set(ids), set()),
+    )

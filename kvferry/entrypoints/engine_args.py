@@ -93,9 +93,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-threads", type=int, help="CPU: torch threads per rank (default: its cores)")
     parser.add_argument("--seed", type=int)
     parser.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="run every forward eagerly (default: decode steps run as one compiled program)",
+        "--capture",
+        choices=["auto", "always", "never"],
+        help="decode steps as one compiled program: auto (default) keeps it where it measures "
+        "faster than eager at start-up; always; never (= --enforce-eager)",
+    )
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="run every forward eagerly (--capture never)"
     )
     parser.add_argument(
         "--kv-transfer-config",
@@ -154,6 +158,7 @@ _SAME_NAME = (
     "kv_layout",
     "kv_allocator",
     "cpu_threads",
+    "capture",
     "seed",
 )
 

@@ -15,7 +15,7 @@ from kvferry.kv.spec import KVCacheConfig
 from kvferry.kv.usage import KVMemoryUsage
 from kvferry.messages.model_runner import ModelRunnerOutput
 from kvferry.scheduler.output import SchedulerOutput
-from kvferry.worker.capture import CaptureStats
+from kvferry.worker.capture import CaptureDecision, CaptureStats
 from kvferry.worker.memory_profile import MemoryProfile
 
 
@@ -50,7 +50,11 @@ class Executor(ABC):
 
     @abstractmethod
     def capture_stats(self) -> list[CaptureStats]:
-        """Each rank's captured-forward counters (kvferry.worker.capture), rank 0 first."""
+        """Each rank's captured-forward counters and decision (kvferry.worker.capture), rank 0 first."""
+
+    @abstractmethod
+    def use_capture(self, decision: CaptureDecision) -> None:
+        """Every rank runs decode steps compiled or eagerly, as `decision` says."""
 
     @abstractmethod
     def kv_memory_usage(self) -> list[KVMemoryUsage]:

@@ -28,7 +28,7 @@ from kvferry.kv.usage import KVMemoryUsage
 from kvferry.messages.model_runner import ModelRunnerOutput
 from kvferry.ports import free_port
 from kvferry.scheduler.output import SchedulerOutput
-from kvferry.worker.capture import CaptureStats
+from kvferry.worker.capture import CaptureDecision, CaptureStats
 from kvferry.worker.memory_profile import MemoryProfile
 from kvferry.worker.worker import Worker
 
@@ -127,6 +127,9 @@ class MultiprocExecutor(Executor):
 
     def capture_stats(self) -> list[CaptureStats]:
         return self.collective_rpc(Worker.capture_stats)
+
+    def use_capture(self, decision: CaptureDecision) -> None:
+        self.collective_rpc(Worker.use_capture, decision)
 
     def kv_memory_usage(self) -> list[KVMemoryUsage]:
         return self.collective_rpc(Worker.kv_memory_usage)

@@ -29,6 +29,7 @@ WORKER_METHODS: frozenset[WorkerMethod] = frozenset(
         Worker.initialize_kv_cache,
         Worker.execute_model,
         Worker.capture_stats,
+        Worker.use_capture,
         Worker.kv_memory_usage,
         Worker.shutdown,
     }

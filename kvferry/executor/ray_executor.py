@@ -23,7 +23,7 @@ from kvferry.kv.usage import KVMemoryUsage
 from kvferry.messages.model_runner import ModelRunnerOutput
 from kvferry.ports import free_port
 from kvferry.scheduler.output import SchedulerOutput
-from kvferry.worker.capture import CaptureStats
+from kvferry.worker.capture import CaptureDecision, CaptureStats
 from kvferry.worker.memory_profile import MemoryProfile
 from kvferry.worker.worker import Worker
 
@@ -95,6 +95,9 @@ class RayExecutor(Executor):
 
     def capture_stats(self) -> list[CaptureStats]:
         return self._all(Worker.capture_stats)
+
+    def use_capture(self, decision: CaptureDecision) -> None:
+        self._all(Worker.use_capture, decision)
 
     def kv_memory_usage(self) -> list[KVMemoryUsage]:
         return self._all(Worker.kv_memory_usage)

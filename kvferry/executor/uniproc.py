@@ -8,7 +8,7 @@ from kvferry.kv.spec import KVCacheConfig
 from kvferry.kv.usage import KVMemoryUsage
 from kvferry.messages.model_runner import ModelRunnerOutput
 from kvferry.scheduler.output import SchedulerOutput
-from kvferry.worker.capture import CaptureStats
+from kvferry.worker.capture import CaptureDecision, CaptureStats
 from kvferry.worker.memory_profile import MemoryProfile
 from kvferry.worker.worker import Worker
 
@@ -35,6 +35,9 @@ class UniprocExecutor(Executor):
 
     def capture_stats(self) -> list[CaptureStats]:
         return [self.worker.capture_stats()]
+
+    def use_capture(self, decision: CaptureDecision) -> None:
+        self.worker.use_capture(decision)
 
     def kv_memory_usage(self) -> list[KVMemoryUsage]:
         return [self.worker.kv_memory_usage()]

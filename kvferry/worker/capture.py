@@ -21,6 +21,10 @@ on a GPU: its test skips without one.
 A compile failure (an unsupported op, no C++ compiler) falls back to eager with one
 warning naming the cause.
 
+Whether decode steps keep the compiled program is the engine's decision
+(kvferry.engine.capture_choice): --capture auto measures it at start-up, always and
+never (--enforce-eager) do not. Every rank is given the same CaptureDecision.
+
 Micro-batching (kvferry.model.microbatch) stays with the eager steps: the compiled
 program runs on the whole batch with the OpenMP team. Measured on a 2-core AVX2 EPYC
 (SmolLM2 fp32, 64 x 64 tokens): compiled 182 tok/s, compiled per micro-batch thread 151,
@@ -35,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvferry.config import CaptureMode
 from kvferry.connector.base import KVConnectorBase
 from kvferry.model.forward_context import ForwardContext, HookPlacement
 
@@ -76,26 +81,67 @@ def cuda_graph_size(num_tokens: int) -> int:
     return max(MIN_CAPTURED_TOKENS, 1 << (num_tokens - 1).bit_length())
 
 
+@dataclass(frozen=True)
+class StepTiming:
+    """One decode batch size's fastest dummy step, compiled and eager (seconds)."""
+
+    batch_size: int
+    compiled_s: float
+    eager_s: float
+
+    def describe(self) -> str:
+        return (
+            f"decode step {1e3 * self.compiled_s:.1f} vs {1e3 * self.eager_s:.1f} ms eager "
+            f"at batch {self.batch_size}"
+        )
+
+
+@dataclass(frozen=True)
+class CaptureDecision:
+    """Whether decode steps run compiled, and why: the mode asked for and, under AUTO,
+    what the start-up measurement found."""
+
+    mode: CaptureMode
+    compiled: bool
+    timings: tuple[StepTiming, ...] = ()
+
+    def describe(self) -> str:
+        """The start-up log line."""
+        return f"captured forward: {'on' if self.compiled else 'off'} ({self._why()})"
+
+    def _why(self) -> str:
+        if self.timings:
+            return "; ".join(t.describe() for t in self.timings)
+        if self.mode is CaptureMode.NEVER:
+            return "--enforce-eager / --capture never"
+        if not self.compiled:
+            return "the compile failed: see the warning above"
+        return f"--capture {self.mode.value}, not measured"
+
+
 @dataclass
 class CaptureStats:
     compiled_steps: int = 0  # forwards run by the compiled program
     eager_steps: int = 0  # forwards run eagerly (prefill, eager mode, or after a fallback)
     compile_seconds: float = 0.0  # time spent in first calls of the compiled program (compiling)
+    decision: CaptureDecision | None = None  # the engine's, once made (kvferry.engine.capture_choice)
 
 
 class CapturedForward:
     """Runs a step's forward compiled (decode-only steps) or eagerly (everything else)."""
 
     def __init__(
-        self, model: torch.nn.Module, placement: HookPlacement, enforce_eager: bool, device: torch.device
+        self, model: torch.nn.Module, placement: HookPlacement, mode: CaptureMode, device: torch.device
     ):
         self.model = model
         self.placement = placement
         self.cuda_graphs = device.type == "cuda"
         self.stats = CaptureStats()
         self.fallback_reason: str | None = None
-        self._compiled = None if enforce_eager else self._compile(model, placement, self.cuda_graphs)
+        never = mode is CaptureMode.NEVER
+        self._compiled = None if never else self._compile(model, placement, self.cuda_graphs)
         self._compiled_once = False
+        self._use_compiled = True  # the engine's decision (use), until it is given
 
     @staticmethod
     def _compile(model: torch.nn.Module, placement: HookPlacement, cuda_graphs: bool):  # noqa: ANN205
@@ -107,11 +153,17 @@ class CapturedForward:
 
     @property
     def enabled(self) -> bool:
-        return self._compiled is not None
+        """Decode steps run compiled: a program exists and the engine's decision keeps it."""
+        return self._compiled is not None and self._use_compiled
+
+    def use(self, decision: CaptureDecision) -> None:
+        """Follow the engine's decision (while it measures, a provisional one per step)."""
+        self._use_compiled = decision.compiled
+        self.stats.decision = decision
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         num_tokens = input_ids.numel()
-        if self._compiled is not None and num_tokens and is_decode_only(ctx):
+        if self.enabled and num_tokens and is_decode_only(ctx):
             padded = cuda_graph_size(num_tokens) if self.cuda_graphs else MIN_CAPTURED_TOKENS
             hidden = self._run_compiled(*pad_batch(input_ids, positions, padded), ctx)
             if hidden is not None:

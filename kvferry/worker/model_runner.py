@@ -48,9 +48,7 @@ class ModelRunner:
         self.connector = connector
         placement = hook_placement(connector)
         self.model.set_hook_placement(placement)
-        self.forward = CapturedForward(
-            self.model, placement, self.config.compilation.enforce_eager, self.device
-        )
+        self.forward = CapturedForward(self.model, placement, self.config.compilation.capture, self.device)
 
     def unbind_kv_caches(self) -> None:
         """Drop the KV tensors (the profiling step's provisional cache) and every request."""

@@ -19,7 +19,7 @@ from kvferry.messages.model_runner import ModelRunnerOutput
 from kvferry.model.layers.parallel import TPGroup
 from kvferry.model.loader import load_model
 from kvferry.scheduler.output import SchedulerOutput
-from kvferry.worker.capture import CaptureStats
+from kvferry.worker.capture import CaptureDecision, CaptureStats
 from kvferry.worker.cpu_placement import place_rank
 from kvferry.worker.memory_profile import MemoryProbe, MemoryProfile, memory_probe
 from kvferry.worker.model_runner import ModelRunner
@@ -123,6 +123,10 @@ class Worker:
 
     def capture_stats(self) -> CaptureStats:
         return self.runner.forward.stats
+
+    def use_capture(self, decision: CaptureDecision) -> None:
+        """Run decode steps compiled or eagerly, as the engine decided for every rank."""
+        self.runner.forward.use(decision)
 
     def shutdown(self) -> None:
         if self.runner.connector is not None:
