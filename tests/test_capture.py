@@ -11,11 +11,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from kvferry.config import CaptureMode, CompilationConfig, KVTransferConfig
+from kvferry.config import CaptureMode, CompilationConfig, KVTransferConfig, SchedulerConfig
 from kvferry.connector.base import KVConnectorBase
 from kvferry.connector.recording import RecordingConnector
 from kvferry.engine import capture_choice
@@ -150,6 +151,24 @@ def test_auto_keeps_the_faster_forward_and_logs_both_numbers(
     decodes = 2 * (GREEDY.max_tokens - 1)
     assert _stats(llm).compiled_steps - before == (decodes if compiled_wins else 0)
     assert_pool_full(llm)
+
+
+def test_timed_batch_sizes_fit_the_limits_and_the_cache() -> None:
+    """1 and min(max_num_seqs, 32, the token budget, what the cache holds); none if nothing fits."""
+
+    def sizes(num_blocks: int, block_size: int, max_num_seqs: int) -> list[int]:
+        kv = SimpleNamespace(num_blocks=num_blocks, block_size=block_size, has_sliding_window=False)
+        config = SimpleNamespace(scheduler=SchedulerConfig(max_num_seqs=max_num_seqs))
+        return capture_choice.timed_batch_sizes(config, kv)  # type: ignore[arg-type]
+
+    assert sizes(4096, 16, 128) == [1, 32]
+    assert sizes(24, 4, 8) == [1, 8]  # 3 blocks of 4 tokens per dummy request
+    assert sizes(10, 16, 64) == [1, 10]
+    assert sizes(40, 16, 1) == [1]
+    assert sizes(2, 4, 8) == []
+    timings = (StepTiming(1, 1.2, 1.0), StepTiming(32, 0.7, 1.0))
+    assert capture_choice.keeps_compiled(timings)  # 20% slower at 1, 30% faster at 32: faster overall
+    assert not capture_choice.keeps_compiled(timings[:1])
 
 
 def test_capture_mode_flags_and_their_vllm_names(tiny_llama: Path) -> None:

@@ -38,12 +38,13 @@ RunStep = Callable[[SchedulerOutput], object]  # a dummy step through Executor.e
 
 
 def timed_batch_sizes(config: EngineConfig, kv_config: KVCacheConfig) -> list[int]:
-    """1 and the larger batch; only 1 where no larger one fits the limits or the cache."""
+    """1 and the larger batch; only 1 where no larger one fits the limits or the cache, none
+    where the cache cannot hold one request's dummy decodes."""
     usable = len(usable_block_ids(kv_config.num_blocks, kv_config.has_sliding_window))
     fits = usable // decode_blocks_per_request(kv_config.block_size, NUM_DECODES)
     scheduler = config.scheduler
     large = min(LARGE_BATCH, scheduler.max_num_seqs, scheduler.max_num_batched_tokens, fits)
-    return [1] if large <= 1 else [1, large]
+    return [b for b in dict.fromkeys((1, large)) if 1 <= b <= fits]
 
 
 def time_step(run: RunStep, step: SchedulerOutput, compiled: bool) -> float:
@@ -80,11 +81,9 @@ def decide_capture(
     """After warm-up: decide, give every rank the decision, and log it in one line."""
     mode = config.compilation.capture
     compiled = mode is not CaptureMode.NEVER and all(s.compiled_steps > 0 for s in executor.capture_stats())
-    if mode is CaptureMode.AUTO and compiled:
-        timings = tuple(measure(executor, run, kv_config, b) for b in timed_batch_sizes(config, kv_config))
-        decision = CaptureDecision(mode, keeps_compiled(timings), timings)
-    else:
-        decision = CaptureDecision(mode, compiled)
+    sizes = timed_batch_sizes(config, kv_config) if mode is CaptureMode.AUTO and compiled else []
+    timings = tuple(measure(executor, run, kv_config, b) for b in sizes)
+    decision = CaptureDecision(mode, keeps_compiled(timings) if timings else compiled, timings)
     executor.use_capture(decision)
     logger.info("%s", decision.describe())
     return decision

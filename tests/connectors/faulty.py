@@ -7,7 +7,8 @@ from kvferry.connector.base import KVConnectorBase
 
 class FaultyConnector(KVConnectorBase):
     """Raises in wait_for_layer_load during the forwards numbered in extra_config["fail_forwards"]
-    (1-based, counting only forwards with tokens after warm-up)."""
+    (1-based, counting only forwards with tokens after warm-up). Engines with it take
+    --capture always or never: auto's start-up measurement runs more dummy forwards."""
 
     def __init__(self, engine_config, role, kv_cache_config, tp_rank=0):
         super().__init__(engine_config, role, kv_cache_config, tp_rank)
