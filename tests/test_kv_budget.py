@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 import pickle
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvferry.config import EngineConfig
 from kvferry.engine.llm import LLM
 from kvferry.engine.profile_run import profile_num_blocks, profile_prompt_lengths
 from kvferry.errors import ConfigError
-from kvferry.kv.budget import GIB, BudgetSource, MemorySize, parse_memory_size, plan_kv_budget
+from kvferry.kv.budget import GIB, BudgetSource, MemorySize, format_bytes, parse_memory_size, plan_kv_budget
+from kvferry.worker import worker as worker_module
+from kvferry.worker.memory_profile import MemoryProbe
 from tests.engine_helpers import PROMPT_TEXTS, make_llm
 
 MIB = 1 << 20
@@ -106,3 +110,59 @@ def test_asking_for_more_kv_than_memory_holds_stops_start_up(tiny_llama: Path) -
     assert proc.returncode != 0
     assert "asks for 100000.00 GiB per rank, but only" in proc.stderr
     assert "activation peak" in proc.stderr and "Traceback" not in proc.stderr
+
+
+class FixedProbe(MemoryProbe):
+    """Free memory and an activation peak as stated; the room left is MemoryProbe's own."""
+
+    def __init__(self, ranks_sharing_memory: int, free: int, peak: int):
+        super().__init__(ranks_sharing_memory)
+        self.free, self.peak = free, peak
+        self.released: int | None = None
+
+    def start(self, released_after_bytes: int) -> None:
+        self.released = released_after_bytes
+        super().start(released_after_bytes)
+
+    def free_bytes(self) -> int:
+        return self.free
+
+    def reset_peak(self) -> None:
+        pass
+
+    def peak_above_start(self) -> int:
+        return self.peak
+
+
+def test_the_room_for_kv_is_each_ranks_share_less_the_activation_peak() -> None:
+    probe = FixedProbe(ranks_sharing_memory=2, free=8 * GIB, peak=GIB // 2)
+    probe.start(released_after_bytes=2 * GIB)
+    profile = probe.finish()
+    assert profile.room_bytes == (8 * GIB + 2 * GIB) // 2 - GIB // 2
+    assert profile.activation_peak_bytes == GIB // 2
+
+
+def test_the_engine_budget_leaves_out_the_activation_peak_and_says_so(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Through the profiling run: available == memory free at the start (per rank, the
+    provisional cache given back included) - the activation peak; the log states both."""
+    probes: list[FixedProbe] = []
+
+    def fixed_probe(device: torch.device, ranks_on_host: int) -> FixedProbe:
+        probes.append(FixedProbe(ranks_on_host, free=GIB, peak=GIB // 4))
+        return probes[-1]
+
+    monkeypatch.setattr(worker_module, "memory_probe", fixed_probe)
+    with caplog.at_level(logging.INFO, logger="kvferry.engine.profile_run"):
+        llm = _engine_with_fraction(tiny_llama, 0.01, max_num_batched_tokens=256)
+    try:
+        (probe,) = probes
+        assert probe.released is not None and probe.released > 0
+        budget, available = llm.engine.kv_budget, GIB + probe.released - GIB // 4
+        assert (budget.available_bytes, budget.activation_peak_bytes) == (available, GIB // 4)
+        assert budget.kv_bytes == int(0.01 * available)
+        told = f"{format_bytes(available)} available after weights and a 0.25 GiB activation peak"
+        assert told in caplog.text
+    finally:
+        llm.engine.shutdown()
