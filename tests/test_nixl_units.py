@@ -258,12 +258,33 @@ def test_params_checked_against_the_handshake(info_change, params_change, prompt
         assert problem is not None and expect in problem, problem
 
 
+def test_params_with_a_placeholder_where_a_decoder_reads_are_refused():
+    """A hybrid prefill's blocks: a sliding group may hold the placeholder (block 0) only
+    before the blocks the last prompt token's window sees; a full group nowhere."""
+    groups = [
+        GroupInfo("full", 16, 2, 16, "float32", 0, ["l0"]),
+        GroupInfo("sliding", 16, 2, 16, "float32", 10, ["l1"]),
+    ]
+    local = _Local()
+    local.groups = groups
+
+    def problem(full: list[int], sliding: list[int]) -> str | None:
+        params = {**GOOD, "remote_block_ids": [full, sliding], "remote_num_tokens": 40}
+        return check_remote(parse_remote_prefill(params), _info(groups=groups), local, 40)
+
+    assert problem([1, 2, 3], [0, 4, 5]) is None  # token 39 sees 30..39: blocks 1 and 2
+    assert "remote_block_ids[1] has the placeholder block 0" in (problem([1, 2, 3], [4, 0, 5]) or "")
+    assert "remote_block_ids[0] has the placeholder block 0" in (problem([0, 2, 3], [4, 6, 5]) or "")
+
+
 def test_blocks_to_read_skip_the_local_hit_and_what_the_window_cannot_see():
     full = GroupInfo("full", 4, 2, 16, "float32", 0, ["a"])
     sliding = GroupInfo("sliding", 4, 2, 16, "float32", 6, ["b"])
     local = ([10, 11, 12, 13, 14], [20, 21, 22, 23, 24])
     remote = ([1, 2, 3, 4, 5], [0, 0, 7, 8, 9])  # the prefiller dropped blocks out of its window
-    # tokens 4..18 to read (block 0 is a local prefix hit); the next token sees 13..18
+    # tokens 4..18 to read (block 0 is a local prefix hit); the token at 19 sees 14..19
     got = blocks_to_read([full, sliding], local, remote, start=4, end=19, remote_null=0)
     assert got == (((11, 12, 13, 14), (2, 3, 4, 5)), ((23, 24), (8, 9)))
+    # the token at 17 sees 12..17: from block 3 on, not block 2 (position 11)
+    assert blocks_to_read([sliding], local[1:], remote[1:], 0, 17, remote_null=0) == (((23, 24), (8, 9)),)
     assert blocks_to_read([full], ([10, 11],), ([0, 1],), 0, 8, remote_null=-1) == (((10, 11), (0, 1)),)

@@ -155,9 +155,10 @@ def test_sliding_window_groups_are_accepted_with_one_slot_row_per_block_position
 
 
 def test_offload_rule_for_a_sliding_group_s_first_block_is_the_scheduler_s():
-    """first_allocated mirrors the SlidingWindowManager: the first non-null table entry of a
-    request allocated `num_tokens` at once, for windows that are and are not block multiples."""
-    from kvferry.connector.offload.scheduler_side import first_allocated
+    """first_allocated_block (the offload connector's rule) is the SlidingWindowManager's: the
+    first non-null table entry of a request allocated `num_tokens` at once, for windows that
+    are and are not block multiples."""
+    from kvferry.kv.window import first_allocated_block
     from kvferry.scheduler.block_pool import BlockPool
     from kvferry.scheduler.single_type_manager import SlidingWindowManager
 
@@ -168,7 +169,8 @@ def test_offload_rule_for_a_sliding_group_s_first_block_is_the_scheduler_s():
             manager = SlidingWindowManager(spec, pool, 0, None)
             table = manager.allocate_new_blocks("r", num_tokens)
             first = next(i for i, b in enumerate(table) if not b.is_null)
-            assert first == first_allocated(window, block_size, num_tokens), (block_size, window, num_tokens)
+            expected = first_allocated_block(window, block_size, num_tokens)
+            assert first == expected, (block_size, window, num_tokens)
 
 
 def test_block_copier_on_shared_tensors_copies_each_group_s_block_and_skips():

@@ -115,12 +115,39 @@ def test_a_decoder_reads_only_the_blocks_each_window_sees(servers) -> None:
     """Prompts sharing no block with any other (no local prefix hit), one at a time."""
     prefiller, decoder = servers["p1"], servers["d1"]
     gen = torch.Generator().manual_seed(11)
-    for length in (40, 73, 200, 161):
+    for length in (40, 73, 200, 161, 170):  # 170: the next token's window starts on a block
         prompt = torch.randint(10, 800, (length,), generator=gen).tolist()
-        before = decoder.metrics()["kv_connector_nixl_bytes_read"]
+        before = decoder.metrics().get("kv_connector_nixl_bytes_read", 0.0)
         text, cached, params = _pd(prefiller, decoder, prompt)
         read = decoder.metrics()["kv_connector_nixl_bytes_read"] - before
         assert cached == length - 1 and read == _visible_bytes(length - 1), (length, read)
+    wait_idle(decoder)
+    wait_idle(prefiller)
+
+
+def test_a_decoder_never_offers_a_prefix_hit_on_blocks_it_did_not_receive(servers, gemma3: Path) -> None:
+    """A 161-token prompt through P/D: the decoder loads 160 tokens and holds sliding blocks
+    8 and 9 (block 8 for a prefix hit at token 144), but the window of token 160 sees only
+    block 9, the only one read. A later prompt sharing the first 144 tokens, sent to the
+    decoder alone, computes tokens 144-152 whose windows reach into block 8: its output
+    equals a colocated engine's only if block 8 was never offered as a hit unfilled."""
+    prefiller, decoder = servers["p1"], servers["d1"]
+    gen = torch.Generator().manual_seed(13)
+    first = torch.randint(10, 800, (161,), generator=gen).tolist()
+    second = first[:144] + torch.randint(10, 800, (20,), generator=gen).tolist()
+    _, cached, _ = _pd(prefiller, decoder, first)
+    assert cached == 160
+    resp = decode(decoder, second, None, MAX_TOKENS)
+    assert resp.status_code == 200, resp.text
+    llm = LLM(str(gemma3), kv_cache_bytes=5 << 20, max_num_batched_tokens=64)
+    try:
+        expected = llm.generate([second], SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    finally:
+        llm.engine.shutdown()
+    body = resp.json()
+    hit = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert body["choices"][0]["text"] == expected[0].outputs[0].text, f"prefix hit of {hit} tokens"
+    assert hit == 0  # block 8 was let go unfilled, so no hit reaches into it
     wait_idle(decoder)
     wait_idle(prefiller)
 
@@ -210,7 +237,7 @@ def test_gemma4_decoder_reads_each_window_and_shared_layers_once(gemma4_servers)
     gen = torch.Generator().manual_seed(12)
     for length in (40, 73, 200, 161):
         prompt = torch.randint(10, 800, (length,), generator=gen).tolist()
-        before = decoder.metrics()["kv_connector_nixl_bytes_read"]
+        before = decoder.metrics().get("kv_connector_nixl_bytes_read", 0.0)
         _, cached, _ = _pd(prefiller, decoder, prompt)
         read = decoder.metrics()["kv_connector_nixl_bytes_read"] - before
         assert cached == length - 1 and read == _gemma4_visible_bytes(length - 1), (length, read)

@@ -182,6 +182,15 @@ class KVCacheManager:
         for manager in self.managers:
             manager.cache_blocks(request, num_computed_tokens)
 
+    def cache_loaded_blocks(self, request: Request) -> None:
+        """Register a request's blocks once a connector loaded its computed tokens. A load
+        fills, of each sliding group, only the blocks the next token sees (kvferry.kv.window);
+        the group first lets go of the earlier ones it holds, unfilled, so none of them is
+        ever offered as a prefix hit."""
+        for manager in self.managers:
+            manager.remove_skipped_blocks(request.req_id, request.num_computed_tokens)
+        self.cache_blocks(request, request.num_computed_tokens)
+
     def free(self, request: Request | str) -> None:
         req_id = request if isinstance(request, str) else request.req_id
         for manager in self.managers:

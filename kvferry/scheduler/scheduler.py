@@ -444,7 +444,7 @@ class Scheduler:
             return
         request.status = RequestStatus.WAITING  # the transfer is over: blocks are ours again
         if not failed:
-            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            self.kv_cache_manager.cache_loaded_blocks(request)
         elif self.kv_load_failure_policy is LoadFailurePolicy.FAIL:
             self._finish(request, RequestStatus.FINISHED_ERROR, "loading the request's KV cache failed")
         else:

@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 from kvferry.kv.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from kvferry.kv.window import first_allocated_block, first_visible_block
 from kvferry.scheduler.block_pool import BlockPool, KVCacheBlock
 from kvferry.scheduler.hashing import BlockHasher
 from kvferry.scheduler.request import Request
@@ -172,8 +173,7 @@ class SlidingWindowManager(SingleTypeManager):
     def _first_real_block(self, num_tokens: int) -> int:
         """The first block that a token after the first `num_tokens`, or a prefix hit at the
         last block boundary before the last of them (the same prompt again), can see."""
-        boundary = (num_tokens - 1) // self.block_size * self.block_size
-        return max(0, boundary - self.window + 1) // self.block_size
+        return first_allocated_block(self.window, self.block_size, num_tokens)
 
     def num_blocks_to_allocate(
         self, req_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock]
@@ -203,7 +203,7 @@ class SlidingWindowManager(SingleTypeManager):
         if not held:
             return
         start = self.num_skipped.get(req_id, 0)
-        first_needed = min(max(0, num_computed_tokens - self.window + 1) // self.block_size, len(held))
+        first_needed = min(first_visible_block(self.window, self.block_size, num_computed_tokens), len(held))
         if first_needed <= start:
             return
         dropped = [held[i] for i in range(start, first_needed) if not held[i].is_null]

@@ -8,6 +8,7 @@ from typing import Protocol
 
 from kvferry.connector.nixl.params import RemotePrefill
 from kvferry.connector.nixl.protocol import EngineInfo, GroupInfo
+from kvferry.kv.window import first_visible_block
 from kvferry.scheduler.block_pool import null_block_id
 
 logger = logging.getLogger(__name__)
@@ -86,10 +87,24 @@ def check_remote(
                 f"kv_transfer_params: remote_block_ids[{gid}] has {len(ids)} blocks; "
                 f"{remote.num_tokens} tokens take {needed}"
             )
-        bad = [b for b in ids if b >= info.num_blocks or (b == null and info.groups[gid].kind == "full")]
+        bad = [b for b in ids if b >= info.num_blocks]
         if bad:
             return f"kv_transfer_params: remote block ids {bad[:4]} are out of range [0, {info.num_blocks})"
+        first = _first_needed(info.groups[gid], remote.num_tokens)
+        if null in ids[first:]:
+            return (
+                f"kv_transfer_params: remote_block_ids[{gid}] has the placeholder block {null} "
+                f"among the blocks from {first} on, whose KV a decoder reads"
+            )
     return None
+
+
+def _first_needed(group: GroupInfo, num_tokens: int) -> int:
+    """The first of a prefill's blocks in this group a decoder may read: every block of a
+    full group; of a sliding group, those the last prompt token's window sees."""
+    if group.kind == "sliding" and group.sliding_window:
+        return first_visible_block(group.sliding_window, group.block_size, num_tokens - 1)
+    return 0
 
 
 def blocks_to_read(
@@ -102,15 +117,17 @@ def blocks_to_read(
 ) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
     """Per group, the (local, remote) block ids holding tokens [start, end) to read.
 
-    A sliding-window group reads only the blocks the next token's window can see; pairs
-    with a placeholder block on either side are skipped (nothing there to read or keep).
+    A sliding-window group reads only the blocks the token at `end` (the first the decoder
+    computes) sees, which the prefiller always holds (`kvferry.kv.window`); the decoder
+    lets go of its earlier blocks unfilled when the load completes. Pairs with a placeholder
+    block on either side are skipped (nothing there to read or keep).
     """
     local_null = null_block(groups)
     out = []
     for group, lids, rids in zip(groups, local_ids, remote_ids, strict=True):
         first, last = start // group.block_size, -(-end // group.block_size)
         if group.kind == "sliding" and group.sliding_window:
-            first = max(first, (end - group.sliding_window) // group.block_size)
+            first = max(first, first_visible_block(group.sliding_window, group.block_size, end))
         pairs = [
             (lb, rb)
             for lb, rb in zip(lids[first:last], rids[first:last], strict=True)

@@ -11,9 +11,9 @@ every group whose block exists when the position is saved; a sliding group's blo
 window could see any more was never allocated (the null block), so the slot holds no KV of
 that group there. A later hit of `h` blocks is offered only if it is usable by every group:
 each sliding group's blocks that the token after the hit sees, the last
-`ceil((window - 1) / block_size)` before `h`, are stored (or were in the local hit), and the
-scheduler will allocate them (it allocates no block of a sliding group before
-`_first_real_block` of the request's tokens; see `first_allocated`). Loads copy the full
+`ceil((window - 1) / block_size)` before `h` (`kvferry.kv.window.first_visible_block`), are
+stored (or were in the local hit), and the scheduler will allocate them (it allocates no block of a sliding group before
+`kvferry.kv.window.first_allocated_block` of the request's tokens). Loads copy the full
 groups' blocks and, of each sliding group, only the blocks the window sees.
 """
 
@@ -34,6 +34,7 @@ from kvferry.connector.offload.config import (
 from kvferry.connector.offload.index import TierIndex
 from kvferry.connector.offload.metadata import LoadOp, OffloadMetadata, SaveFailed, SaveOp, Tier
 from kvferry.kv.spec import KVCacheConfig, SlidingWindowSpec
+from kvferry.kv.window import first_allocated_block, first_visible_block
 from kvferry.messages.kv_connector import KVConnectorOutput
 from kvferry.scheduler.block_pool import null_block_id
 from kvferry.scheduler.output import BlockIds, SchedulerOutput
@@ -46,16 +47,6 @@ logger = logging.getLogger(__name__)
 class _Window:
     group: int
     window: int  # tokens
-    num_blocks: int  # blocks before a hit's end that the next token's window reaches
-
-
-def first_allocated(window: int, block_size: int, num_tokens: int) -> int:
-    """The first block a sliding group holds when a request is allocated `num_tokens` tokens
-    (earlier entries are the null block): the scheduler's SlidingWindowManager rule, which
-    keeps what a token after them, or a prefix hit at the last block boundary before the last
-    of them, can see (a unit test holds the two equal)."""
-    boundary = (num_tokens - 1) // block_size * block_size
-    return max(0, boundary - window + 1) // block_size
 
 
 @dataclass
@@ -80,7 +71,7 @@ class OffloadScheduler:
         self.index = TierIndex(dram, disk)
         self.null_id = null_block_id(kv_cache_config.has_sliding_window)
         self.windows = [
-            _Window(gid, g.spec.sliding_window, -(-(g.spec.sliding_window - 1) // self.block_size))
+            _Window(gid, g.spec.sliding_window)
             for gid, g in enumerate(kv_cache_config.groups)
             if isinstance(g.spec, SlidingWindowSpec)
         ]
@@ -122,7 +113,7 @@ class OffloadScheduler:
         by more than about a window of new tokens would leave them null)."""
         num_tokens = request.num_tokens
         return all(
-            first_allocated(w.window, self.block_size, num_tokens) <= max(0, end - w.num_blocks)
+            first_allocated_block(w.window, self.block_size, num_tokens) <= self._first_seen(w, end)
             for w in self.windows
         )
 
@@ -130,10 +121,14 @@ class OffloadScheduler:
         """Whether each sliding group's blocks that the token after the hit sees are stored
         (those before `start` are the local hit's)."""
         for w in self.windows:
-            for i in range(max(start, end - w.num_blocks), end):
+            for i in range(max(start, self._first_seen(w, end)), end):
                 if w.group not in self.index.groups_of(request.block_hashes[i]):
                     return False
         return True
+
+    def _first_seen(self, w: _Window, end: int) -> int:
+        """The first block the token after a hit ending at block `end` sees."""
+        return first_visible_block(w.window, self.block_size, end * self.block_size)
 
     def after_alloc(self, request: Request, block_ids: BlockIds, num_external: int) -> None:
         tracked = _Tracked(request, [list(ids) for ids in block_ids])
