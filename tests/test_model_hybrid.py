@@ -5,6 +5,8 @@ tensor parallelism and the HND layout."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,10 +15,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kvferry.engine.llm import LLM
+from kvferry.errors import ModelLoadError
 from kvferry.kv.spec import Layout
 from kvferry.sampling_params import SamplingParams
 from tests.engine_helpers import PROMPT_TEXTS, assert_pool_full, make_llm, tokenize_all
-from tests.fixtures.tiny_hybrid import WINDOW, build_hybrid_model
+from tests.fixtures.tiny_hybrid import GEMMA3_LAYER_TYPES, WINDOW, build_hybrid_model
 
 MAX_NEW = 12
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
@@ -138,3 +141,28 @@ def test_tensor_parallel_and_hnd_layout_match_hf(hybrid) -> None:
     assert hnd.engine.scheduler.kv_cache_manager.config.layout is Layout.HND
     assert _tokens(hnd.generate(prompts, GREEDY)) == expected
     assert_pool_full(hnd)
+
+
+def _copy_with_layers(model_dir: Path, out: Path, num_layers: int) -> Path:
+    """A copy of the tiny Gemma 3 whose config.json says `num_layers` layers (the weights
+    keep their 6)."""
+    shutil.copytree(model_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    config["layer_types"] = (GEMMA3_LAYER_TYPES * 2)[:num_layers]
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_checkpoint_with_more_layers_than_its_config_is_a_load_error(hybrid, tmp_path: Path) -> None:
+    """26 tensors of layers 4 and 5 that the 4-layer model has no parameter for: refused,
+    named (the first few and the count), not served with them skipped."""
+    model_dir, _, _ = hybrid("gemma3")
+    with pytest.raises(ModelLoadError, match=r"26 tensors.*model\.layers\.4\..*\(26 in all\)"):
+        make_llm(_copy_with_layers(model_dir, tmp_path / "four", 4), enforce_eager=True)
+
+
+def test_checkpoint_with_fewer_layers_than_its_config_is_a_load_error(hybrid, tmp_path: Path) -> None:
+    model_dir, _, _ = hybrid("gemma3")
+    with pytest.raises(ModelLoadError, match=r"lacks 20 weights.*model\.layers\.6\."):
+        make_llm(_copy_with_layers(model_dir, tmp_path / "eight", 8), enforce_eager=True)

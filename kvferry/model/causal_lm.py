@@ -7,8 +7,11 @@ compiled by the captured forward), `self.lm_head`, and lists its attention layer
 
 from __future__ import annotations
 
+import enum
 import logging
+from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,8 +34,28 @@ STACKED = (
     ("gate_proj", "gate_up_proj", 0),
     ("up_proj", "gate_up_proj", 1),
 )
-# checkpoint entries that are not parameters here
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+# rope buffers some checkpoints save: recomputed here, never loaded
+ROTARY_BUFFER_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+NAMED_IN_ERRORS = 5  # unexpected or missing tensors an error names (then the count)
+
+
+class Skip(enum.Enum):
+    """Why a checkpoint tensor is deliberately not loaded. Each architecture's `_target`
+    declares which of its tensors these cover; any other tensor without a parameter here
+    means the checkpoint and its config disagree (a load error)."""
+
+    ROTARY_BUFFER = "rope buffer (recomputed)"
+    TIED_LM_HEAD = "lm_head tied to the embeddings"
+    OTHER_MODALITY = "vision/audio tower or projector (text only)"
+    KV_SHARED_LAYER = "K/V weights of a layer reading another layer's KV"
+
+
+@dataclass(frozen=True)
+class Target:
+    """The parameter a checkpoint tensor loads into, and its shard of a fused parameter."""
+
+    param: str
+    shard_id: object = None
 
 
 def head_dim_of(config: Any) -> int:
@@ -125,35 +148,66 @@ class CausalLM(nn.Module):
             attn.hooks = placement if attn.owns_kv else HookPlacement.NONE
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors (HF names, unsharded) in; returns the parameter names set."""
+        """Copy checkpoint tensors (HF names, unsharded) in; returns the parameter names set.
+        ModelLoadError when the checkpoint has a tensor this model has no parameter for (and
+        that its architecture does not skip on purpose) or lacks one of its parameters."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        unexpected: list[str] = []
+        skipped: Counter[Skip] = Counter()
         for name, tensor in weights:
-            target, shard_id = self._target(name)
-            if target is None:
-                continue
-            if target not in params:
-                logger.warning("checkpoint tensor %s has no matching parameter; skipped", name)
-                continue
-            param = params[target]
-            loader = getattr(param, "weight_loader", None)
-            if loader is None:
-                copy_checked(param.data, tensor, target)
+            target = self._target(name)
+            if isinstance(target, Skip):
+                skipped[target] += 1
+            elif target.param not in params:
+                unexpected.append(name)
             else:
-                loader(param, tensor, shard_id)
-            loaded.add(target)
-        missing = set(params) - loaded
-        if missing:
-            raise ModelLoadError(f"checkpoint lacks weights for: {', '.join(sorted(missing)[:8])}")
+                self._copy_in(params[target.param], tensor, target)
+                loaded.add(target.param)
+        for reason, count in skipped.items():
+            logger.debug("skipped %d checkpoint tensors: %s", count, reason.value)
+        _check_unexpected(unexpected)
+        _check_missing(set(params) - loaded)
         return loaded
 
-    def _target(self, name: str) -> tuple[str | None, object]:
-        """The parameter (and shard) a checkpoint name loads into; None to skip it."""
-        if name.endswith(IGNORED_SUFFIXES):
-            return None, None
+    @staticmethod
+    def _copy_in(param: nn.Parameter, tensor: torch.Tensor, target: Target) -> None:
+        loader = getattr(param, "weight_loader", None)
+        if loader is None:
+            copy_checked(param.data, tensor, target.param)
+        else:
+            loader(param, tensor, target.shard_id)
+
+    def _target(self, name: str) -> Target | Skip:
+        """The parameter (and shard) a checkpoint name loads into, or why it is skipped."""
+        if name.endswith(ROTARY_BUFFER_SUFFIXES):
+            return Skip.ROTARY_BUFFER
         if name == "lm_head.weight" and self.tie_word_embeddings:
-            return None, None
+            return Skip.TIED_LM_HEAD
         for ckpt, fused, shard_id in STACKED:
             if f".{ckpt}." in name:
-                return name.replace(f".{ckpt}.", f".{fused}."), shard_id
-        return name, None
+                return Target(name.replace(f".{ckpt}.", f".{fused}."), shard_id)
+        return Target(name)
+
+
+def _named(names: list[str]) -> str:
+    """The first few of `names` (sorted) and how many there are."""
+    shown = ", ".join(sorted(names)[:NAMED_IN_ERRORS])
+    more = len(names) - NAMED_IN_ERRORS
+    return f"{shown}, and {more} more ({len(names)} in all)" if more > 0 else shown
+
+
+def _check_unexpected(unexpected: list[str]) -> None:
+    if unexpected:
+        raise ModelLoadError(
+            f"checkpoint has {len(unexpected)} tensors the model its config describes has no "
+            f"parameter for (config and weights disagree): {_named(unexpected)}"
+        )
+
+
+def _check_missing(missing: set[str]) -> None:
+    if missing:
+        raise ModelLoadError(
+            f"checkpoint lacks {len(missing)} weights the model its config describes needs "
+            f"(config and weights disagree): {_named(list(missing))}"
+        )

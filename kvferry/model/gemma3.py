@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvferry.errors import ModelLoadError
-from kvferry.model.causal_lm import CausalLM, head_dim_of, layer_windows
+from kvferry.model.causal_lm import CausalLM, Skip, Target, head_dim_of, layer_windows
 from kvferry.model.forward_context import ForwardContext
 from kvferry.model.layers.attention import PagedAttention
 from kvferry.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -174,9 +174,9 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     def __init__(self, config: Any, tp: TPGroup | None = None, dtype: torch.dtype = torch.float32):
         super().__init__(config.get_text_config(), tp, dtype)
 
-    def _target(self, name: str) -> tuple[str | None, object]:
+    def _target(self, name: str) -> Target | Skip:
         text_name = language_model_name(name, self.VISION_PREFIXES)
-        return (None, None) if text_name is None else super()._target(text_name)
+        return Skip.OTHER_MODALITY if text_name is None else super()._target(text_name)
 
 
 def language_model_name(name: str, other_prefixes: tuple[str, ...]) -> str | None:

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvferry.errors import ModelLoadError
-from kvferry.model.causal_lm import CausalLM, layer_windows
+from kvferry.model.causal_lm import CausalLM, Skip, Target, layer_windows
 from kvferry.model.forward_context import ForwardContext
 from kvferry.model.gemma3 import Gemma3MLP, language_model_name, layer_types
 from kvferry.model.layers.attention import PagedAttention
@@ -304,13 +304,13 @@ class Gemma4ForCausalLM(CausalLM):
         plans = self.model.plans
         return plans[int(match.group(1))] if match and int(match.group(1)) < len(plans) else None
 
-    def _target(self, name: str) -> tuple[str | None, object]:
+    def _target(self, name: str) -> Target | Skip:
         plan = self._plan_of(name)
         if plan is not None and plan.kv_source is not None and ".self_attn." in name:
             if any(f".self_attn.{skipped}." in name for skipped in SHARED_LAYER_SKIPPED):
-                return None, None  # KV-shared layers: their KV weights are unused
+                return Skip.KV_SHARED_LAYER  # their KV weights are unused
             if ".self_attn.q_proj." in name:
-                return name, None  # a query projection of its own, not fused
+                return Target(name)  # a query projection of its own, not fused
         return super()._target(name)
 
 
@@ -329,6 +329,6 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
     def __init__(self, config: Any, tp: TPGroup | None = None, dtype: torch.dtype = torch.float32):
         super().__init__(config.get_text_config(), tp, dtype)
 
-    def _target(self, name: str) -> tuple[str | None, object]:
+    def _target(self, name: str) -> Target | Skip:
         text_name = language_model_name(name, self.OTHER_PREFIXES)
-        return (None, None) if text_name is None else super()._target(text_name)
+        return Skip.OTHER_MODALITY if text_name is None else super()._target(text_name)
