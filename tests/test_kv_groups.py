@@ -135,10 +135,16 @@ def test_a_gemma3_shaped_model_lives_in_four_tensors() -> None:
     assert sorted(len(t.shared_by) for t in kv.tensors) == [6, 6, 7, 7]
 
 
-def test_an_unknown_layer_type_is_refused_by_name() -> None:
+@pytest.mark.parametrize("arch", ("gemma3", "gemma4", "qwen3_swa"))
+def test_an_unknown_layer_type_is_refused_by_name(arch: str) -> None:
+    """Checked before rope reads the types (it has no entry for an unknown one)."""
     from kvferry.errors import ModelLoadError
+    from kvferry.model.registry import model_class
 
-    config = hybrid_config("gemma3", vocab_size=64, eos_id=0)
+    config = hybrid_config(arch, vocab_size=64, eos_id=0)
     config.layer_types = ["chunked_attention"] + config.layer_types[1:]
-    with pytest.raises(ModelLoadError, match="chunked_attention"):
-        Gemma3ForCausalLM(config)
+    expected = (
+        r"unsupported attention layer type 'chunked_attention'.*supported: full_attention, sliding_attention"
+    )
+    with pytest.raises(ModelLoadError, match=expected):
+        model_class(config.architectures[0])(config)

@@ -62,21 +62,45 @@ def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+class LayerType(enum.StrEnum):
+    """The attention layer types a config's `layer_types` may name."""
+
+    FULL = "full_attention"
+    SLIDING = "sliding_attention"
+
+
+def config_layer_types(config: Any) -> list[LayerType] | None:
+    """The config's `layer_types`, checked before anything (rope, shapes) reads them: an
+    unsupported type is a load error naming it and the supported ones. None: not listed."""
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return None
+    supported = [t.value for t in LayerType]
+    unknown = sorted(set(types) - set(supported))
+    if unknown:
+        raise ModelLoadError(
+            f"unsupported attention layer type {', '.join(map(repr, unknown))} in the config's "
+            f"layer_types; supported: {', '.join(supported)}"
+        )
+    if len(types) != config.num_hidden_layers:
+        raise ModelLoadError(f"config lists {len(types)} layer types for {config.num_hidden_layers} layers")
+    return [LayerType(t) for t in types]
+
+
+def layer_types(config: Any) -> list[LayerType]:
+    """Each layer's type (checked); all full attention when the config lists none."""
+    return config_layer_types(config) or [LayerType.FULL] * config.num_hidden_layers
+
+
 def layer_windows(config: Any) -> list[int | None]:
     """Each layer's sliding window (None: full attention), as transformers reads the config:
     `layer_types` when the config has them (Gemma 3, Qwen2/3 with use_sliding_window),
     otherwise `sliding_window` on every layer (Mistral)."""
     window = getattr(config, "sliding_window", None)
-    num_layers = config.num_hidden_layers
-    types = getattr(config, "layer_types", None)
+    types = config_layer_types(config)
     if types is None:
-        return [window] * num_layers
-    unknown = set(types) - {"full_attention", "sliding_attention"}
-    if unknown:
-        raise ModelLoadError(f"unsupported attention layer types: {', '.join(sorted(unknown))}")
-    if len(types) != num_layers:
-        raise ModelLoadError(f"config lists {len(types)} layer types for {num_layers} layers")
-    return [window if t == "sliding_attention" and window else None for t in types]
+        return [window] * config.num_hidden_layers
+    return [window if t is LayerType.SLIDING and window else None for t in types]
 
 
 class CausalLM(nn.Module):

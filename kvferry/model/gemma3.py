@@ -18,7 +18,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvferry.errors import ModelLoadError
-from kvferry.model.causal_lm import CausalLM, Skip, Target, head_dim_of, layer_windows
+from kvferry.model.causal_lm import (
+    CausalLM,
+    Skip,
+    Target,
+    head_dim_of,
+    layer_types,
+    layer_windows,
+)
 from kvferry.model.forward_context import ForwardContext
 from kvferry.model.layers.attention import PagedAttention
 from kvferry.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -31,10 +38,6 @@ logger = logging.getLogger(__name__)
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")  # transformers' tanh approximations
-
-
-def layer_types(config: Any) -> list[str]:
-    return list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
 
 
 class Gemma3Attention(nn.Module):
@@ -120,11 +123,12 @@ class Gemma3Model(nn.Module):
         self.register_buffer(
             "embed_scale", torch.tensor(config.hidden_size**0.5, dtype=dtype), persistent=False
         )
-        self.layer_types = layer_types(config)
+        self.layer_types = layer_types(config)  # checked first: rope and windows read them
+        windows = layer_windows(config)
         # Rope per layer type, each from its own parameters (sliding layers: the local base).
         self.rope = nn.ModuleDict(
             {
-                kind: RotaryEmbedding(
+                kind.value: RotaryEmbedding(
                     head_dim_of(config), config.max_position_embeddings, rope_parameters(config, kind)
                 )
                 for kind in sorted(set(self.layer_types))
@@ -132,7 +136,7 @@ class Gemma3Model(nn.Module):
         )
         self.layers = nn.ModuleList(
             Gemma3DecoderLayer(config, f"model.layers.{i}", tp, dtype, window)
-            for i, window in enumerate(layer_windows(config))
+            for i, window in enumerate(windows)
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -32,9 +32,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvferry.errors import ModelLoadError
-from kvferry.model.causal_lm import CausalLM, Skip, Target, layer_windows
+from kvferry.model.causal_lm import CausalLM, LayerType, Skip, Target, layer_types, layer_windows
 from kvferry.model.forward_context import ForwardContext
-from kvferry.model.gemma3 import Gemma3MLP, language_model_name, layer_types
+from kvferry.model.gemma3 import Gemma3MLP, language_model_name
 from kvferry.model.layers.attention import PagedAttention
 from kvferry.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvferry.model.layers.linear import (
@@ -60,7 +60,7 @@ SHARED_LAYER_SKIPPED = ("k_proj", "v_proj", "k_norm", "v_norm")
 class LayerPlan:
     """One decoder layer as the config states it."""
 
-    kind: str  # layer type: sliding_attention or full_attention
+    kind: LayerType
     window: int | None
     head_dim: int
     num_kv_heads: int
@@ -76,7 +76,7 @@ def _layer_value(config: Any, index: int, name: str) -> Any:
     return getattr(config, name)
 
 
-def _kv_sources(types: list[str], num_shared: int) -> list[int | None]:
+def _kv_sources(types: list[LayerType], num_shared: int) -> list[int | None]:
     """For each layer, the layer whose KV it reads: the last N layers read the last
     earlier layer of their own type; the others their own."""
     first_shared = len(types) - num_shared
@@ -102,7 +102,7 @@ def layer_plans(config: Any) -> list[LayerPlan]:
             head_dim=int(_layer_value(config, i, "head_dim")),
             num_kv_heads=int(_layer_value(config, i, "num_key_value_heads")),
             kv_source=source,
-            k_eq_v=k_eq_v and kind != "sliding_attention",
+            k_eq_v=k_eq_v and kind is not LayerType.SLIDING,
             mlp_width=config.intermediate_size * (2 if wide and source is not None else 1),
         )
         for i, (kind, window, source) in enumerate(zip(types, layer_windows(config), sources, strict=True))
@@ -225,7 +225,7 @@ class Gemma4Model(nn.Module):
         if _per_layer_width(config):
             self._add_per_layer_inputs(config, dtype)
         self.rope = nn.ModuleDict(
-            {kind: self._rope(config, kind) for kind in sorted({p.kind for p in self.plans})}
+            {kind.value: self._rope(config, kind) for kind in sorted({p.kind for p in self.plans})}
         )
         self.layers = nn.ModuleList(
             Gemma4DecoderLayer(config, plan, f"model.layers.{i}", tp, dtype)
@@ -254,7 +254,7 @@ class Gemma4Model(nn.Module):
         projected = self.per_layer_projection_norm(projected.view(-1, *self.per_layer_shape))
         return (projected + tokens.view(-1, *self.per_layer_shape)) * 2**-0.5
 
-    def _rope(self, config: Any, kind: str) -> RotaryEmbedding:
+    def _rope(self, config: Any, kind: LayerType) -> RotaryEmbedding:
         head_dim = next(p.head_dim for p in self.plans if p.kind == kind)  # equal within a type
         return RotaryEmbedding(head_dim, config.max_position_embeddings, rope_parameters(config, kind))
 

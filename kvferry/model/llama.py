@@ -128,12 +128,13 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, tp: TPGroup, dtype: torch.dtype, flags: dict[str, bool]):
         super().__init__()
+        windows = layer_windows(config)  # checks the layer types first
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
         rope = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, rope_parameters(config))
         self.rotary_emb = rope
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, f"model.layers.{i}", tp, dtype, flags, window)
-            for i, window in enumerate(layer_windows(config))
+            for i, window in enumerate(windows)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
