@@ -3,6 +3,7 @@ after the device prefix cache lost them, and proof that the loaded bytes are rea
 
 import pytest
 
+from kvferry.config import CaptureMode
 from kvferry.connector.offload.config import GIB
 from kvferry.connector.offload.metadata import Tier
 from kvferry.sampling_params import SamplingParams
@@ -42,9 +43,11 @@ def reference():
 
 def test_outputs_identical_with_offload_on_and_off(tiny_model, reference):
     expected = reference(tiny_model)
-    llm = make_llm(tiny_model, kv_transfer=offload_config(dram_blocks=256))
+    llm = make_llm(tiny_model, kv_transfer=offload_config(dram_blocks=256), capture=CaptureMode.ALWAYS)
+    before = _compiled_steps(llm)
     first = llm.generate(PROMPTS, GREEDY)
     assert tokens(first) == expected
+    assert min(_compiled_steps(llm)) > max(before)  # decode steps ran the captured forward
     assert_pool_full(llm)
     evict_device_cache(llm)
     second = llm.generate(PROMPTS, GREEDY)
@@ -58,6 +61,10 @@ def test_outputs_identical_with_offload_on_and_off(tiny_model, reference):
     assert totals["offload_saved_blocks"] == sum(len(o.prompt_token_ids) // 16 for o in second)
     assert totals["offload_bytes_loaded"] == num_loaded * sched_half(llm).block_bytes
     assert_pool_full(llm)
+
+
+def _compiled_steps(llm) -> list[int]:
+    return [stats.compiled_steps for stats in llm.engine.executor.capture_stats()]
 
 
 def test_dram_tier_serves_a_repeated_prompt_and_its_bytes_are_used(tiny_llama, reference):
@@ -174,10 +181,12 @@ def test_tp2_uneven_heads_outputs_identical_and_each_rank_stores_its_heads(
         "disk_dir": str(tmp_path / "tier"),
         "disk_gib": 256 * block_bytes / GIB,
     }
-    llm = make_llm(tiny_llama_kv3, tp=2, kv_transfer=offload_config(**extra))
+    llm = make_llm(tiny_llama_kv3, tp=2, kv_transfer=offload_config(**extra), capture=CaptureMode.ALWAYS)
     try:
         assert sched_half(llm).block_bytes == block_bytes and sched_half(llm).index.capacity[Tier.DRAM] == 4
+        before = _compiled_steps(llm)
         assert tokens(llm.generate(PROMPTS, GREEDY)) == expected
+        assert min(_compiled_steps(llm)) > max(before)  # on both ranks
         assert_pool_full(llm)
         evict_device_cache(llm)
         second = llm.generate(PROMPTS, GREEDY)

@@ -13,6 +13,7 @@ Every test ends with every block pool all free.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -41,20 +42,19 @@ from tests.test_proxy_fakes import stop as stop_procs
 from tests.test_proxy_fakes import wait_healthy as wait_proc_healthy
 
 MAX_TOKENS = 12
-CHUNK = ("--max-num-batched-tokens", "64")  # long prompts take several prefill steps
+# Long prompts take several prefill steps; decode steps run compiled (not left to the
+# start-up measurement, which could choose eager on a noisy host).
+CHUNK = ("--max-num-batched-tokens", "64", "--capture", "always")
 
 
 @pytest.fixture(scope="module")
 def servers(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
     logs = tmp_path_factory.mktemp("pd_e2e")
+    kw = {"args": CHUNK, "log_level": "INFO"}  # INFO: the captured forward's lines
     started = {
-        "prefill": start_server(
-            tiny_llama, logs, "prefill", nixl("producer", unknown_grace_s=1.0), args=CHUNK
-        ),
-        "nhd": start_server(
-            tiny_llama, logs, "nhd", nixl("consumer", "fail", handshake_timeout_s=2.0), args=CHUNK
-        ),
-        "hnd": start_server(tiny_llama, logs, "hnd", nixl("consumer", "recompute"), layout="HND", args=CHUNK),
+        "prefill": start_server(tiny_llama, logs, "prefill", nixl("producer", unknown_grace_s=1.0), **kw),
+        "nhd": start_server(tiny_llama, logs, "nhd", nixl("consumer", "fail", handshake_timeout_s=2.0), **kw),
+        "hnd": start_server(tiny_llama, logs, "hnd", nixl("consumer", "recompute"), layout="HND", **kw),
     }
     try:
         wait_healthy(list(started.values()))
@@ -62,6 +62,15 @@ def servers(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     finally:
         codes = stop(list(started.values()))
     assert codes == [0, 0, 0], {s.name: s.tail() for s in started.values()}
+    # Each worker's count at shutdown: the prefiller's warm-up decode ran compiled, and
+    # the decoders' real decode steps did too.
+    compiled = {s.name: _compiled_forwards(s.log.read_text(errors="replace")) for s in started.values()}
+    assert compiled["prefill"] >= 1 and compiled["nhd"] > 1 and compiled["hnd"] > 1, compiled
+
+
+def _compiled_forwards(log: str) -> int:
+    (count,) = re.findall(r"captured forward: (\d+) forwards compiled", log)
+    return int(count)
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +130,15 @@ def test_pd_output_equals_colocated(servers, prompts, reference, tiny_llama, dec
     transfers = after["kv_connector_nixl_transfers"] - before.get("kv_connector_nixl_transfers", 0)
     assert len(prompts) // 2 <= transfers < len(prompts)
     assert after["kv_connector_nixl_bytes_read"] > before.get("kv_connector_nixl_bytes_read", 0)
+
+
+def test_both_sides_run_the_captured_forward(servers):
+    """Each instance compiled its decode program (warm-up's decode step ran it: compiled
+    steps > 0) and kept it, with its NIXL connector configured."""
+    for server in servers.values():
+        log = server.log.read_text(errors="replace")
+        assert "captured forward: decode steps compiled in" in log, server.tail()
+        assert "captured forward: on (--capture always, not measured)" in log, server.tail()
 
 
 def test_pd_streaming_decode(servers, prompts, reference):

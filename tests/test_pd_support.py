@@ -61,10 +61,11 @@ def start_server(
     tp: int = 1,
     layout: str = "NHD",
     args: tuple[str, ...] = (),
+    log_level: str = "WARNING",
 ) -> Server:
     """Start `kvferry serve` (not waiting for it); kv: the --kv-transfer-config object."""
     port = free_port()
-    cmd = [sys.executable, "-m", "kvferry.entrypoints.cli", "--log-level", "WARNING", "serve", str(model_dir)]
+    cmd = [sys.executable, "-m", "kvferry.entrypoints.cli", "--log-level", log_level, "serve", str(model_dir)]
     cmd += ["--served-model-name", MODEL, "--port", str(port), "--kv-cache-memory", "0.005"]
     cmd += ["--kv-layout", layout, "--tensor-parallel-size", str(tp), *args]
     if kv is not None:

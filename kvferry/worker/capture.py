@@ -126,6 +126,9 @@ class CaptureStats:
     compile_seconds: float = 0.0  # time spent in first calls of the compiled program (compiling)
     decision: CaptureDecision | None = None  # the engine's, once made (kvferry.engine.capture_choice)
 
+    def describe(self) -> str:
+        return f"captured forward: {self.compiled_steps} forwards compiled, {self.eager_steps} eager"
+
 
 class CapturedForward:
     """Runs a step's forward compiled (decode-only steps) or eagerly (everything else)."""

@@ -129,6 +129,8 @@ class Worker:
         self.runner.forward.use(decision)
 
     def shutdown(self) -> None:
+        if self.runner.forward is not None:
+            logger.info("%s (rank %d)", self.runner.forward.stats.describe(), self.tp.rank)
         if self.runner.connector is not None:
             self.runner.connector.shutdown()
         if self.tp.size > 1 and torch.distributed.is_initialized():
