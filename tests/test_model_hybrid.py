@@ -1,5 +1,5 @@
-"""Sliding-window models (Gemma 3 text, also from a multimodal checkpoint, Mistral, Qwen3
-with use_sliding_window): greedy tokens identical to HF transformers with windows shorter
+"""Sliding-window models (Gemma 3 text, also from a multimodal checkpoint, Mistral, Qwen2 and
+Qwen3 with use_sliding_window): greedy tokens identical to HF transformers with windows shorter
 than the prompts, batched, with chunked prefill, a prefix-cache second pass, preemption,
 tensor parallelism and the HND layout."""
 
@@ -23,7 +23,8 @@ from tests.fixtures.tiny_hybrid import GEMMA3_LAYER_TYPES, WINDOW, build_hybrid_
 
 MAX_NEW = 12
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-ARCHS = ("gemma3", "mistral", "qwen3_swa")
+ARCHS = ("gemma3", "mistral", "qwen2_swa", "qwen3_swa")
+CACHED_ARCHS = ("gemma3", "mistral", "qwen3_swa")  # a prefix-cache second pass
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +91,7 @@ def test_chunked_prefill_matches_hf(hybrid, arch: str) -> None:
     assert_pool_full(llm)
 
 
-@pytest.mark.parametrize("arch", ("gemma3", "mistral"))
+@pytest.mark.parametrize("arch", CACHED_ARCHS)
 def test_prefix_cache_second_pass_matches_hf(hybrid, arch: str) -> None:
     model_dir, prompts, expected = hybrid(arch)
     llm = make_llm(model_dir, block_size=4, enforce_eager=True)
@@ -102,9 +103,11 @@ def test_prefix_cache_second_pass_matches_hf(hybrid, arch: str) -> None:
     assert_pool_full(llm)
 
 
-def test_preemption_with_tiny_kv_budget_matches_hf(hybrid) -> None:
-    model_dir, prompts, expected = hybrid("gemma3")
-    llm = make_llm(model_dir, block_size=4, num_blocks=40, prefix_caching=False, enforce_eager=True)
+# Mistral's layers all slide: a request holds about 4 blocks of 4, so preemption takes a smaller pool.
+@pytest.mark.parametrize(("arch", "num_blocks"), [("gemma3", 40), ("mistral", 14), ("qwen3_swa", 40)])
+def test_preemption_with_tiny_kv_budget_matches_hf(hybrid, arch: str, num_blocks: int) -> None:
+    model_dir, prompts, expected = hybrid(arch)
+    llm = make_llm(model_dir, block_size=4, num_blocks=num_blocks, prefix_caching=False, enforce_eager=True)
     assert _tokens(llm.generate(prompts, GREEDY)) == expected
     assert llm.stats().num_preemptions > 0
     assert_pool_full(llm)
