@@ -1,7 +1,8 @@
 """`kvferry bench hybrid` on tiny settings: the tiny Gemma 3 and the same weights forced to
 full attention, real NIXL engines and a real scheduler; the JSON holds the bytes each
 variant's decoder read (exactly the window-visible blocks vs every block of every layer),
-the capacity counts (more requests at once with sliding windows) and a PNG beside it."""
+per KV cache group and in all, the capacity counts (more requests at once with sliding
+windows) with the KV each group held at the peak, and a PNG beside it."""
 
 from __future__ import annotations
 
@@ -40,11 +41,37 @@ def test_bench_hybrid_writes_bytes_times_and_capacity_of_both_variants(tmp_path:
         f"window {WINDOW}",
         f"window {WINDOW}",
     ]
+    # Per group: the next token's window-visible blocks of the 99 loaded tokens, each the
+    # group's layers' pages; they add up to the bytes the decoder read.
+    assert _blocks_and_pages(*_transfer_groups(hybrid)) == [(2, 2 * PAGE), (2, 2 * PAGE), (7, 2 * PAGE)]
+    assert _blocks_and_pages(*_transfer_groups(full)) == [(7, 6 * PAGE)]
     # 0.5 MiB: 21 blocks of 6 layers (3 requests of 7), or 63 of 2 (11 blocks a request).
     assert full["capacity"]["max_running"] == 3
     assert hybrid["capacity"]["max_running"] == 5
+    # At the peak (every request admitted in the first step, its 100 tokens computed): 7
+    # blocks a request in the full group, the window-visible 2 in each sliding group.
+    assert _blocks_and_pages(*_capacity_groups(hybrid)) == [(10, 2 * PAGE), (10, 2 * PAGE), (35, 2 * PAGE)]
+    assert _blocks_and_pages(*_capacity_groups(full)) == [(21, 6 * PAGE)]
     assert doc["ratios"]["running_hybrid_over_full"] == pytest.approx(5 / 3)
     assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+def _blocks_and_pages(groups: list[dict], total: int) -> list[tuple[int, int]]:
+    """(blocks, page bytes) per KV cache group, after checking that each group's bytes are
+    their product and that the groups add up to `total`."""
+    assert [g["group"] for g in groups] == list(range(len(groups)))
+    assert all(g["bytes"] == g["blocks"] * g["page_bytes"] for g in groups)
+    assert sum(g["bytes"] for g in groups) == total
+    return [(g["blocks"], g["page_bytes"]) for g in groups]
+
+
+def _transfer_groups(variant: dict) -> tuple[list[dict], int]:
+    assert variant["transfer"]["groups_add_up"]
+    return variant["transfer"]["groups"], variant["transfer"]["bytes_per_request"]
+
+
+def _capacity_groups(variant: dict) -> tuple[list[dict], int]:
+    return variant["capacity"]["groups"], variant["capacity"]["kv_bytes_at_peak"]
 
 
 def test_variant_configs_force_full_attention_each_way_a_config_states_windows() -> None:

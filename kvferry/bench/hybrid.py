@@ -13,12 +13,15 @@ states 1,024). For each variant:
   NIXL agents), one ``--prompt-tokens`` prompt of fresh tokens at a time prefilled on one
   and decoded on the other, ``--iters`` times (after a warm-up round): the decoder's
   connector stats give the KV bytes read and the READ time per request
-  (kvferry.bench.transfer's connector rounds).
+  (kvferry.bench.transfer's connector rounds). Per KV cache group, the blocks the decoder's
+  next token can see of what it loads (kvferry.kv.window) times the group's page bytes (its
+  layers' pages, from the decoder's KVCacheConfig), and whether they add up to the bytes read.
 - **capacity**: one engine with a KV budget of ``--kv-budget-mib`` MiB, ``--requests``
   prompts of ``--prompt-tokens`` fresh tokens submitted at once (no chunked prefill: a
   prompt is admitted with all its blocks; a step may take every prompt, so memory is the
   only limit), each generating ``--max-tokens``; the most requests the scheduler ran at
-  once, and its preemptions.
+  once, and its preemptions; per group, the blocks and bytes it held when the most requests
+  ran (a block id costs its page in every tensor, hybrid allocation).
 
 JSON to ``--output`` and a PNG beside it (bytes per request, transfer time, concurrent
 requests per variant).
@@ -38,6 +41,9 @@ from pathlib import Path
 
 from kvferry.bench.results import host_facts, save_json
 from kvferry.errors import ConfigError, KVFerryError
+from kvferry.kv.spec import KVCacheConfig, SlidingWindowSpec
+from kvferry.kv.usage import KVGroupStats
+from kvferry.kv.window import first_visible_block
 
 logger = logging.getLogger(__name__)
 
@@ -149,8 +155,9 @@ def _engine(model: Path, args: argparse.Namespace, **options):  # noqa: ANN202 -
     return EngineCore(engine_config(opts))
 
 
-def transfer_rows(model: Path, args: argparse.Namespace) -> list[dict]:
-    """P/D rounds of one prompt at a time: the decoder's bytes read and READ time."""
+def transfer_rows(model: Path, args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
+    """P/D rounds of one prompt at a time: the decoder's bytes read and READ time; and what
+    a request reads of each KV cache group (transfer_groups)."""
     from kvferry.bench.transfer import connector_rows
     from kvferry.config import KVTransferConfig
 
@@ -170,11 +177,41 @@ def transfer_rows(model: Path, args: argparse.Namespace) -> list[dict]:
         )
         try:
             rounds = argparse.Namespace(prompt_tokens=[args.prompt_tokens], iters=args.iters, seed=args.seed)
-            return connector_rows(rounds, prefiller, decoder)
+            rows = connector_rows(rounds, prefiller, decoder)
+            kv = decoder.scheduler.kv_cache_manager.config
+            return rows, transfer_groups(kv, decoder.stats().kv_groups, args.prompt_tokens)
         finally:
             decoder.shutdown()
     finally:
         prefiller.shutdown()
+
+
+def transfer_groups(kv: KVCacheConfig, groups: list[KVGroupStats], prompt_tokens: int) -> list[dict]:
+    """Per KV cache group, what a decoder reads of a prefilled `prompt_tokens` prompt: of the
+    N - 1 tokens it loads, the blocks its next token (position N - 1) can see, each its
+    layers' pages (layers sharing another's KV own none: counted once, in their source's)."""
+    loaded = prompt_tokens - 1
+    rows = []
+    for group, stats in zip(kv.groups, groups, strict=True):
+        spec = group.spec
+        first = 0
+        if isinstance(spec, SlidingWindowSpec):
+            first = first_visible_block(spec.sliding_window, spec.block_size, loaded)
+        blocks = spec.max_blocks_needed(loaded) - first
+        page_bytes = spec.page_size_bytes * len(group.layer_names)
+        rows.append(_group_row(stats, blocks, page_bytes))
+    return rows
+
+
+def _group_row(stats: KVGroupStats, blocks: int, page_bytes: int) -> dict:
+    return {
+        "group": stats.group,
+        "kind": stats.kind,
+        "layers": stats.num_layers,
+        "blocks": blocks,
+        "page_bytes": page_bytes,
+        "bytes": blocks * page_bytes,
+    }
 
 
 def capacity(model: Path, args: argparse.Namespace) -> dict:
@@ -198,21 +235,26 @@ def capacity(model: Path, args: argparse.Namespace) -> dict:
         for i in range(args.requests):
             prompt = [rng.randrange(vocab) for _ in range(args.prompt_tokens)]
             engine.add_request(EngineCoreRequest(f"cap-{i}", prompt, params, time.time()))
-        peak, finished, start = 0, 0, time.perf_counter()
+        peak, at_peak, finished, start = 0, engine.stats().kv_groups, 0, time.perf_counter()
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:
                     if out.error is not None:
                         raise HybridBenchError(f"{out.req_id} failed: {out.error}")
                     finished += 1
-            peak = max(peak, engine.stats().num_running)
+            now = engine.stats()
+            if now.num_running > peak:  # the KV each group held when the most requests ran
+                peak, at_peak = now.num_running, now.kv_groups
             if time.perf_counter() - start > 1800:
                 raise HybridBenchError("the capacity run did not finish in 30 min")
         stats = engine.stats()
+        kv = engine.scheduler.kv_cache_manager.config
+        groups = capacity_groups(kv, at_peak, stats.kv_groups)
         return {
             "kv_budget_bytes": int(args.kv_budget_mib * MB),
             "num_blocks": stats.num_blocks,
-            "groups": [{"kind": g.kind, "layers": g.num_layers} for g in stats.kv_groups],
+            "groups": groups,
+            "kv_bytes_at_peak": sum(g["bytes"] for g in groups),
             "requests": finished,
             "max_running": peak,
             "limited_by_requests": peak == args.requests,  # the budget may hold more
@@ -223,13 +265,26 @@ def capacity(model: Path, args: argparse.Namespace) -> dict:
         engine.shutdown()
 
 
+def capacity_groups(kv: KVCacheConfig, at_peak: list[KVGroupStats], final: list[KVGroupStats]) -> list[dict]:
+    """Per group, the blocks and bytes held when the most requests ran (a block id costs its
+    page in every tensor, whichever group holds it), and the blocks its window saved in all."""
+    block_bytes = kv.pool_page_bytes // kv.blocks_per_page
+    return [
+        _group_row(held, held.blocks_in_use, block_bytes) | {"blocks_clipped_total": end.blocks_clipped_total}
+        for held, end in zip(at_peak, final, strict=True)
+    ]
+
+
 # ---- run ------------------------------------------------------------------------------------
 
 
-def summarize(rows: list[dict]) -> dict:
+def summarize(rows: list[dict], groups: list[dict]) -> dict:
     ms = [r["ms"] for r in rows]
+    measured = statistics.median(r["bytes"] for r in rows)
     return {
-        "bytes_per_request": statistics.median(r["bytes"] for r in rows),
+        "bytes_per_request": measured,
+        "groups": groups,  # what a request reads of each KV cache group
+        "groups_add_up": sum(g["bytes"] for g in groups) == measured,
         "transfer_ms_median": statistics.median(ms),
         "transfer_ms_min": min(ms),
         "descriptors": statistics.median(r["descriptors"] for r in rows),
@@ -246,7 +301,7 @@ def run(args: argparse.Namespace) -> dict:
         variants = {}
         for name, path in dirs.items():
             logger.info("%s: P/D transfers of %d-token prompts", name, args.prompt_tokens)
-            transfer = summarize(transfer_rows(path, args))
+            transfer = summarize(*transfer_rows(path, args))
             logger.info("%s: capacity in %.1f MiB", name, args.kv_budget_mib)
             variants[name] = {"transfer": transfer, "capacity": capacity(path, args)}
     finally:
@@ -281,12 +336,18 @@ def _brief(variants: dict) -> dict:
     return {
         name: {
             "bytes_per_request": v["transfer"]["bytes_per_request"],
+            "bytes_per_request_by_group": _bytes_by_group(v["transfer"]["groups"]),
             "transfer_ms_median": round(v["transfer"]["transfer_ms_median"], 3),
             "max_running": v["capacity"]["max_running"],
+            "kv_bytes_at_peak_by_group": _bytes_by_group(v["capacity"]["groups"]),
             "preemptions": v["capacity"]["preemptions"],
         }
         for name, v in variants.items()
     }
+
+
+def _bytes_by_group(groups: list[dict]) -> dict[str, int]:
+    return {f"{g['group']} ({g['kind']}, {g['layers']} layers)": g["bytes"] for g in groups}
 
 
 def plot(doc: dict, path: Path) -> bool:
