@@ -203,7 +203,9 @@ def test_bfloat16_close_to_reference() -> None:
 
 def test_layers_of_one_step_build_the_decode_mask_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """The decode mask depends on the step, not the layer: the second layer of a step reuses
-    the first one's (a second layer sharing the cache here), and both stay correct."""
+    the first one's (a second layer sharing the cache here), and both stay correct. (The SDPA
+    decode path: the one taken where the CPU decode kernel is not.)"""
+    monkeypatch.setattr(attention, "decode_kernel_available", lambda: False)
     layer, q, k, v, ctx, ref = _case(7, Layout.NHD, MIXES["decodes"], 4)
     built = []
     original = attention.Scores.mask

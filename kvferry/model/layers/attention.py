@@ -38,6 +38,7 @@ from kvferry.model.forward_context import (
     PrefillSpan,
     Workspace,
 )
+from kvferry.model.layers.decode_kernel import decode_kernel_available, paged_decode
 from kvferry.model.operators import operator
 
 logger = logging.getLogger(__name__)
@@ -183,6 +184,25 @@ class Scores:
 
 
 def _decode(
+    q: torch.Tensor, kv_cache: torch.Tensor, ctx: ForwardContext, attn: AttentionMetadata, score: Scores
+) -> torch.Tensor:
+    """All decode tokens: on CPU the paged decode kernel (reads the cache in place), else
+    (no kernel for this device, or it could not be built) one SDPA call over gathered KV."""
+    if q.device.type == "cpu" and q.dtype == kv_cache.dtype and decode_kernel_available():
+        return paged_decode(
+            q,
+            kv_cache,
+            ctx.layout,
+            attn.decode_block_table,
+            attn.decode_seq_lens,
+            attn.decode_start_pos,
+            score.window,
+            score.scale,
+        )
+    return _decode_sdpa(q, kv_cache, ctx, attn, score)
+
+
+def _decode_sdpa(
     q: torch.Tensor, kv_cache: torch.Tensor, ctx: ForwardContext, attn: AttentionMetadata, score: Scores
 ) -> torch.Tensor:
     """All decode tokens in one SDPA call; a query head group shares its KV head."""
