@@ -190,7 +190,7 @@ def test_hash_function_is_swappable(monkeypatch: pytest.MonkeyPatch):
 
 
 def test_the_null_block_rule_is_stated_once_and_shared_with_the_nixl_checks():
-    from kvferry.connector.nixl.protocol import GroupInfo
+    from kvferry.connector.nixl.protocol import GroupInfo, GroupKind
     from kvferry.connector.nixl.validate import null_block
 
     assert null_block_id(True) == NULL_BLOCK_ID == 0 and null_block_id(False) == NO_NULL_BLOCK
@@ -198,7 +198,7 @@ def test_the_null_block_rule_is_stated_once_and_shared_with_the_nixl_checks():
     assert usable_block_ids(4, has_sliding_window=False) == [0, 1, 2, 3]
     pool = BlockPool(4, enable_caching=False, reserve_null_block=True)
     assert [b.block_id for b in pool.get_new_blocks(3)] == usable_block_ids(4, True)
-    full = GroupInfo("full", 16, 2, 8, "float32", 0, ["l0"])
-    sliding = GroupInfo("sliding", 16, 2, 8, "float32", 32, ["l1"])
+    full = GroupInfo(GroupKind.FULL, 16, 2, 8, "float32", 0, ["l0"])
+    sliding = GroupInfo(GroupKind.SLIDING, 16, 2, 8, "float32", 32, ["l1"])
     assert null_block([full]) == NO_NULL_BLOCK
     assert null_block([full, sliding]) == NULL_BLOCK_ID

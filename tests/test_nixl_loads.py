@@ -19,7 +19,15 @@ from kvferry.connector.nixl.channel import Address, Pending
 from kvferry.connector.nixl.loads import ConsumerLoads, RemoteEngine, remote_views
 from kvferry.connector.nixl.metadata import LoadSpec, NixlSettings
 from kvferry.connector.nixl.plan import ReadPlan
-from kvferry.connector.nixl.protocol import ClientMessage, Done, EngineInfo, GroupInfo, LayerRegion, RankInfo
+from kvferry.connector.nixl.protocol import (
+    ClientMessage,
+    Done,
+    EngineInfo,
+    GroupInfo,
+    GroupKind,
+    LayerRegion,
+    RankInfo,
+)
 
 ADDRESS: Address = ("10.0.0.2", 5555)
 REMOTE_LAYER = LayerRegion("l0", 1 << 20, 8)
@@ -71,7 +79,7 @@ class RecordingClients:
 
 
 def _info() -> EngineInfo:
-    group = GroupInfo("full", 16, 2, 16, "float32", 0, ["l0"])
+    group = GroupInfo(GroupKind.FULL, 16, 2, 16, "float32", 0, ["l0"])
     rank = RankInfo(0, *ADDRESS, "prefill-agent", b"meta", [REMOTE_LAYER], 0, 2)
     return EngineInfo("e1", "c", 1, 16, 8, "NHD", 2, 30.0, [group], [rank])
 

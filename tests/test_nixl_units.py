@@ -17,6 +17,8 @@ from kvferry.connector.nixl.protocol import (
     Codec,
     EngineInfo,
     GroupInfo,
+    GroupKind,
+    HandshakeReply,
     RankInfo,
 )
 from kvferry.connector.nixl.validate import blocks_to_read, check_remote
@@ -169,6 +171,16 @@ def test_a_check_status_crosses_the_wire_as_its_member_and_a_forged_one_is_dropp
     assert codec.decode_server(forged) is None  # undecodable: logged and dropped
 
 
+def test_a_group_kind_crosses_the_wire_as_its_member_and_a_forged_one_is_dropped():
+    codec = Codec()
+    sliding = GroupInfo(GroupKind.SLIDING, 16, 2, 16, "float32", 10, ["l1"])
+    reply = codec.decode_server(codec.encode(HandshakeReply(1, _info(groups=[sliding]))))
+    assert isinstance(reply, HandshakeReply) and reply.info is not None
+    assert reply.info.groups[0].kind is GroupKind.SLIDING
+    forged = GroupInfo("chunked", 16, 2, 16, "float32", 10, ["l1"])  # type: ignore[arg-type]
+    assert codec.decode_server(codec.encode(HandshakeReply(2, _info(groups=[forged])))) is None
+
+
 # ---- scheduler seam ---------------------------------------------------------------------
 
 
@@ -221,7 +233,7 @@ def test_connector_rejection_is_a_client_error():
 
 
 def _info(**change) -> EngineInfo:
-    group = GroupInfo("full", 16, 2, 16, "float32", 0, ["l0"])
+    group = GroupInfo(GroupKind.FULL, 16, 2, 16, "float32", 0, ["l0"])
     rank = RankInfo(0, "127.0.0.1", 5555, "agent", b"", [], 0, 2)
     fields = dict(
         engine_id="e1", compat_hash="c", tp_size=1, block_size=16, num_blocks=10, layout="NHD",
@@ -231,7 +243,7 @@ def _info(**change) -> EngineInfo:
 
 
 class _Local:
-    compat, block_size, groups = "c", 16, [GroupInfo("full", 16, 2, 16, "float32", 0, ["l0"])]
+    compat, block_size, groups = "c", 16, [GroupInfo(GroupKind.FULL, 16, 2, 16, "float32", 0, ["l0"])]
 
 
 @pytest.mark.parametrize(
@@ -262,8 +274,8 @@ def test_params_with_a_placeholder_where_a_decoder_reads_are_refused():
     """A hybrid prefill's blocks: a sliding group may hold the placeholder (block 0) only
     before the blocks the last prompt token's window sees; a full group nowhere."""
     groups = [
-        GroupInfo("full", 16, 2, 16, "float32", 0, ["l0"]),
-        GroupInfo("sliding", 16, 2, 16, "float32", 10, ["l1"]),
+        GroupInfo(GroupKind.FULL, 16, 2, 16, "float32", 0, ["l0"]),
+        GroupInfo(GroupKind.SLIDING, 16, 2, 16, "float32", 10, ["l1"]),
     ]
     local = _Local()
     local.groups = groups
@@ -278,8 +290,8 @@ def test_params_with_a_placeholder_where_a_decoder_reads_are_refused():
 
 
 def test_blocks_to_read_skip_the_local_hit_and_what_the_window_cannot_see():
-    full = GroupInfo("full", 4, 2, 16, "float32", 0, ["a"])
-    sliding = GroupInfo("sliding", 4, 2, 16, "float32", 6, ["b"])
+    full = GroupInfo(GroupKind.FULL, 4, 2, 16, "float32", 0, ["a"])
+    sliding = GroupInfo(GroupKind.SLIDING, 4, 2, 16, "float32", 6, ["b"])
     local = ([10, 11, 12, 13, 14], [20, 21, 22, 23, 24])
     remote = ([1, 2, 3, 4, 5], [0, 0, 7, 8, 9])  # the prefiller dropped blocks out of its window
     # tokens 4..18 to read (block 0 is a local prefix hit); the token at 19 sees 14..19

@@ -187,8 +187,7 @@ def describe(config: KVCacheConfig) -> str:
 
 
 def _spec_name(spec: KVCacheSpec) -> str:
-    window = getattr(spec, "sliding_window", 0)
-    name = f"window {window}" if window else "full"
+    name = f"window {spec.window}" if spec.window else "full"
     heads = f"{spec.num_kv_heads}x{spec.head_size - spec.head_padding}"
     return f"{name} ({heads}, padded to {spec.head_size})" if spec.head_padding else f"{name} ({heads})"
 

@@ -55,6 +55,11 @@ class KVCacheSpec:
     def max_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    @property
+    def window(self) -> int:
+        """The sliding window in positions; 0: full attention."""
+        return 0
+
 
 @dataclass(frozen=True)
 class FullAttentionSpec(KVCacheSpec):
@@ -64,6 +69,10 @@ class FullAttentionSpec(KVCacheSpec):
 @dataclass(frozen=True)
 class SlidingWindowSpec(KVCacheSpec):
     sliding_window: int = 0
+
+    @property
+    def window(self) -> int:
+        return self.sliding_window
 
 
 @dataclass(frozen=True)

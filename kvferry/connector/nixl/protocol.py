@@ -53,8 +53,18 @@ class LayerRegion(msgspec.Struct, frozen=True):
     capacity: int  # blocks the tensor has room for (>= num_blocks)
 
 
+class GroupKind(str, enum.Enum):
+    """A KV cache group's attention (GroupInfo.kind; sent as its value)."""
+
+    FULL = "full"
+    SLIDING = "sliding"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class GroupInfo(msgspec.Struct, frozen=True):
-    kind: str  # "full" | "sliding"
+    kind: GroupKind
     block_size: int
     kv_heads: int  # per rank
     head_size: int

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvferry.config import ModelConfig
-from kvferry.connector.nixl.protocol import GroupInfo, LayerRegion
+from kvferry.connector.nixl.protocol import GroupInfo, GroupKind, LayerRegion
 from kvferry.kv.spec import KVCacheConfig, KVCacheSpec, SlidingWindowSpec
 
 logger = logging.getLogger(__name__)
@@ -70,12 +70,12 @@ def describe_regions(
 def group_infos(config: KVCacheConfig) -> list[GroupInfo]:
     return [
         GroupInfo(
-            kind="sliding" if isinstance(g.spec, SlidingWindowSpec) else "full",
+            kind=GroupKind.SLIDING if isinstance(g.spec, SlidingWindowSpec) else GroupKind.FULL,
             block_size=g.spec.block_size,
             kv_heads=g.spec.num_kv_heads,
             head_size=g.spec.head_size,
             dtype=dtype_name(g.spec.dtype),
-            sliding_window=getattr(g.spec, "sliding_window", 0),
+            sliding_window=g.spec.window,
             layer_names=list(g.layer_names),
         )
         for g in config.groups
@@ -86,7 +86,7 @@ def compat_hash(model: ModelConfig, config: KVCacheConfig) -> str:
     """What must match for one engine's KV blocks to mean the same in another."""
     groups = [
         {
-            "kind": g.kind,
+            "kind": g.kind.value,
             "head_size": g.head_size,
             "dtype": g.dtype,
             "window": g.sliding_window,

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from kvferry.connector.nixl.params import RemotePrefill
-from kvferry.connector.nixl.protocol import EngineInfo, GroupInfo
+from kvferry.connector.nixl.protocol import EngineInfo, GroupInfo, GroupKind
 from kvferry.kv.window import first_visible_block
 from kvferry.scheduler.block_pool import null_block_id
 
@@ -22,7 +22,7 @@ class LocalEngine(Protocol):
 
 def null_block(groups: Sequence[GroupInfo]) -> int:
     """The id of the placeholder block of an engine with these groups (sliding windows reserve 0)."""
-    return null_block_id(any(g.kind == "sliding" for g in groups))
+    return null_block_id(any(g.kind is GroupKind.SLIDING for g in groups))
 
 
 def _engine_mismatch(remote: RemotePrefill, info: EngineInfo, local: LocalEngine) -> str | None:
@@ -62,7 +62,9 @@ def group_difference(remote: Sequence[GroupInfo], local: Sequence[GroupInfo]) ->
 
 
 def _kinds(groups: Sequence[GroupInfo]) -> str:
-    return ", ".join(f"window {g.sliding_window}" if g.kind == "sliding" else g.kind for g in groups)
+    return ", ".join(
+        f"window {g.sliding_window}" if g.kind is GroupKind.SLIDING else str(g.kind) for g in groups
+    )
 
 
 def check_remote(
@@ -102,7 +104,7 @@ def check_remote(
 def _first_needed(group: GroupInfo, num_tokens: int) -> int:
     """The first of a prefill's blocks in this group a decoder may read: every block of a
     full group; of a sliding group, those the last prompt token's window sees."""
-    if group.kind == "sliding" and group.sliding_window:
+    if group.kind is GroupKind.SLIDING and group.sliding_window:
         return first_visible_block(group.sliding_window, group.block_size, num_tokens - 1)
     return 0
 
@@ -126,7 +128,7 @@ def blocks_to_read(
     out = []
     for group, lids, rids in zip(groups, local_ids, remote_ids, strict=True):
         first, last = start // group.block_size, -(-end // group.block_size)
-        if group.kind == "sliding" and group.sliding_window:
+        if group.kind is GroupKind.SLIDING and group.sliding_window:
             first = max(first, first_visible_block(group.sliding_window, group.block_size, end))
         pairs = [
             (lb, rb)
