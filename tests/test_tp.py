@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from kvferry.config import KVTransferConfig
+from kvferry.config import CaptureMode, KVTransferConfig
 from kvferry.sampling_params import SamplingParams
 from tests.engine_helpers import PROMPT_TEXTS, assert_pool_full, make_llm
 
@@ -49,7 +49,8 @@ def _staggered(tmp_path):
 def test_blocks_freed_only_when_every_rank_reported(tiny_llama, tmp_path, tp, tp1_outputs):
     """Out-of-tree connector by module path; the aggregator waits for every rank's report."""
     config, log = _staggered(tmp_path)
-    llm = make_llm(tiny_llama, tp=tp, kv_transfer=config)
+    # --capture always: auto's start-up measurement would add its dummy requests' reports.
+    llm = make_llm(tiny_llama, tp=tp, kv_transfer=config, capture=CaptureMode.ALWAYS)
     try:
         outputs = llm.generate(PROMPT_TEXTS, GREEDY)
         assert _tokens(outputs) == tp1_outputs
