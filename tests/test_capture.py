@@ -25,7 +25,7 @@ from kvferry.entrypoints.engine_args import engine_config_from_args
 from kvferry.errors import ConfigError
 from kvferry.model.forward_context import HookPlacement
 from kvferry.sampling_params import SamplingParams
-from kvferry.worker.capture import CaptureStats, StepTiming, cuda_graph_size, hook_placement
+from kvferry.worker.capture import CapturedForward, CaptureStats, StepTiming, cuda_graph_size, hook_placement
 from tests.engine_helpers import PROMPT_TEXTS, assert_pool_full, make_llm, tokenize_all
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -297,3 +297,31 @@ def test_cuda_graphs_greedy_equals_eager(tiny_llama: Path) -> None:
     llm = make_llm(tiny_llama, device="cuda", capture=ALWAYS)
     assert _tokens(llm, prompts) == eager
     assert _stats(llm).compiled_steps >= GREEDY.max_tokens - 1
+
+
+class _Stack(torch.nn.Module):
+    """A model whose structure (its layer count) differs per instance, as models do."""
+
+    def __init__(self, num_layers: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(num_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_each_engine_compiles_its_own_program_past_the_recompile_limit() -> None:
+    """A process that builds engines for more differently shaped models than the compiler's
+    recompile limit still gets a full graph for each (it had run them eagerly after 8)."""
+    limit = torch._dynamo.config.recompile_limit
+    x = torch.randn(3, 4)
+    for num_layers in range(1, limit + 3):
+        model = SimpleNamespace(model=_Stack(num_layers))
+        program = CapturedForward._compile(model, HookPlacement.NONE, cuda_graphs=False)
+        torch.testing.assert_close(program(x), model.model(x))
+    shared = [torch.compile(_Stack(n), fullgraph=True, dynamic=True) for n in range(1, limit + 2)]
+    with pytest.raises(Exception, match="fullgraph"):  # one code object for all: the limit
+        for program in shared:
+            program(x)

@@ -19,9 +19,17 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from kvferry.engine.llm import LLM
-from kvferry.sampling_params import SamplingParams
-from tests.test_pd_support import MODEL, Server, nixl, prompt_set, start_server, stop, wait_healthy, wait_idle
+from tests.test_pd_support import (
+    MODEL,
+    Server,
+    colocated_greedy,
+    nixl,
+    prompt_set,
+    start_server,
+    stop,
+    wait_healthy,
+    wait_idle,
+)
 from tests.test_proxy_fakes import free_port, start_cli
 from tests.test_proxy_fakes import stop as stop_procs
 from tests.test_proxy_fakes import wait_healthy as wait_proc_healthy
@@ -97,9 +105,9 @@ def prompts(tiny_llama: Path) -> list[str | list[int]]:
 @pytest.fixture(scope="module")
 def reference(tiny_llama: Path, prompts: list, servers: dict) -> list[Answer]:
     """The colocated eager engine's greedy answers (computed while the servers start)."""
-    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_bytes=5 << 20, max_num_batched_tokens=64)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
-    return [Answer(o.outputs[0].text, list(o.outputs[0].token_ids), None) for o in outs]
+    return [
+        Answer(o.text, list(o.token_ids), None) for o in colocated_greedy(tiny_llama, prompts, MAX_TOKENS)
+    ]
 
 
 def _complete(url: str, prompt: str | list[int], stream: bool) -> Answer:

@@ -12,10 +12,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from kvferry.engine.llm import LLM
-from kvferry.sampling_params import SamplingParams
 from tests.test_pd_support import (
     Server,
+    colocated_greedy,
     decode,
     nixl,
     prefill,
@@ -55,9 +54,7 @@ def prompts(tiny_llama: Path) -> list[str | list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama: Path, prompts: list, servers: dict) -> list[str]:
-    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_bytes=5 << 20, max_num_batched_tokens=64)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
-    return [o.outputs[0].text for o in outs]
+    return [o.text for o in colocated_greedy(tiny_llama, prompts, MAX_TOKENS)]
 
 
 def _pd(prefiller: Server, decoder: Server, prompt) -> tuple[str, int, dict]:  # noqa: ANN001 - str or ids

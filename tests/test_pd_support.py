@@ -169,6 +169,17 @@ def decode(
     return server.post(body)
 
 
+def colocated_greedy(model_dir: Path, prompts: list[str | list[int]], max_tokens: int) -> list:
+    """A colocated float32 engine's greedy completions (CompletionOutput), the reference P/D
+    answers must equal; 5 MiB of KV and 64-token steps, as the P/D servers here run."""
+    from kvferry.engine.llm import LLM
+    from kvferry.sampling_params import SamplingParams
+
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_bytes=5 << 20, max_num_batched_tokens=64)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0))
+    return [o.outputs[0] for o in outs]
+
+
 def prompt_set(tokenizer, block_size: int = 16) -> list[str | list[int]]:
     """>= 16 prompts: below one block, exact block multiples (token ids), long (chunked prefill)."""
     texts = [

@@ -3,6 +3,7 @@ the scheduler and the connectors share. The check itself runs there, not here.""
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 
@@ -34,5 +35,6 @@ def test_mypy_is_strict_on_kv_scheduler_and_connector_and_installed_by_make():
     mypy = project["tool"]["mypy"]
     assert mypy["strict"] is True
     assert {"kvferry/kv", "kvferry/scheduler", "kvferry/connector"} <= set(mypy["files"])
-    assert "mypy" in project["project"]["optional-dependencies"]["test"]
+    test_extra = project["project"]["optional-dependencies"]["test"]
+    assert any(re.fullmatch(r"mypy==[\d.]+", requirement) for requirement in test_extra)  # pinned
     assert '".[test' in (ROOT / "Makefile").read_text()  # make install takes the test extra

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import logging
 import time
+import types
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +50,22 @@ logger = logging.getLogger(__name__)
 # The compiler specializes a batch of one token; decode batches are padded to two so
 # that one dynamic-size program serves them all (one compile, not two).
 MIN_CAPTURED_TOKENS = 2
+
+
+def _own_entry(module: torch.nn.Module) -> Callable[..., torch.Tensor]:
+    """`module`'s forward behind a function with a code object of its own.
+
+    The compiler keeps its programs per code object, and every engine's model of one class
+    shares its forward's: a process that built engines for 8 differently shaped models
+    (a test session, a notebook, a bench comparing models) hit the recompile limit, and a
+    full graph then fails to compile (so the engine ran eagerly). An entry per model keeps
+    each engine's programs, and their guard checks, to itself."""
+
+    def forward(*args: object) -> torch.Tensor:
+        return module(*args)
+
+    code = forward.__code__.replace(co_name=f"captured_forward_{id(module):x}")
+    return types.FunctionType(code, forward.__globals__, code.co_name, None, forward.__closure__)
 
 
 def hook_placement(connector: KVConnectorBase | None) -> HookPlacement:
@@ -152,7 +170,8 @@ class CapturedForward:
         operators tagged `cudagraph_unsafe` (attention, hooks); one graph per padded size."""
         fullgraph = placement is not HookPlacement.SPLIT
         mode = "reduce-overhead" if cuda_graphs else None
-        return torch.compile(model.model, fullgraph=fullgraph, dynamic=not cuda_graphs, mode=mode)
+        entry = _own_entry(model.model)
+        return torch.compile(entry, fullgraph=fullgraph, dynamic=not cuda_graphs, mode=mode)
 
     @property
     def enabled(self) -> bool:
