@@ -37,8 +37,10 @@ BUILD_TIMEOUT_S = 300
 
 @dataclass(frozen=True)
 class CacheGeometry:
-    """Where a key sits in a KV cache tensor, in elements: K at 0, V at `kv_stride`."""
+    """Where a key sits in a KV cache tensor, in elements: K at 0, V at `kv_stride`; the
+    tensor's KV heads."""
 
+    kv_heads: int
     block_size: int
     block_stride: int
     token_stride: int
@@ -48,10 +50,15 @@ class CacheGeometry:
     @classmethod
     def of(cls, kv_cache: torch.Tensor, layout: Layout) -> CacheGeometry:
         """NHD [2, blocks, block_size, heads, D]; HND [2, blocks, heads, block_size, D]."""
-        kv, block = kv_cache.stride(0), kv_cache.stride(1)
-        if layout is Layout.NHD:
-            return cls(kv_cache.shape[2], block, kv_cache.stride(2), kv_cache.stride(3), kv)
-        return cls(kv_cache.shape[3], block, kv_cache.stride(3), kv_cache.stride(2), kv)
+        token_dim, head_dim = (2, 3) if layout is Layout.NHD else (3, 2)
+        return cls(
+            kv_heads=kv_cache.shape[head_dim],
+            block_size=kv_cache.shape[token_dim],
+            block_stride=kv_cache.stride(1),
+            token_stride=kv_cache.stride(token_dim),
+            head_stride=kv_cache.stride(head_dim),
+            kv_stride=kv_cache.stride(0),
+        )
 
 
 def paged_decode(
@@ -75,7 +82,6 @@ def paged_decode(
     out = torch.empty_like(q)
     geometry = CacheGeometry.of(kv_cache, layout)
     starts = start_pos if start_pos is not None else torch.zeros_like(seq_lens)
-    kv_heads = kv_cache.shape[3] if layout is Layout.NHD else kv_cache.shape[2]
     torch.ops.kvferry_kernels.paged_decode(
         q,
         kv_cache,
@@ -83,7 +89,7 @@ def paged_decode(
         seq_lens,
         starts,
         out,
-        kv_heads,
+        geometry.kv_heads,
         geometry.block_size,
         geometry.block_stride,
         geometry.token_stride,
