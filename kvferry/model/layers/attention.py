@@ -39,6 +39,7 @@ from kvferry.model.forward_context import (
     Workspace,
 )
 from kvferry.model.layers.decode_kernel import decode_kernel_available, paged_decode
+from kvferry.model.layers.prefill_kernel import fresh_prefill, paged_prefill, takes_prefill
 from kvferry.model.operators import operator
 
 logger = logging.getLogger(__name__)
@@ -236,7 +237,17 @@ def _decode_mask(attn: AttentionMetadata, score: Scores, length: int, device: to
 def _fresh_batch(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, score: Scores
 ) -> torch.Tensor:
-    """`count` adjacent equal-length spans without cached context, in one causal call."""
+    """`count` adjacent equal-length spans without cached context, in one call: the CPU
+    prefill kernel where it serves these dtypes, else one causal SDPA call."""
+    if takes_prefill(q, k, v):
+        return fresh_prefill(q, k, v, count, score.window, score.scale)
+    return _fresh_batch_sdpa(q, k, v, count, score)
+
+
+def _fresh_batch_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, score: Scores
+) -> torch.Tensor:
+    """`count` adjacent equal-length spans without cached context, in one causal SDPA call."""
 
     def batched(x: torch.Tensor) -> torch.Tensor:  # [count * L, H, D] -> [count, H, L, D]
         return x.view(count, -1, *x.shape[1:]).transpose(1, 2)
@@ -255,7 +266,39 @@ def _prefill(
     span: PrefillSpan,
     score: Scores,
 ) -> torch.Tensor:
-    """One span: causal over its own tokens, plus what it sees of its cached context."""
+    """One span: causal over its own tokens, plus what it sees of its cached context. The
+    CPU prefill kernel where it serves these dtypes (it reads the context in place from
+    the cache), else SDPA over the gathered context."""
+    cache_ok = span.context_len == 0 or kv_cache.dtype == q.dtype
+    if cache_ok and takes_prefill(q, k, v):
+        block_size = kv_cache.shape[2] if ctx.layout is Layout.NHD else kv_cache.shape[3]
+        start = _first_visible_block(span.context_len, score.window, block_size) * block_size
+        return paged_prefill(
+            q,
+            k,
+            v,
+            kv_cache,
+            ctx.layout,
+            span.block_table,
+            span.context_len,
+            start,
+            score.window,
+            score.scale,
+        )
+    return _prefill_sdpa(q, k, v, kv_cache, ctx, span, score)
+
+
+def _prefill_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    ctx: ForwardContext,
+    span: PrefillSpan,
+    score: Scores,
+) -> torch.Tensor:
+    """One span in one SDPA call: causal over its own tokens, plus what it sees of its
+    cached context (gathered from the cache)."""
     # 4-D [1, heads, L, D]: torch's CPU flash kernel only takes batched inputs; 3-D ones
     # fall back to a path ~6x slower on a 1,500-token prompt.
     q = q.transpose(0, 1).unsqueeze(0)

@@ -1,0 +1,450 @@
+// Prefill attention on CPU: the queries of a prompt span attend its cached context, read
+// in place from the paged KV cache through the block table, then the span's own fresh
+// keys; causal, optional sliding window, grouped query heads. Flash-style: per (query
+// head, tile of queries), key tiles are scored and folded into running softmax sums, so no
+// [queries, keys] matrix and no gathered KV copy exist. Built and loaded at run time by
+// kvferry/model/layers/prefill_kernel.py (library `kvferry_prefill`, apart from the decode
+// kernel's).
+//
+// Each KV head's keys and values are first packed tile by tile into the layout the
+// microkernels read. bf16 on a CPU with AVX-512 BF16: keys as bf16 pairs with 16 keys on
+// the lanes, values as key pairs, scored and summed with _mm512_dpbf16_ps (fp32
+// accumulation; probabilities rounded to bf16 like the values). Otherwise (fp32, fp16, or
+// a CPU without it): fp32 tiles in loops the compiler vectorises.
+//
+// q [spans * L, heads, D] contiguous; k, v [spans * L, kv_heads, D] (D contiguous); out
+// like q. Span s's query i sits at position context + i and sees keys at positions
+// <= its own (window > 0: and > its own - window): cached ones at positions start ..
+// context - 1 (cache: K at `cache`, V at + kv_stride, position p at table[p / block_size]
+// * block_stride + p % block_size * token_stride + head * head_stride), then its own k/v.
+// Several spans only without context (a batch of same-length fresh prompts).
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kQueryTile = 32;  // queries per work item
+constexpr int64_t kKeyTile = 32;    // keys per softmax step
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLazyMargin = 8.0f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// One call's shape: positions, masking and where the keys live.
+struct Problem {
+  int64_t spans, length, context, start, window;
+  int64_t heads, kv_heads, dim;
+  float scale;
+  int64_t keys() const { return context - start + length; }  // per span, from `start`
+  int64_t key_tiles() const { return (keys() + kKeyTile - 1) / kKeyTile; }
+  int64_t query_tiles() const { return (length + kQueryTile - 1) / kQueryTile; }
+};
+
+// Key j of a span (position start + j), K (which 0) or V (1): a cached row or a fresh one.
+template <typename scalar_t>
+struct KeyRows {
+  const scalar_t* cache;
+  const int64_t* table;
+  int64_t block_size, block_stride, token_stride, head_stride, kv_stride;
+  const scalar_t* fresh[2];
+  int64_t fresh_token_stride, fresh_head_stride;
+
+  const scalar_t* row(const Problem& p, int64_t span, int which, int64_t j, int64_t head) const {
+    const int64_t pos = p.start + j;
+    if (pos >= p.context) {
+      const int64_t token = span * p.length + pos - p.context;
+      return fresh[which] + token * fresh_token_stride + head * fresh_head_stride;
+    }
+    return cache + which * kv_stride + table[pos / block_size] * block_stride +
+           (pos % block_size) * token_stride + head * head_stride;
+  }
+};
+
+// Running softmax state and output sums of one query tile, and its scores.
+struct TileState {
+  std::vector<float> scores, out, peak, total, sums;  // sums: 16 lanes a row (fast path)
+  std::vector<uint16_t> weights;  // bf16 probabilities (fast path)
+
+  void reset(int64_t dim) {
+    scores.assign(kQueryTile * kKeyTile, 0.0f);
+    weights.assign(kQueryTile * kKeyTile, 0);
+    out.assign(kQueryTile * dim, 0.0f);
+    peak.assign(kQueryTile, kNegInf);
+    total.assign(kQueryTile, 0.0f);
+    sums.assign(kQueryTile * 16, 0.0f);
+  }
+};
+
+// Hides keys a query may not see: after it, or (window) window or more positions before.
+void mask_tile(const Problem& p, int64_t first_query, int64_t first_key, float* scores) {
+  for (int64_t r = 0; r < kQueryTile; ++r) {
+    const int64_t query_pos = p.context + first_query + r;
+    for (int64_t c = 0; c < kKeyTile; ++c) {
+      const int64_t key_pos = p.start + first_key + c;
+      const bool hidden = key_pos > query_pos || (p.window > 0 && query_pos - key_pos >= p.window);
+      if (hidden) scores[r * kKeyTile + c] = kNegInf;
+    }
+  }
+}
+
+// Folds one row's new scores into its running max and sum; returns the factor that
+// rescales its earlier output sums, and leaves exp2 of the scaled scores in `row`.
+inline float fold_row_portable(float* row, float scale, float& peak, float& total) {
+  float high = kNegInf;
+  for (int64_t c = 0; c < kKeyTile; ++c) high = std::max(high, row[c] * scale);
+  const float next = std::max(peak, high);
+  const float base = next == kNegInf ? 0.0f : next;  // a row that sees nothing yet
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t c = 0; c < kKeyTile; ++c) {
+    row[c] = std::exp2(row[c] * scale - base);
+    sum += row[c];
+  }
+  const float rescale = std::exp2(peak - base);
+  total = total * rescale + sum;
+  peak = next;
+  return rescale;
+}
+
+inline void rescale_row(float* out, int64_t dim, float factor) {
+  if (factor == 1.0f) return;
+#pragma omp simd
+  for (int64_t d = 0; d < dim; ++d) out[d] *= factor;
+}
+
+// Portable microkernels: fp32 tiles, keys transposed [D][kKeyTile], values [kKeyTile][D].
+struct PortableKernel {
+  using packed_t = float;
+  static int64_t tile_elements(int64_t dim) { return kKeyTile * dim; }
+
+  template <typename scalar_t>
+  static void pack_keys(const scalar_t* const* rows, int64_t dim, float* tile) {
+    for (int64_t c = 0; c < kKeyTile; ++c)
+      for (int64_t d = 0; d < dim; ++d) tile[d * kKeyTile + c] = rows[c] ? static_cast<float>(rows[c][d]) : 0.0f;
+  }
+
+  template <typename scalar_t>
+  static void pack_values(const scalar_t* const* rows, int64_t dim, float* tile) {
+    for (int64_t c = 0; c < kKeyTile; ++c)
+      for (int64_t d = 0; d < dim; ++d) tile[c * dim + d] = rows[c] ? static_cast<float>(rows[c][d]) : 0.0f;
+  }
+
+  template <typename scalar_t>
+  static void score(const scalar_t* const* queries, int64_t dim, const float* keys, float* scores) {
+    for (int64_t r = 0; r < kQueryTile; ++r) {
+      float* row = scores + r * kKeyTile;
+      std::fill(row, row + kKeyTile, 0.0f);
+      for (int64_t d = 0; d < dim; ++d) {
+        const float qd = static_cast<float>(queries[r][d]);
+        const float* kd = keys + d * kKeyTile;
+#pragma omp simd
+        for (int64_t c = 0; c < kKeyTile; ++c) row[c] += qd * kd[c];
+      }
+    }
+  }
+
+  static void fold(TileState& state, int64_t dim, float scale) {
+    for (int64_t r = 0; r < kQueryTile; ++r) {
+      const float factor = fold_row_portable(&state.scores[r * kKeyTile], scale, state.peak[r], state.total[r]);
+      rescale_row(&state.out[r * dim], dim, factor);
+    }
+  }
+
+  static float row_total(const TileState& state, int64_t r) { return state.total[r]; }
+
+  static void accumulate(TileState& state, int64_t dim, const float* values) {
+    for (int64_t r = 0; r < kQueryTile; ++r) {
+      float* out = &state.out[r * dim];
+      for (int64_t c = 0; c < kKeyTile; ++c) {
+        const float weight = state.scores[r * kKeyTile + c];
+        const float* vc = values + c * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) out[d] += weight * vc[d];
+      }
+    }
+  }
+};
+
+#if defined(__AVX512BF16__)
+// 2^x for x <= 0 (-inf included): round to n, a degree-6 polynomial of the rest, scale by 2^n.
+inline __m512 exp2_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-160.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);  // [-0.5, 0.5]
+  __m512 poly = _mm512_set1_ps(1.5403530393381606e-4f);  // ln2^k / k!, k = 6 .. 0
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(poly, n);
+}
+
+inline __m512bh pair_of(const uint16_t* pair) {  // two bf16 on every 32-bit lane
+  int32_t bits;
+  std::memcpy(&bits, pair, sizeof(bits));
+  return (__m512bh)_mm512_set1_epi32(bits);
+}
+
+inline __m512bh load_bh(const uint16_t* at) { return (__m512bh)_mm512_loadu_si512(at); }
+
+// bf16 microkernels. A key tile: 2 groups of 16 keys, each [D / 2][16 keys][2] (a key's
+// values d, d + 1 side by side); a value tile: [kKeyTile / 2][D][2] (keys c, c + 1 side by
+// side). Needs D a multiple of 32.
+struct Bf16Kernel {
+  using packed_t = uint16_t;
+  static constexpr int kRows = 8;  // query rows per register block
+  static int64_t tile_elements(int64_t dim) { return kKeyTile * dim; }
+
+  static uint16_t bits(const c10::BFloat16* row, int64_t d) { return row ? row[d].x : 0; }
+
+  static void pack_keys(const c10::BFloat16* const* rows, int64_t dim, uint16_t* tile) {
+    for (int64_t c = 0; c < kKeyTile; ++c) {
+      uint16_t* lane = tile + (c / 16) * 16 * dim + (c % 16) * 2;
+      for (int64_t d = 0; d < dim; d += 2) {
+        lane[(d / 2) * 32] = bits(rows[c], d);
+        lane[(d / 2) * 32 + 1] = bits(rows[c], d + 1);
+      }
+    }
+  }
+
+  static void pack_values(const c10::BFloat16* const* rows, int64_t dim, uint16_t* tile) {
+    for (int64_t c = 0; c < kKeyTile; ++c)
+      for (int64_t d = 0; d < dim; ++d) tile[((c / 2) * dim + d) * 2 + c % 2] = bits(rows[c], d);
+  }
+
+  static void score(const c10::BFloat16* const* queries, int64_t dim, const uint16_t* keys, float* scores) {
+    const uint16_t* second = keys + 16 * dim;
+    for (int64_t r0 = 0; r0 < kQueryTile; r0 += kRows) {
+      __m512 acc[kRows][2];
+#pragma GCC unroll 8
+      for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < dim; d += 2) {
+        const __m512bh k0 = load_bh(keys + d * 16), k1 = load_bh(second + d * 16);
+#pragma GCC unroll 8
+        for (int r = 0; r < kRows; ++r) {
+          const __m512bh qr = pair_of(reinterpret_cast<const uint16_t*>(queries[r0 + r]) + d);
+          acc[r][0] = _mm512_dpbf16_ps(acc[r][0], qr, k0);
+          acc[r][1] = _mm512_dpbf16_ps(acc[r][1], qr, k1);
+        }
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < kRows; ++r) {
+        _mm512_storeu_ps(scores + (r0 + r) * kKeyTile, acc[r][0]);
+        _mm512_storeu_ps(scores + (r0 + r) * kKeyTile + 16, acc[r][1]);
+      }
+    }
+  }
+
+  // Lazy rescaling: a row's reference max moves only when a score exceeds it by more than
+  // kLazyMargin (log2 units), so weights stay below 2^kLazyMargin and most key tiles skip the
+  // rescale of the row's sums. Sums stay on 16 lanes until the end (no horizontal add).
+  static void fold(TileState& state, int64_t dim, float scale) {
+    const __m512 scaled = _mm512_set1_ps(scale);
+    for (int64_t r = 0; r < kQueryTile; ++r) {
+      float* row = &state.scores[r * kKeyTile];
+      const __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(row), scaled);
+      const __m512 s1 = _mm512_mul_ps(_mm512_loadu_ps(row + 16), scaled);
+      const float high = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+      float* sums = &state.sums[r * 16];
+      if (high > state.peak[r] + kLazyMargin) {
+        const float factor = std::exp2(state.peak[r] - high);
+        state.peak[r] = high;
+        rescale_row(&state.out[r * dim], dim, factor);
+        _mm512_storeu_ps(sums, _mm512_mul_ps(_mm512_loadu_ps(sums), _mm512_set1_ps(factor)));
+      }
+      const float peak = state.peak[r];
+      const __m512 shift = _mm512_set1_ps(peak == kNegInf ? 0.0f : peak);  // a row that sees nothing yet
+      const __m512 p0 = exp2_ps(_mm512_sub_ps(s0, shift)), p1 = exp2_ps(_mm512_sub_ps(s1, shift));
+      _mm512_storeu_si512(&state.weights[r * kKeyTile], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+      _mm512_storeu_ps(sums, _mm512_add_ps(_mm512_loadu_ps(sums), _mm512_add_ps(p0, p1)));
+    }
+  }
+
+  static float row_total(const TileState& state, int64_t r) {
+    return _mm512_reduce_add_ps(_mm512_loadu_ps(&state.sums[r * 16]));
+  }
+
+  static void accumulate(TileState& state, int64_t dim, const uint16_t* values) {
+    for (int64_t d0 = 0; d0 < dim; d0 += 32) {
+      for (int64_t r0 = 0; r0 < kQueryTile; r0 += kRows) {
+        float* out = &state.out[r0 * dim + d0];
+        __m512 acc[kRows][2];
+#pragma GCC unroll 8
+        for (int r = 0; r < kRows; ++r) {
+          acc[r][0] = _mm512_loadu_ps(out + r * dim);
+          acc[r][1] = _mm512_loadu_ps(out + r * dim + 16);
+        }
+        const uint16_t* weights = &state.weights[r0 * kKeyTile];
+        for (int64_t c = 0; c < kKeyTile; c += 2) {
+          const uint16_t* pair = values + (c * dim + d0 * 2);
+          const __m512bh v0 = load_bh(pair), v1 = load_bh(pair + 32);
+#pragma GCC unroll 8
+          for (int r = 0; r < kRows; ++r) {
+            const __m512bh w = pair_of(weights + r * kKeyTile + c);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w, v0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w, v1);
+          }
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < kRows; ++r) {
+          _mm512_storeu_ps(out + r * dim, acc[r][0]);
+          _mm512_storeu_ps(out + r * dim + 16, acc[r][1]);
+        }
+      }
+    }
+  }
+};
+#endif
+
+// Packs every (span, KV head, key tile) of K and V: [spans][kv_heads][tiles][tile_elements].
+template <typename Kernel, typename scalar_t>
+void pack_all(const Problem& p, const KeyRows<scalar_t>& source, typename Kernel::packed_t* keys,
+              typename Kernel::packed_t* values) {
+  const int64_t tiles = p.key_tiles(), size = Kernel::tile_elements(p.dim);
+  at::parallel_for(0, p.spans * p.kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
+    const scalar_t* rows[kKeyTile];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t span = item / (p.kv_heads * tiles), head = item / tiles % p.kv_heads;
+      const int64_t first = item % tiles * kKeyTile;
+      for (int which = 0; which < 2; ++which) {
+        for (int64_t c = 0; c < kKeyTile; ++c)
+          rows[c] = first + c < p.keys() ? source.row(p, span, which, first + c, head) : nullptr;
+        if (which == 0) Kernel::pack_keys(rows, p.dim, keys + item * size);
+        else Kernel::pack_values(rows, p.dim, values + item * size);
+      }
+    }
+  });
+}
+
+// The key tiles [first, last] that query rows first_query .. + kQueryTile - 1 may see.
+std::pair<int64_t, int64_t> visible_tiles(const Problem& p, int64_t first_query) {
+  const int64_t low_pos = p.context + first_query;
+  const int64_t high_pos = p.context + std::min(first_query + kQueryTile, p.length) - 1;
+  const int64_t low_key = p.window > 0 ? std::max<int64_t>(0, low_pos - p.window + 1 - p.start) : 0;
+  return {low_key / kKeyTile, (high_pos - p.start) / kKeyTile};
+}
+
+// Whether every query row of the tile sees every key of the key tile.
+bool fully_visible(const Problem& p, int64_t first_query, int64_t first_key) {
+  const int64_t low_pos = p.context + first_query, high_pos = low_pos + kQueryTile - 1;
+  const int64_t low_key = p.start + first_key, high_key = low_key + kKeyTile - 1;
+  return high_key <= low_pos && (p.window == 0 || high_pos - low_key < p.window);
+}
+
+// One (span, query head, query tile): all its visible key tiles, then the normalised rows.
+template <typename Kernel, typename scalar_t>
+void attend_tile(const Problem& p, const scalar_t* q, const typename Kernel::packed_t* keys,
+                 const typename Kernel::packed_t* values, int64_t span, int64_t head, int64_t tile,
+                 const scalar_t* zeros, scalar_t* out, TileState& state) {
+  const int64_t first_query = tile * kQueryTile, size = Kernel::tile_elements(p.dim);
+  const int64_t kv = head / (p.heads / p.kv_heads);
+  const int64_t packed_base = (span * p.kv_heads + kv) * p.key_tiles();
+  const scalar_t* queries[kQueryTile];
+  for (int64_t r = 0; r < kQueryTile; ++r) {
+    const int64_t i = first_query + r;  // rows past the span read zeros; their output is dropped
+    queries[r] = i < p.length ? q + ((span * p.length + i) * p.heads + head) * p.dim : zeros;
+  }
+  state.reset(p.dim);
+  const auto [first, last] = visible_tiles(p, first_query);
+  for (int64_t t = first; t <= last; ++t) {
+    Kernel::score(queries, p.dim, keys + (packed_base + t) * size, state.scores.data());
+    if (!fully_visible(p, first_query, t * kKeyTile)) mask_tile(p, first_query, t * kKeyTile, state.scores.data());
+    Kernel::fold(state, p.dim, p.scale * kLog2e);
+    Kernel::accumulate(state, p.dim, values + (packed_base + t) * size);
+  }
+  for (int64_t r = 0; r < kQueryTile && first_query + r < p.length; ++r) {
+    const float inverse = 1.0f / Kernel::row_total(state, r);
+    scalar_t* row = out + ((span * p.length + first_query + r) * p.heads + head) * p.dim;
+    for (int64_t d = 0; d < p.dim; ++d) row[d] = static_cast<scalar_t>(state.out[r * p.dim + d] * inverse);
+  }
+}
+
+// Query tile k of a head's list, cheap and dear alternating (0, n-1, 1, n-2, ...): causal
+// tiles grow with their position, and each thread's contiguous share then costs the same.
+inline int64_t interleaved(int64_t k, int64_t n) { return k % 2 == 0 ? k / 2 : n - 1 - k / 2; }
+
+template <typename Kernel, typename scalar_t>
+void run(const Problem& p, const KeyRows<scalar_t>& source, const scalar_t* q, scalar_t* out) {
+  const int64_t packed = p.spans * p.kv_heads * p.key_tiles() * Kernel::tile_elements(p.dim);
+  std::vector<typename Kernel::packed_t> keys(packed), values(packed);
+  pack_all<Kernel>(p, source, keys.data(), values.data());
+  const std::vector<scalar_t> zeros(p.dim, static_cast<scalar_t>(0.0f));
+  const int64_t tiles = p.query_tiles();
+  at::parallel_for(0, p.spans * p.heads * tiles, 1, [&](int64_t begin, int64_t end) {
+    TileState state;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t span = item / (p.heads * tiles), head = item / tiles % p.heads;
+      attend_tile<Kernel>(p, q, keys.data(), values.data(), span, head, interleaved(item % tiles, tiles),
+                          zeros.data(), out, state);
+    }
+  });
+}
+
+template <typename scalar_t>
+void dispatch(const Problem& p, const KeyRows<scalar_t>& source, const scalar_t* q, scalar_t* out) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (p.dim % 32 == 0) return run<Bf16Kernel>(p, source, q, out);
+  }
+#endif
+  run<PortableKernel>(p, source, q, out);
+}
+
+void paged_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cache,
+                   const at::Tensor& table, at::Tensor& out, int64_t spans, int64_t context, int64_t start,
+                   int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t head_stride,
+                   int64_t kv_stride, int64_t window, double scale) {
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && table.is_contiguous(), "paged_prefill: contiguous q, out, table");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes() && k.strides() == v.strides(), "paged_prefill: k, v shapes");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() && k.stride(2) == 1, "paged_prefill: k, v");
+  TORCH_CHECK(context == 0 || (cache.scalar_type() == q.scalar_type() && cache.stride(-1) == 1), "paged_prefill: cache");
+  TORCH_CHECK(table.scalar_type() == at::kLong && spans >= 1 && q.size(0) % spans == 0, "paged_prefill: table, spans");
+  TORCH_CHECK(spans == 1 || context == 0, "paged_prefill: several spans only without context");
+  const Problem p{spans, q.size(0) / spans, context, start, window, q.size(1), k.size(1), q.size(2),
+                  static_cast<float>(scale)};
+  TORCH_CHECK(p.heads % p.kv_heads == 0 && k.size(0) == q.size(0) && k.size(2) == p.dim, "paged_prefill: heads");
+  TORCH_CHECK(start >= 0 && start <= context && (block_size > 0 || context == 0), "paged_prefill: start");
+  TORCH_CHECK(context == 0 || (context - 1) / block_size < table.numel(), "paged_prefill: block table too short");
+  if (p.length == 0) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_prefill", [&] {
+    const KeyRows<scalar_t> source{cache.data_ptr<scalar_t>(), table.data_ptr<int64_t>(), block_size, block_stride,
+                                   token_stride, head_stride, kv_stride, {k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>()},
+                                   k.stride(0), k.stride(1)};
+    dispatch<scalar_t>(p, source, q.data_ptr<scalar_t>(), out.data_ptr<scalar_t>());
+  });
+}
+
+// Whether bf16 of this head width takes the AVX-512 BF16 microkernels (else the fp32 tiles).
+bool bf16_fast_path(int64_t dim) {
+#if defined(__AVX512BF16__)
+  return dim % 32 == 0;
+#else
+  (void)dim;
+  return false;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvferry_prefill, m) {
+  m.def(
+      "paged_prefill(Tensor q, Tensor k, Tensor v, Tensor cache, Tensor table, Tensor(a!) out, int spans, "
+      "int context, int start, int block_size, int block_stride, int token_stride, int head_stride, "
+      "int kv_stride, int window, float scale) -> ()");
+  m.def("bf16_fast_path(int dim) -> bool", &bf16_fast_path);
+}
+
+TORCH_LIBRARY_IMPL(kvferry_prefill, CPU, m) { m.impl("paged_prefill", &paged_prefill); }

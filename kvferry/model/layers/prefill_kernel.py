@@ -1,0 +1,114 @@
+"""The CPU prefill attention kernel (csrc/paged_prefill.cpp): built for this machine on
+first use, loaded as the `kvferry_prefill::paged_prefill` operator.
+
+A prompt span's queries attend its cached context, read in place from the KV cache
+through the block table, then the span's own k/v: flash-style tiles with a running
+softmax, so no gathered KV copy and no mask tensor. bf16 on a CPU with AVX-512 BF16 runs
+microkernels on _mm512_dpbf16_ps, over 2x faster than torch's CPU flash SDPA on a
+1,000-token prompt. Other dtypes and CPUs have portable fp32 tiles, which the attention
+layer does not take (torch's SDPA is as fast there).
+
+Built and cached by kvferry.model.layers.cpu_kernels; if it cannot be built, prefill
+attention stays on torch's SDPA with one warning naming the cause.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from kvferry.kv.spec import Layout
+from kvferry.model.layers import cpu_kernels
+from kvferry.model.layers.decode_kernel import CacheGeometry
+
+logger = logging.getLogger(__name__)
+
+SOURCE = cpu_kernels.CSRC / "paged_prefill.cpp"
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layout: Layout,
+    block_table: torch.Tensor,
+    context_len: int,
+    start: int,
+    window: int,
+    scale: float,
+) -> torch.Tensor:
+    """One span's attention: q [L, heads, D] at positions context_len .. + L - 1 over the
+    cached keys at positions `start` .. context_len - 1 (the block table names the
+    sequence's blocks from position 0; `start` a multiple of the block size) and the span's
+    own k, v [L, kv_heads, D]. Causal; `window` > 0 limits each query to its last `window`
+    positions. The cache may store heads wider than D: the first D values are read."""
+    geometry = CacheGeometry.of(kv_cache, layout)
+    k, v = _same_strides(k, v)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    torch.ops.kvferry_prefill.paged_prefill(
+        q.contiguous(),
+        k,
+        v,
+        kv_cache,
+        block_table.contiguous(),
+        out,
+        1,
+        context_len,
+        start,
+        geometry.block_size,
+        geometry.block_stride,
+        geometry.token_stride,
+        geometry.head_stride,
+        geometry.kv_stride,
+        window,
+        scale,
+    )
+    return out
+
+
+def fresh_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, window: int, scale: float
+) -> torch.Tensor:
+    """`count` adjacent spans of equal length and no cached context, q [count * L, heads, D]
+    and k, v [count * L, kv_heads, D]: each span causal over its own keys."""
+    k, v = _same_strides(k, v)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    no_cache = torch.empty(0, dtype=q.dtype)
+    no_table = torch.empty(0, dtype=torch.long)
+    torch.ops.kvferry_prefill.paged_prefill(
+        q.contiguous(), k, v, no_cache, no_table, out, count, 0, 0, 0, 0, 0, 0, 0, window, scale
+    )
+    return out
+
+
+def takes_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the kernel serves this prefill: bf16 on CPU where its AVX-512 BF16
+    microkernels were built (elsewhere torch's SDPA is as fast as the portable tiles). A
+    span with cached context also needs a bf16 cache."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == k.dtype == v.dtype == torch.bfloat16
+        and prefill_kernel_available()
+        and bool(torch.ops.kvferry_prefill.bf16_fast_path(q.shape[-1]))
+    )
+
+
+def _same_strides(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k and v as the kernel reads them: rows of contiguous values, with equal strides."""
+    if k.stride() == v.stride() and k.stride(-1) == 1:
+        return k, v
+    return k.contiguous(), v.contiguous()
+
+
+@functools.cache
+def prefill_kernel_available() -> bool:
+    """Build (once per machine) and load the kernel; False, with one warning, if it cannot."""
+    try:
+        cpu_kernels.load(SOURCE)
+    except cpu_kernels.BUILD_ERRORS as exc:
+        logger.warning("paged prefill kernel unavailable, prefill attention uses torch SDPA: %s", exc)
+        return False
+    return True

@@ -1,0 +1,167 @@
+"""The CPU prefill attention kernel (kvferry/model/layers/prefill_kernel.py): equal to the
+SDPA path it replaces for fresh prompts and for chunks over cached context on every cache
+geometry, with and without a sliding window; taken by a real engine; a clean fallback
+where it cannot be built."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvferry.engine.llm import LLM
+from kvferry.kv.spec import Layout
+from kvferry.model.forward_context import AttentionMetadata, ForwardContext, PrefillSpan
+from kvferry.model.layers import attention, prefill_kernel
+from kvferry.model.layers.attention import Scores
+from kvferry.sampling_params import SamplingParams
+from tests.engine_helpers import PROMPT_TEXTS
+
+BLOCK = 16
+SCALE = 0.125
+# fp32: the portable tiles, as exact as SDPA's own rounding; bf16 (the AVX-512 BF16 path
+# where the CPU has it): probabilities are rounded to bf16 before the weighted sum, as in
+# torch's bf16 flash kernel, and the outputs of both are bf16.
+TOLERANCES = [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)]
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    """The kernel, built and loaded, run on 1 or 2 threads."""
+    assert prefill_kernel.prefill_kernel_available()
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def _qkv(length: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, gen: torch.Generator):
+    q = torch.randn(length, heads, dim, generator=gen).to(dtype)
+    k = torch.randn(length, kv_heads, dim, generator=gen).to(dtype)
+    return q, k, torch.randn(length, kv_heads, dim, generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), TOLERANCES)
+@pytest.mark.parametrize("length", [1, 7, 32, 33, 100, 257])  # tiles are 32 queries and 32 keys
+@pytest.mark.parametrize("window", [0, 5, 40, 300])  # 300: wider than every span
+@pytest.mark.parametrize("group", [1, 3])
+def test_a_fresh_span_equals_sdpa(dtype, tolerance, length, window, group, threads) -> None:
+    gen = torch.Generator().manual_seed(length * 7 + window)
+    q, k, v = _qkv(length, 3 * group, 3, 64, dtype, gen)
+    score = Scores(SCALE, window)
+    expected = attention._fresh_batch_sdpa(q, k, v, 1, score)
+    got = prefill_kernel.fresh_prefill(q, k, v, 1, window, SCALE)
+    assert got.dtype == dtype and got.shape == q.shape
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), TOLERANCES)
+@pytest.mark.parametrize("window", [0, 20])
+def test_a_batch_of_fresh_spans_equals_sdpa(dtype, tolerance, window, threads) -> None:
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = _qkv(3 * 45, 6, 2, 32, dtype, gen)
+    score = Scores(SCALE, window)
+    expected = attention._fresh_batch_sdpa(q, k, v, 3, score)
+    got = prefill_kernel.fresh_prefill(q, k, v, 3, window, SCALE)
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+def _cached_span(layout: Layout, dtype: torch.dtype, stored_dim: int, context: int, length: int, group: int):
+    """A span of `length` queries after `context` cached tokens on shuffled blocks of a
+    random cache (3 KV heads of 32 values stored `stored_dim` wide); the span's own k/v
+    are written into the cache as the layer does before attending."""
+    gen = torch.Generator().manual_seed(context + length)
+    num_blocks, kv_heads, dim = 64, 3, 32
+    shape = (2, num_blocks, BLOCK, kv_heads, stored_dim)
+    if layout is Layout.HND:
+        shape = (2, num_blocks, kv_heads, BLOCK, stored_dim)
+    cache = torch.randn(shape, generator=gen).to(dtype)
+    blocks = -(-(context + length) // BLOCK)
+    table = torch.randperm(num_blocks - 1, generator=gen)[:blocks] + 1
+    q, k, v = _qkv(length, kv_heads * group, kv_heads, dim, dtype, gen)
+    positions = torch.arange(context, context + length)
+    slots = table[positions // BLOCK] * BLOCK + positions % BLOCK
+    attention.write_kv(cache, layout, k, v, slots)
+    attn = AttentionMetadata(slots, 0, torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+    ctx = ForwardContext((attn,), {"layer": 0}, {"layer": cache}, layout)
+    return q, k, v, ctx, PrefillSpan(0, length, context, table)
+
+
+@pytest.mark.parametrize("layout", [Layout.NHD, Layout.HND])
+@pytest.mark.parametrize(("dtype", "tolerance"), TOLERANCES)
+@pytest.mark.parametrize(("context", "length"), [(16, 1), (40, 33), (768, 64), (100, 7)])
+@pytest.mark.parametrize("window", [0, 10, 50, 2000])
+@pytest.mark.parametrize("stored_dim", [32, 48])  # 48: a group padded to a wider page
+@pytest.mark.parametrize("group", [1, 3])
+def test_a_span_over_cached_context_equals_sdpa(
+    layout, dtype, tolerance, context, length, window, stored_dim, group, threads
+) -> None:
+    q, k, v, ctx, span = _cached_span(layout, dtype, stored_dim, context, length, group)
+    cache, score = ctx.kv_caches["layer"], Scores(SCALE, window)
+    expected = attention._prefill_sdpa(q, k, v, cache, ctx, span, score)
+    start = attention._first_visible_block(context, window, BLOCK) * BLOCK
+    got = prefill_kernel.paged_prefill(
+        q, k, v, cache, layout, span.block_table, context, start, window, SCALE
+    )
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+def test_the_layer_takes_the_kernel_for_bf16() -> None:
+    """bf16 of a 32-multiple head width on a CPU with AVX-512 BF16 goes to the kernel."""
+    q, k, v, ctx, span = _cached_span(Layout.NHD, torch.bfloat16, 32, 40, 9, 3)
+    assert prefill_kernel.prefill_kernel_available()
+    if not torch.ops.kvferry_prefill.bf16_fast_path(32):
+        pytest.skip("this CPU has no AVX-512 BF16: bf16 prefill stays on SDPA")
+    assert prefill_kernel.takes_prefill(q, k, v)
+    got = attention._prefill(q, k, v, ctx.kv_caches["layer"], ctx, span, Scores(SCALE, 0))
+    expected = attention._prefill_sdpa(q, k, v, ctx.kv_caches["layer"], ctx, span, Scores(SCALE, 0))
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+def _greedy(model: Path, **options: object) -> list[list[int]]:
+    llm = LLM(str(model), enforce_eager=True, kv_cache_bytes=16 << 20, **options)
+    try:
+        outs = llm.generate(PROMPT_TEXTS, SamplingParams(max_tokens=8, temperature=0))
+        return [list(o.outputs[0].token_ids) for o in outs]
+    finally:
+        llm.engine.shutdown()
+
+
+def _broken(*args: object) -> torch.Tensor:
+    raise AssertionError("prefill took the SDPA path")
+
+
+@pytest.mark.parametrize("chunk", [2048, 8])  # 8 tokens a step: chunks over cached context
+def test_an_engine_prefills_through_the_kernel(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, chunk
+) -> None:
+    """With the SDPA prefill paths broken, an engine still answers as the eager reference:
+    its prefills take the kernel (here its portable fp32 tiles, as the tiny model's head
+    width has no bf16 microkernel)."""
+    expected = _greedy(tiny_llama, max_num_batched_tokens=chunk)
+    monkeypatch.setattr(attention, "takes_prefill", lambda q, k, v: prefill_kernel.prefill_kernel_available())
+    monkeypatch.setattr(attention, "_prefill_sdpa", _broken)
+    monkeypatch.setattr(attention, "_fresh_batch_sdpa", _broken)
+    assert _greedy(tiny_llama, max_num_batched_tokens=chunk) == expected
+
+
+def test_without_a_compiler_prefill_falls_back_to_sdpa_with_one_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no cached build either
+    prefill_kernel.prefill_kernel_available.cache_clear()
+    q, k, v = _qkv(5, 3, 3, 32, torch.bfloat16, torch.Generator().manual_seed(0))
+    try:
+        with caplog.at_level(logging.WARNING, logger=prefill_kernel.__name__):
+            assert not prefill_kernel.takes_prefill(q, k, v)
+            assert not prefill_kernel.prefill_kernel_available()  # decided once
+            out = attention._fresh_batch(q, k, v, 1, Scores(SCALE, 0))
+        (record,) = caplog.records
+        assert "prefill attention uses torch SDPA" in record.message and "/nonexistent/g++" in record.message
+        torch.testing.assert_close(out, attention._fresh_batch_sdpa(q, k, v, 1, Scores(SCALE, 0)))
+    finally:
+        prefill_kernel.prefill_kernel_available.cache_clear()
