@@ -22,26 +22,56 @@ BLOCK = 16
 SEQ_LENS = [1, 15, 16, 17, 40, 64]  # one key; block boundaries; several blocks
 
 
-def _case(layout: Layout, dtype: torch.dtype, window: int, stored_dim: int, seed: int = 0):
-    """A random cache of 3 KV heads, 9 query heads of 32 values (stored `stored_dim` wide),
-    and one decode per SEQ_LENS entry on shuffled blocks; sliding-window tables start at
-    the first block the window sees, as the scheduler sends them."""
+def _case(
+    layout: Layout,
+    dtype: torch.dtype,
+    window: int,
+    stored_dim: int,
+    seed: int = 0,
+    seq_lens: list[int] = SEQ_LENS,
+    kv_heads: int = 3,
+    heads: int = 9,
+    dim: int = 32,
+):
+    """A random cache of `kv_heads` KV heads, `heads` query heads of `dim` values (stored
+    `stored_dim` wide), and one decode per `seq_lens` entry on shuffled blocks;
+    sliding-window tables start at the first block the window sees, as the scheduler sends
+    them."""
     gen = torch.Generator().manual_seed(seed)
-    num_blocks, kv_heads, dim = 40, 3, 32
+    first = [max(0, n - window) // BLOCK if window else 0 for n in seq_lens]
+    width = max(-(-n // BLOCK) - f for n, f in zip(seq_lens, first, strict=True))
+    num_blocks = max(40, len(seq_lens) * width + 1)
     shape = (2, num_blocks, BLOCK, kv_heads, stored_dim)
     if layout is Layout.HND:
         shape = (2, num_blocks, kv_heads, BLOCK, stored_dim)
     cache = torch.randn(shape, generator=gen).to(dtype)
-    lens = torch.tensor(SEQ_LENS)
-    first = [max(0, n - window) // BLOCK if window else 0 for n in SEQ_LENS]
-    width = max(-(-n // BLOCK) - f for n, f in zip(SEQ_LENS, first, strict=True))
+    lens = torch.tensor(seq_lens)
     ids = torch.randperm(num_blocks - 1, generator=gen) + 1
-    table = ids[: len(SEQ_LENS) * width].view(len(SEQ_LENS), width)
+    table = ids[: len(seq_lens) * width].view(len(seq_lens), width)
     start = torch.tensor([f * BLOCK for f in first]) if window else None
-    q = torch.randn(len(SEQ_LENS), 9, dim, generator=gen).to(dtype)
-    attn = AttentionMetadata(torch.zeros(len(SEQ_LENS), dtype=torch.long), len(SEQ_LENS), table, lens)
+    q = torch.randn(len(seq_lens), heads, dim, generator=gen).to(dtype)
+    attn = AttentionMetadata(torch.zeros(len(seq_lens), dtype=torch.long), len(seq_lens), table, lens)
     attn.decode_start_pos = start
     return q, cache, attn
+
+
+def _assert_kernel_equals_sdpa(q, cache, attn, layout, window, tolerance, scale=0.17) -> None:
+    ctx = ForwardContext((attn,), {"layer": 0}, {"layer": cache}, layout)
+    expected = attention._decode_sdpa(q, cache, ctx, attn, Scores(scale, window))
+    got = decode_kernel.paged_decode(
+        q, cache, layout, attn.decode_block_table, attn.decode_seq_lens, attn.decode_start_pos, window, scale
+    )
+    assert got.dtype == q.dtype and got.shape == q.shape
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.fixture
+def threads(request: pytest.FixtureRequest):
+    """torch's intra-op thread count for the test (the kernel plans its work by it)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("layout", [Layout.NHD, Layout.HND])
@@ -51,14 +81,54 @@ def _case(layout: Layout, dtype: torch.dtype, window: int, stored_dim: int, seed
 def test_the_kernel_equals_the_sdpa_path(layout, dtype, tolerance, window, stored_dim) -> None:
     assert decode_kernel.decode_kernel_available()
     q, cache, attn = _case(layout, dtype, window, stored_dim)
-    ctx = ForwardContext((attn,), {"layer": 0}, {"layer": cache}, layout)
-    score = Scores(0.17, window)
-    expected = attention._decode_sdpa(q, cache, ctx, attn, score)
-    got = decode_kernel.paged_decode(
-        q, cache, layout, attn.decode_block_table, attn.decode_seq_lens, attn.decode_start_pos, window, 0.17
+    _assert_kernel_equals_sdpa(q, cache, attn, layout, window, tolerance)
+
+
+# The kernel's work plan (csrc/paged_decode.cpp): with 2 threads and fewer than 16
+# (sequence, KV head) pairs, each sequence's keys are split into spans of 128 or more keys
+# whose partial softmaxes are merged; with 1 thread, or 16 sequences or more per thread
+# count, one item per sequence covers all its KV heads.
+LONG = [1100]  # one long decode: 3 KV heads on 2 threads, its keys split into 6 spans
+MIXED = [1, 130, 300, 1029]  # short ones unsplit, long ones split unevenly (tiles of 64 and a tail)
+
+
+@pytest.mark.parametrize("threads", [2, 1], indirect=True)
+@pytest.mark.parametrize("layout", [Layout.NHD, Layout.HND])
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 2e-6), (torch.bfloat16, 1.6e-2)])
+@pytest.mark.parametrize(("seq_lens", "window"), [(LONG, 0), (MIXED, 0), (LONG, 700), (MIXED, 333)])
+def test_long_sequences_split_across_threads(threads, layout, dtype, tolerance, seq_lens, window) -> None:
+    """Long contexts, also with windows whose tables start mid-sequence: the split spans'
+    merge equals one softmax over all the keys."""
+    assert decode_kernel.decode_kernel_available()
+    q, cache, attn = _case(layout, dtype, window, 48, seq_lens=seq_lens)
+    _assert_kernel_equals_sdpa(q, cache, attn, layout, window, tolerance)
+
+
+@pytest.mark.parametrize("threads", [2, 1], indirect=True)
+@pytest.mark.parametrize(
+    ("kv_heads", "heads", "dim"),
+    [
+        (1, 12, 64),  # 1 (sequence, KV head) pair on 2 threads; a group of 12: passes of 8 and 4
+        (2, 2, 40),  # no grouping; head_dim not a whole number of vectors
+        (4, 28, 128),  # groups of 7, wide heads
+    ],
+)
+def test_group_shapes_and_few_work_items(threads, kv_heads, heads, dim) -> None:
+    assert decode_kernel.decode_kernel_available()
+    q, cache, attn = _case(
+        Layout.NHD, torch.float32, 0, dim, seq_lens=[700], kv_heads=kv_heads, heads=heads, dim=dim
     )
-    assert got.dtype == dtype and got.shape == q.shape
-    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    _assert_kernel_equals_sdpa(q, cache, attn, Layout.NHD, 0, 2e-6)
+
+
+@pytest.mark.parametrize("threads", [2], indirect=True)
+def test_a_large_batch_takes_one_item_per_sequence(threads) -> None:
+    """16 or more decodes per thread: each sequence's KV heads in one item, fp16 too."""
+    assert decode_kernel.decode_kernel_available()
+    lens = [(37 * i) % 500 + 1 for i in range(40)]
+    for dtype, tolerance in ((torch.float32, 2e-6), (torch.float16, 2e-3)):
+        q, cache, attn = _case(Layout.HND, dtype, 0, 32, seq_lens=lens)
+        _assert_kernel_equals_sdpa(q, cache, attn, Layout.HND, 0, tolerance)
 
 
 def _greedy(model: Path) -> list[list[int]]:
