@@ -86,8 +86,9 @@ def test_the_kernel_equals_the_sdpa_path(layout, dtype, tolerance, window, store
 
 # The kernel's work plan (csrc/paged_decode.cpp): with 2 threads and fewer than 16
 # (sequence, KV head) pairs, each sequence's keys are split into spans of 128 or more keys
-# whose partial softmaxes are merged; with 1 thread, or 16 sequences or more per thread
-# count, one item per sequence covers all its KV heads.
+# whose partial softmaxes are merged; with 1 thread, 16 sequences or more per thread, or
+# under 1,024 key rows (keys x KV heads) in all, one item per sequence covers all its KV
+# heads.
 LONG = [1100]  # one long decode: 3 KV heads on 2 threads, its keys split into 6 spans
 MIXED = [1, 130, 300, 1029]  # short ones unsplit, long ones split unevenly (tiles of 64 and a tail)
 

@@ -39,11 +39,12 @@
 
 namespace {
 
-constexpr int64_t kTileKeys = 64;       // keys scored, then summed, together: their rows stay in L1
-constexpr int kMaxPassHeads = 8;        // query heads one pass over the keys serves (kept in registers)
-constexpr int64_t kItemsPerThread = 8;  // fewer (sequence, KV head) pairs per thread: split the keys
-constexpr int64_t kMinSpanKeys = 128;   // ... but into spans of at least this many keys
-constexpr int64_t kRowPad = 32;         // scratch rows padded to whole vectors (32 bf16, 2 x 16 fp32)
+constexpr int64_t kTileKeys = 64;           // keys scored, then summed, together: their rows stay in L1
+constexpr int kMaxPassHeads = 8;            // query heads one pass over the keys serves (kept in registers)
+constexpr int64_t kItemsPerThread = 8;      // fewer (sequence, KV head) pairs per thread: split the keys
+constexpr int64_t kMinSpanKeys = 128;       // ... but into spans of at least this many keys
+constexpr int64_t kMinParallelWork = 1024;  // fewer key rows (keys x KV heads) in a call: one thread
+constexpr int64_t kRowPad = 32;             // scratch rows padded to whole vectors (32 bf16, 2 x 16 fp32)
 
 struct Geometry {
   int64_t block_size, block_stride, token_stride, head_stride, kv_stride, window;
@@ -193,8 +194,8 @@ void score_tile(const uint16_t* queries, const c10::BFloat16* const* rows, int64
 #endif
 
 // acc[g] = acc[g] * rescale[g] + sum over the tile of weight[g][j] * the value row at
-// rows[j] + offset. Sixteen
-// values of every head at a time, held in registers across the tile's keys.
+// rows[j] + offset. Sixteen values of every head at a time, held in registers across the
+// tile's keys.
 template <int HEADS, typename scalar_t>
 void accumulate_tile(const float* weights, const scalar_t* const* rows, int64_t offset, int64_t n, int64_t dim,
                      const float* rescale, float* acc) {
@@ -551,7 +552,10 @@ void paged_decode(const at::Tensor& q, const at::Tensor& cache, const at::Tensor
   const int64_t* starts = start_pos.data_ptr<int64_t>();
   std::vector<KeySpan> visible;
   for (int64_t b = 0; b < batch; ++b) visible.push_back(visible_keys(lens[b], starts[b], width, geo));
-  const int64_t threads = at::get_num_threads();
+  int64_t work = 0;
+  for (const KeySpan& keys : visible) work += keys.count * kv_heads;
+  // A small call runs on the calling thread: waking the others would cost more than it saves.
+  const int64_t threads = work >= kMinParallelWork ? at::get_num_threads() : 1;
   const Plan plan = plan_items(visible, kv_heads, threads);
   std::vector<float> partials(plan.slots * (heads / kv_heads) * partial_size(dim));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
