@@ -257,9 +257,10 @@ struct Bf16Kernel {
       float* row = &state.scores[r * kKeyTile];
       const __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(row), scaled);
       const __m512 s1 = _mm512_mul_ps(_mm512_loadu_ps(row + 16), scaled);
-      const float high = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+      const __m512 highs = _mm512_max_ps(s0, s1);
       float* sums = &state.sums[r * 16];
-      if (high > state.peak[r] + kLazyMargin) {
+      if (_mm512_cmp_ps_mask(highs, _mm512_set1_ps(state.peak[r] + kLazyMargin), _CMP_GT_OQ)) {
+        const float high = _mm512_reduce_max_ps(highs);  // horizontal: only when the max moves
         const float factor = std::exp2(state.peak[r] - high);
         state.peak[r] = high;
         rescale_row(&state.out[r * dim], dim, factor);
