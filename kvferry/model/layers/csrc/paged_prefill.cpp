@@ -86,17 +86,17 @@ struct TileState {
   }
 };
 
-// Hides keys a query may not see: after it, or (window) window or more positions before.
-void mask_tile(const Problem& p, int64_t first_query, int64_t first_key, float* scores) {
-  for (int64_t r = 0; r < kQueryTile; ++r) {
-    const int64_t query_pos = p.context + first_query + r;
-    for (int64_t c = 0; c < kKeyTile; ++c) {
-      const int64_t key_pos = p.start + first_key + c;
-      const bool hidden = key_pos > query_pos || (p.window > 0 && query_pos - key_pos >= p.window);
-      if (hidden) scores[r * kKeyTile + c] = kNegInf;
-    }
+// Which keys of a (query tile, key tile) a query may not see: after it, or (window > 0)
+// window or more positions before it. `partial` false: every query sees every key.
+struct TileMask {
+  bool partial;
+  int64_t first_query_pos, first_key_pos, window;
+
+  bool hidden(int64_t r, int64_t c) const {
+    const int64_t query_pos = first_query_pos + r, key_pos = first_key_pos + c;
+    return key_pos > query_pos || (window > 0 && query_pos - key_pos >= window);
   }
-}
+};
 
 // Folds one row's new scores into its running max and sum; returns the factor that
 // rescales its earlier output sums, and leaves exp2 of the scaled scores in `row`.
@@ -152,6 +152,18 @@ struct PortableKernel {
         for (int64_t c = 0; c < kKeyTile; ++c) row[c] += qd * kd[c];
       }
     }
+  }
+
+  template <typename scalar_t>
+  static void score_fold(const scalar_t* const* queries, int64_t dim, const float* keys, const TileMask& mask,
+                         float scale, TileState& state) {
+    score(queries, dim, keys, state.scores.data());
+    if (mask.partial) {
+      for (int64_t r = 0; r < kQueryTile; ++r)
+        for (int64_t c = 0; c < kKeyTile; ++c)
+          if (mask.hidden(r, c)) state.scores[r * kKeyTile + c] = kNegInf;
+    }
+    fold(state, dim, scale);
   }
 
   static void fold(TileState& state, int64_t dim, float scale) {
@@ -225,7 +237,10 @@ struct Bf16Kernel {
       for (int64_t d = 0; d < dim; ++d) tile[((c / 2) * dim + d) * 2 + c % 2] = bits(rows[c], d);
   }
 
-  static void score(const c10::BFloat16* const* queries, int64_t dim, const uint16_t* keys, float* scores) {
+  // Scores of 8 query rows at a time in registers, each row then folded (masked, scaled,
+  // exponentiated, rounded to bf16 weights) without a trip through memory.
+  static void score_fold(const c10::BFloat16* const* queries, int64_t dim, const uint16_t* keys, const TileMask& mask,
+                         float scale, TileState& state) {
     const uint16_t* second = keys + 16 * dim;
     for (int64_t r0 = 0; r0 < kQueryTile; r0 += kRows) {
       __m512 acc[kRows][2];
@@ -241,37 +256,50 @@ struct Bf16Kernel {
         }
       }
 #pragma GCC unroll 8
-      for (int r = 0; r < kRows; ++r) {
-        _mm512_storeu_ps(scores + (r0 + r) * kKeyTile, acc[r][0]);
-        _mm512_storeu_ps(scores + (r0 + r) * kKeyTile + 16, acc[r][1]);
-      }
+      for (int r = 0; r < kRows; ++r) fold_row(r0 + r, acc[r][0], acc[r][1], mask, scale, dim, state);
     }
+  }
+
+  // Keys hidden from row r among the 16 from key column c0, as a lane mask.
+  static __mmask16 hidden_lanes(const TileMask& mask, int64_t r, int64_t c0) {
+    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i keys = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(mask.first_key_pos + c0)), lanes);
+    const __m512i query = _mm512_set1_epi32(static_cast<int32_t>(mask.first_query_pos + r));
+    __mmask16 hidden = _mm512_cmpgt_epi32_mask(keys, query);
+    if (mask.window > 0) {
+      const __m512i window = _mm512_set1_epi32(static_cast<int32_t>(mask.window));
+      hidden |= _mm512_cmpge_epi32_mask(_mm512_sub_epi32(query, keys), window);
+    }
+    return hidden;
   }
 
   // Lazy rescaling: a row's reference max moves only when a score exceeds it by more than
   // kLazyMargin (log2 units), so weights stay below 2^kLazyMargin and most key tiles skip the
   // rescale of the row's sums. Sums stay on 16 lanes until the end (no horizontal add).
-  static void fold(TileState& state, int64_t dim, float scale) {
+  static inline void fold_row(int64_t r, __m512 s0, __m512 s1, const TileMask& mask, float scale, int64_t dim,
+                              TileState& state) {
     const __m512 scaled = _mm512_set1_ps(scale);
-    for (int64_t r = 0; r < kQueryTile; ++r) {
-      float* row = &state.scores[r * kKeyTile];
-      const __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(row), scaled);
-      const __m512 s1 = _mm512_mul_ps(_mm512_loadu_ps(row + 16), scaled);
-      const __m512 highs = _mm512_max_ps(s0, s1);
-      float* sums = &state.sums[r * 16];
-      if (_mm512_cmp_ps_mask(highs, _mm512_set1_ps(state.peak[r] + kLazyMargin), _CMP_GT_OQ)) {
-        const float high = _mm512_reduce_max_ps(highs);  // horizontal: only when the max moves
-        const float factor = std::exp2(state.peak[r] - high);
-        state.peak[r] = high;
-        rescale_row(&state.out[r * dim], dim, factor);
-        _mm512_storeu_ps(sums, _mm512_mul_ps(_mm512_loadu_ps(sums), _mm512_set1_ps(factor)));
-      }
-      const float peak = state.peak[r];
-      const __m512 shift = _mm512_set1_ps(peak == kNegInf ? 0.0f : peak);  // a row that sees nothing yet
-      const __m512 p0 = exp2_ps(_mm512_sub_ps(s0, shift)), p1 = exp2_ps(_mm512_sub_ps(s1, shift));
-      _mm512_storeu_si512(&state.weights[r * kKeyTile], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-      _mm512_storeu_ps(sums, _mm512_add_ps(_mm512_loadu_ps(sums), _mm512_add_ps(p0, p1)));
+    s0 = _mm512_mul_ps(s0, scaled);
+    s1 = _mm512_mul_ps(s1, scaled);
+    if (mask.partial) {
+      const __m512 hide = _mm512_set1_ps(kNegInf);
+      s0 = _mm512_mask_mov_ps(s0, hidden_lanes(mask, r, 0), hide);
+      s1 = _mm512_mask_mov_ps(s1, hidden_lanes(mask, r, 16), hide);
     }
+    const __m512 highs = _mm512_max_ps(s0, s1);
+    float* sums = &state.sums[r * 16];
+    if (_mm512_cmp_ps_mask(highs, _mm512_set1_ps(state.peak[r] + kLazyMargin), _CMP_GT_OQ)) {
+      const float high = _mm512_reduce_max_ps(highs);  // horizontal: only when the max moves
+      const float factor = std::exp2(state.peak[r] - high);
+      state.peak[r] = high;
+      rescale_row(&state.out[r * dim], dim, factor);
+      _mm512_storeu_ps(sums, _mm512_mul_ps(_mm512_loadu_ps(sums), _mm512_set1_ps(factor)));
+    }
+    const float peak = state.peak[r];
+    const __m512 shift = _mm512_set1_ps(peak == kNegInf ? 0.0f : peak);  // a row that sees nothing yet
+    const __m512 p0 = exp2_ps(_mm512_sub_ps(s0, shift)), p1 = exp2_ps(_mm512_sub_ps(s1, shift));
+    _mm512_storeu_si512(&state.weights[r * kKeyTile], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    _mm512_storeu_ps(sums, _mm512_add_ps(_mm512_loadu_ps(sums), _mm512_add_ps(p0, p1)));
   }
 
   static float row_total(const TileState& state, int64_t r) {
@@ -361,9 +389,9 @@ void attend_tile(const Problem& p, const scalar_t* q, const typename Kernel::pac
   state.reset(p.dim);
   const auto [first, last] = visible_tiles(p, first_query);
   for (int64_t t = first; t <= last; ++t) {
-    Kernel::score(queries, p.dim, keys + (packed_base + t) * size, state.scores.data());
-    if (!fully_visible(p, first_query, t * kKeyTile)) mask_tile(p, first_query, t * kKeyTile, state.scores.data());
-    Kernel::fold(state, p.dim, p.scale * kLog2e);
+    const TileMask mask{!fully_visible(p, first_query, t * kKeyTile), p.context + first_query,
+                        p.start + t * kKeyTile, p.window};
+    Kernel::score_fold(queries, p.dim, keys + (packed_base + t) * size, mask, p.scale * kLog2e, state);
     Kernel::accumulate(state, p.dim, values + (packed_base + t) * size);
   }
   for (int64_t r = 0; r < kQueryTile && first_query + r < p.length; ++r) {
