@@ -1,10 +1,10 @@
 """kvferry's int4 kernel (kvferry.model.layers.int4_kernel): equal to the dequantized
-weight's float32 product on every shape and row count it takes, taken by int4 linears
+weight's float32 product rounded to bf16 on every shape and row count, taken by int4 linears
 where the CPU has AVX-512 BF16, and a clean fallback to torch's kernel where it cannot run.
 
-The arithmetic reference: bf16 inputs times the dequantized weight in float32 (the kernel
-multiplies exactly and sums in float32 in another order, so the tolerance is a few float32
-roundings of the sums, far below one bf16 step)."""
+The arithmetic reference: bf16 inputs times the dequantized weight in float32, rounded to
+bf16 (the kernel multiplies exactly and sums in float32 in another order, so a result may
+round to the neighbouring bf16 value: the tolerance is one bf16 step)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def _weight(shape: tuple[int, int], seed: int) -> torch.Tensor:
 
 @needs_kernel
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, KERNEL_MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 2, 3, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS * 2 + 3])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_kernel_equals_the_dequantized_product(shape: tuple[int, int], rows: int, threads: int) -> None:
     q, scales_zeros = quantize_groups(_weight(shape, seed=rows))
@@ -43,13 +43,13 @@ def test_the_kernel_equals_the_dequantized_product(shape: tuple[int, int], rows:
         got = tiles_matmul(x, NibbleTiles.pack(q, scales_zeros))
     finally:
         torch.set_num_threads(before)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, expected.bfloat16(), rtol=8e-3, atol=1e-5)  # within one bf16 step
 
 
 @needs_kernel
-def test_int4_linears_take_the_kernel_for_any_row_count_up_to_their_limit() -> None:
-    """Int4Weight holds the kernel's layout (not torch's), and its product over more rows
-    than one kernel call takes (split in calls of KERNEL_MAX_ROWS) equals the reference."""
+def test_int4_linears_take_the_kernel() -> None:
+    """Int4Weight holds the kernel's layout (not torch's) and its product is the reference's."""
     plain = _weight((576, 960), seed=3)
     weight = Int4Weight(plain, plain)
     assert weight.tiles is not None and weight.packed is None

@@ -27,13 +27,7 @@ import torch.nn.functional as F
 from torch._library.opaque_object import MemberType, register_opaque_type
 from torch._opaque_base import OpaqueBase
 
-from kvferry.model.layers.int4_kernel import (
-    KERNEL_MAX_ROWS,
-    NibbleTiles,
-    can_tile,
-    int4_kernel_available,
-    tiles_matmul,
-)
+from kvferry.model.layers.int4_kernel import NibbleTiles, can_tile, int4_kernel_available, tiles_matmul
 from kvferry.model.layers.packed import PackedWeight, onednn_linear
 from kvferry.model.operators import operator
 
@@ -121,8 +115,7 @@ def dequantize_groups(q: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tens
 def int4_matmul(rows: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
     """[m, in] bf16 rows times the int4 weight: [m, out] bf16 (rounded from float32 sums)."""
     if weight.tiles is not None:
-        parts = [tiles_matmul(chunk, weight.tiles) for chunk in rows.split(KERNEL_MAX_ROWS)]
-        return torch.cat(parts).bfloat16() if len(parts) > 1 else parts[0].bfloat16()
+        return tiles_matmul(rows, weight.tiles)
     assert weight.packed is not None
     return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, weight.packed, GROUP_SIZE, weight.scales_zeros)
 

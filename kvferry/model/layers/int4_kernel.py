@@ -23,7 +23,7 @@ from kvferry.model.layers import cpu_kernels
 logger = logging.getLogger(__name__)
 
 SOURCE = cpu_kernels.CSRC / "int4_matmul.cpp"
-KERNEL_MAX_ROWS = 8  # rows one call takes (the kernel keeps one accumulator per row)
+KERNEL_MAX_ROWS = 8  # rows the kernel multiplies at once (one accumulator each); more: in turns
 TILE = 16  # output features per tile
 GROUP = 32  # inputs per scale and zero point
 
@@ -61,9 +61,8 @@ def can_tile(weight: torch.Tensor) -> bool:
 
 
 def tiles_matmul(rows: torch.Tensor, tiles: NibbleTiles) -> torch.Tensor:
-    """bf16 rows [m, in] (m <= KERNEL_MAX_ROWS) times the weight: float32 [m, out]."""
-    out = torch.empty(rows.shape[0], tiles.out_features, dtype=torch.float32)
-    torch.ops.kvferry_int4.matmul(rows.contiguous(), tiles.packed, tiles.scales, tiles.zeros, out)
+    """bf16 rows [m, in] times the weight: bf16 [m, out] (float32 sums rounded once)."""
+    out: torch.Tensor = torch.ops.kvferry_int4.matmul(rows, tiles.packed, tiles.scales, tiles.zeros)
     return out
 
 

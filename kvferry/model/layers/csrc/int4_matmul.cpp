@@ -21,7 +21,9 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -82,13 +84,24 @@ inline __m512 load_bf16(const at::BFloat16* values) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
 }
 
-// One tile of 16 output features for ROWS activation rows; x_pairs: each row's inputs as
-// 32-bit words of two bf16 values.
+// Where one call's operands are: `rows` activation rows from `x`, results into `out`.
+struct Operands {
+  const uint8_t* packed;
+  const at::BFloat16* scales;
+  const at::BFloat16* zeros;
+  const at::BFloat16* x;
+  at::BFloat16* out;
+  int64_t in, features;
+};
+
+// One tile of 16 output features for ROWS activation rows (x_pairs: each row's inputs as
+// 32-bit words of two bf16 values; sums: each row's per-group input sums), rounded to bf16.
 template <int ROWS>
-void tile_matmul(const uint8_t* packed, const at::BFloat16* scales, const at::BFloat16* zeros,
-                 const uint32_t* x_pairs,
-                 const float* sums, int64_t in, float* out, int64_t out_stride, __m512i table) {
-  const int64_t groups = in / kGroup, pairs = in / 2;
+void tile_matmul(const Operands& op, int64_t tile, const uint32_t* x_pairs, const float* sums, __m512i table) {
+  const int64_t groups = op.in / kGroup, pairs = op.in / 2;
+  const uint8_t* packed = op.packed + tile * pairs * kTile;
+  const at::BFloat16* scales = op.scales + tile * groups * kTile;
+  const at::BFloat16* zeros = op.zeros + tile * groups * kTile;
   __m512 total[ROWS];
   for (int m = 0; m < ROWS; ++m) total[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
@@ -108,64 +121,71 @@ void tile_matmul(const uint8_t* packed, const at::BFloat16* scales, const at::BF
       total[m] = _mm512_fmadd_ps(base, _mm512_set1_ps(sums[m * groups + g]), total[m]);
     }
   }
-  for (int m = 0; m < ROWS; ++m) _mm512_storeu_ps(out + m * out_stride, total[m]);
+  for (int m = 0; m < ROWS; ++m) {
+    const __m256i rounded = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(total[m]));  // round to nearest even
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(op.out + m * op.features + tile * kTile), rounded);
+  }
 }
 
+// ROWS rows (at most kMaxRows) against every tile, tiles split over the threads.
 template <int ROWS>
-void all_tiles(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& zeros,
-               at::Tensor& out) {
-  const int64_t in = x.size(1), features = out.size(1), tiles = features / kTile, groups = in / kGroup;
-  std::vector<float> sums(ROWS * groups);
-  group_sums(x.data_ptr<at::BFloat16>(), ROWS, in, sums.data());
-  const uint32_t* x_pairs = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
-  const uint8_t* weights = packed.data_ptr<uint8_t>();
-  const at::BFloat16* scale = scales.data_ptr<at::BFloat16>();
-  const at::BFloat16* zero = zeros.data_ptr<at::BFloat16>();
-  float* result = out.data_ptr<float>();
+void rows_matmul(const Operands& op) {
+  std::vector<float> sums(ROWS * (op.in / kGroup));
+  group_sums(op.x, ROWS, op.in, sums.data());
+  const uint32_t* x_pairs = reinterpret_cast<const uint32_t*>(op.x);
   const __m512i table = nibble_table();
-  at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      tile_matmul<ROWS>(weights + t * (in / 2) * kTile, scale + t * groups * kTile, zero + t * groups * kTile,
-                        x_pairs, sums.data(), in, result + t * kTile, features, table);
-    }
+  at::parallel_for(0, op.features / kTile, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile) tile_matmul<ROWS>(op, tile, x_pairs, sums.data(), table);
   });
+}
+
+void chunk_matmul(const Operands& op, int64_t rows) {
+  switch (rows) {
+    case 1: rows_matmul<1>(op); break;
+    case 2: rows_matmul<2>(op); break;
+    case 3: rows_matmul<3>(op); break;
+    case 4: rows_matmul<4>(op); break;
+    case 5: rows_matmul<5>(op); break;
+    case 6: rows_matmul<6>(op); break;
+    case 7: rows_matmul<7>(op); break;
+    default: rows_matmul<8>(op); break;
+  }
 }
 
 #endif  // KVFERRY_INT4_FAST
 
-// x bf16 [rows, in] (rows <= kMaxRows) times the packed weight into out fp32 [rows, out].
-void int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& zeros,
-                 at::Tensor& out) {
+// x bf16 [rows, in] times the packed weight: bf16 [rows, out] (fp32 sums rounded once),
+// in calls of at most kMaxRows rows.
+at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                       const at::Tensor& zeros) {
   TORCH_CHECK(int4_fast_supported(), "int4_matmul: built without AVX-512 BF16");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.dim() == 2, "int4_matmul: x bf16 [rows, in]");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "int4_matmul: packed uint8");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2, "int4_matmul: x bf16 [rows, in]");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3,
+              "int4_matmul: packed uint8 [out / 16, in / 2, 16]");
   TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && zeros.scalar_type() == at::kBFloat16 && scales.is_contiguous() &&
                   zeros.is_contiguous(), "int4_matmul: bf16 scales and zeros");
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous(), "int4_matmul: fp32 out");
-  const int64_t rows = x.size(0), in = x.size(1), features = out.size(1);
-  TORCH_CHECK(rows >= 1 && rows <= kMaxRows && out.size(0) == rows, "int4_matmul: 1 to 8 rows");
-  TORCH_CHECK(in % kGroup == 0 && features % kTile == 0, "int4_matmul: in % 32, out % 16");
+  const at::Tensor rows = x.contiguous();
+  const int64_t count = rows.size(0), in = rows.size(1), features = packed.size(0) * kTile;
+  TORCH_CHECK(in % kGroup == 0, "int4_matmul: inputs a multiple of 32");
   TORCH_CHECK(packed.numel() == features * in / 2 && scales.numel() == features * in / kGroup &&
                   zeros.numel() == scales.numel(), "int4_matmul: weight sizes");
+  at::Tensor out = at::empty({count, features}, rows.options());
 #ifdef KVFERRY_INT4_FAST
-  switch (rows) {
-    case 1: all_tiles<1>(x, packed, scales, zeros, out); break;
-    case 2: all_tiles<2>(x, packed, scales, zeros, out); break;
-    case 3: all_tiles<3>(x, packed, scales, zeros, out); break;
-    case 4: all_tiles<4>(x, packed, scales, zeros, out); break;
-    case 5: all_tiles<5>(x, packed, scales, zeros, out); break;
-    case 6: all_tiles<6>(x, packed, scales, zeros, out); break;
-    case 7: all_tiles<7>(x, packed, scales, zeros, out); break;
-    default: all_tiles<8>(x, packed, scales, zeros, out); break;
+  for (int64_t first = 0; first < count; first += kMaxRows) {
+    const Operands op{packed.data_ptr<uint8_t>(), scales.data_ptr<at::BFloat16>(), zeros.data_ptr<at::BFloat16>(),
+                      rows.data_ptr<at::BFloat16>() + first * in, out.data_ptr<at::BFloat16>() + first * features,
+                      in, features};
+    chunk_matmul(op, std::min(kMaxRows, count - first));
   }
 #endif
+  return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY(kvferry_int4, m) {
   m.def("supported() -> bool", &int4_fast_supported);  // no tensor: a catch-all kernel
-  m.def("matmul(Tensor x, Tensor packed, Tensor scales, Tensor zeros, Tensor(a!) out) -> ()");
+  m.def("matmul(Tensor x, Tensor packed, Tensor scales, Tensor zeros) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvferry_int4, CPU, m) { m.impl("matmul", &int4_matmul); }
