@@ -8,10 +8,12 @@
 // start_pos int64 [B] (position of each table's first key); window 0: full attention,
 // else a key at most window - 1 positions before the query. out [B, heads, D].
 //
-// Work is shared out as items of (sequence, KV head, span of its keys); threads take the
-// next item as they finish one. When a batch has too few (sequence, KV head) pairs to keep
-// every thread busy, each sequence's keys are split into spans computed in parallel, whose
-// partial softmaxes (max, sum, weighted values) are merged at the end (flash-decoding).
+// Work is shared out as items that threads take one after another as they finish: one per
+// sequence (all its KV heads: each tile of its blocks read in one sweep) when there are
+// sequences enough for every thread, else one per (sequence, KV head); when even those are
+// too few to keep every thread busy (small batches), each sequence's keys are split into
+// spans computed in parallel, whose partial softmaxes (max, sum, weighted values) are
+// merged at the end (flash-decoding). A call with little work stays on the calling thread.
 // An item visits its keys in tiles: the scores of all its group's query heads over a tile,
 // an online-softmax update, then the tile's values weighted into fp32 sums. Where the
 // compiler targets AVX-512 the tiles use its intrinsics (bf16 dot products with
