@@ -11,7 +11,9 @@ from torch import nn
 from kvferry.config import ModelConfig, WeightQuantization
 from kvferry.cpu_features import native_half_precision
 from kvferry.errors import ConfigError
+from kvferry.model.layers.attention import PagedAttention
 from kvferry.model.layers.int4 import Int4Weight
+from kvferry.model.layers.kernel_choice import describe_cpu_kernels
 from kvferry.model.layers.linear import PackableLinear
 from kvferry.model.layers.parallel import TPGroup
 from kvferry.model.loader.gguf_weights import gguf_state_dict, iter_gguf_weights
@@ -66,6 +68,9 @@ def load_model(
         and hasattr(model, "enable_microbatching")
     ):
         model.enable_microbatching(threads)  # see kvferry.model.microbatch
+    if torch.device(device).type == "cpu":
+        head_dims = {m.head_dim for m in model.modules() if isinstance(m, PagedAttention)}
+        logger.info("CPU kernels: %s", describe_cpu_kernels(dtype, head_dims, model_config.quantization))
     logger.info(
         "loaded %s (tp rank %d/%d) in %.1fs",
         model_config.model,

@@ -1,0 +1,46 @@
+"""Which CPU kernels a model's attention and int4 linears run on this machine, in words
+for the start-up log: each is chosen from what the CPU has (AVX-512 BF16) and whether its
+library could be built here, so one line tells a user what their machine got."""
+
+from __future__ import annotations
+
+import torch
+
+from kvferry.config import WeightQuantization
+from kvferry.model.layers.decode_kernel import decode_kernel_available
+from kvferry.model.layers.int4_kernel import int4_kernel_available
+from kvferry.model.layers.prefill_kernel import prefill_kernel_available
+
+
+def describe_cpu_kernels(dtype: torch.dtype, head_dims: set[int], quantization: WeightQuantization) -> str:
+    """E.g. 'decode attention: kvferry paged kernel; prefill attention: kvferry bf16 tiles
+    (AVX-512 BF16); int4 linears: kvferry (AVX-512 BF16)'. `head_dims`: the attention
+    layers' head sizes."""
+    parts = [
+        f"decode attention: {_decode_kernel()}",
+        f"prefill attention: {_prefill_kernel(dtype, head_dims)}",
+    ]
+    if quantization is WeightQuantization.INT4:
+        parts.append(f"int4 linears: {_int4_kernel()}")
+    return "; ".join(parts)
+
+
+def _decode_kernel() -> str:
+    return "kvferry paged kernel" if decode_kernel_available() else "torch SDPA (kernel not built)"
+
+
+def _prefill_kernel(dtype: torch.dtype, head_dims: set[int]) -> str:
+    if dtype != torch.bfloat16:
+        return f"torch SDPA ({dtype} model; the kernel serves bf16)"
+    if not prefill_kernel_available():
+        return "torch SDPA (kernel not built)"
+    slow = sorted(dim for dim in head_dims if not torch.ops.kvferry_prefill.bf16_fast_path(dim))
+    if len(slow) == len(head_dims):
+        return "torch SDPA (no AVX-512 BF16, or head sizes not multiples of 32)"
+    if slow:
+        return f"kvferry bf16 tiles (AVX-512 BF16), torch SDPA for head size {slow}"
+    return "kvferry bf16 tiles (AVX-512 BF16)"
+
+
+def _int4_kernel() -> str:
+    return "kvferry (AVX-512 BF16)" if int4_kernel_available() else "torch's int4 kernel"
