@@ -4,8 +4,9 @@ A decode step at small batches reads every weight once per token, so its time is
 weights' bytes over memory bandwidth. Stored as 4-bit integers in groups of 32 input
 features with a bfloat16 scale and zero point per group, a weight takes 1/8 of its
 float32 bytes. Where the CPU has AVX-512 BF16, kvferry's own kernel
-(layers.int4_kernel) multiplies bfloat16 activations by it, 1.2-2x faster than torch's
-CPU kernel (`_weight_int4pack_mm_for_cpu`, used elsewhere). Past a few rows
+(layers.int4_kernel) multiplies bfloat16 activations by it: 1.2-2x faster per call than
+torch's CPU kernel (`_weight_int4pack_mm_for_cpu`, used elsewhere) on one thread, a
+batch-1 step 10% faster on one thread and even on two (docs/benchmarks.md). Past a few rows
 the dense GEMM wins, so calls with more rows (prefill chunks, large decode batches) use
 the dense weight, which is kept (weights take 1/8 more memory in float32, 1/4 in bf16).
 
