@@ -19,6 +19,7 @@ from kvferry.model.layers import attention, prefill_kernel
 from kvferry.model.layers.attention import Scores
 from kvferry.sampling_params import SamplingParams
 from tests.engine_helpers import PROMPT_TEXTS
+from tests.fixtures.tiny_models import build_tiny_model
 
 BLOCK = 16
 SCALE = 0.125
@@ -146,6 +147,55 @@ def test_an_engine_prefills_through_the_kernel(
     monkeypatch.setattr(attention, "_prefill_sdpa", _broken)
     monkeypatch.setattr(attention, "_fresh_batch_sdpa", _broken)
     assert _greedy(tiny_llama, max_num_batched_tokens=chunk) == expected
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_head32(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model("llama_head32", tmp_path_factory.mktemp("tiny_llama_head32"))
+
+
+NEAR_TIE = 0.1  # logprob gap under which bf16 rounding may pick either of two tokens
+
+
+def _greedy_with_logprobs(model: Path, **options: object) -> list[tuple[list[int], list[list[float]]]]:
+    """Per prompt: greedy tokens, and each step's two best logprobs."""
+    llm = LLM(str(model), enforce_eager=True, kv_cache_bytes=16 << 20, **options)
+    try:
+        outs = llm.generate(PROMPT_TEXTS, SamplingParams(max_tokens=8, temperature=0, logprobs=2))
+        return [
+            (
+                list(o.outputs[0].token_ids),
+                [sorted((lp for _, lp in step.top), reverse=True) for step in o.outputs[0].logprobs or []],
+            )
+            for o in outs
+        ]
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("chunk", [2048, 8])
+def test_a_bf16_engine_prefills_through_the_bf16_microkernels(
+    tiny_llama_head32: Path, monkeypatch: pytest.MonkeyPatch, chunk: int
+) -> None:
+    """End to end on the AVX-512 BF16 path: a bf16 engine (heads of 32) with the SDPA
+    prefill paths broken answers as the same engine on SDPA does: the same greedy tokens,
+    except from a step where SDPA's two best tokens are a near-tie (bf16 rounds them
+    either way), and the same logprobs up to there."""
+    assert prefill_kernel.prefill_kernel_available()
+    if not torch.ops.kvferry_prefill.bf16_fast_path(32):
+        pytest.skip("this CPU has no AVX-512 BF16: bf16 prefill stays on SDPA")
+    with monkeypatch.context() as on_sdpa:
+        on_sdpa.setattr(attention, "takes_prefill", lambda q, k, v: False)
+        expected = _greedy_with_logprobs(tiny_llama_head32, dtype="bfloat16", max_num_batched_tokens=chunk)
+    monkeypatch.setattr(attention, "_prefill_sdpa", _broken)
+    monkeypatch.setattr(attention, "_fresh_batch_sdpa", _broken)
+    got = _greedy_with_logprobs(tiny_llama_head32, dtype="bfloat16", max_num_batched_tokens=chunk)
+    for (tokens, tops), (ref_tokens, ref_tops) in zip(got, expected, strict=True):
+        same = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), len(tokens))
+        if same < len(tokens):
+            assert ref_tops[same][0] - ref_tops[same][1] < NEAR_TIE, (tokens, ref_tokens, ref_tops[same])
+        for step in range(same):
+            assert abs(tops[step][0] - ref_tops[step][0]) < NEAR_TIE, (step, tops[step], ref_tops[step])
 
 
 def test_without_a_compiler_prefill_falls_back_to_sdpa_with_one_warning(
