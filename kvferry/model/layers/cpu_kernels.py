@@ -32,6 +32,17 @@ def load(source: Path) -> None:
     torch.ops.load_library(str(built_library(source)))  # type: ignore[no-untyped-call]  # unannotated in torch
 
 
+def loaded(source: Path, log: logging.Logger, fallback: str) -> bool:
+    """Whether `source`'s operators could be built and loaded here; if not, one warning on
+    the caller's `log` naming the cause and what runs instead (`fallback`)."""
+    try:
+        load(source)
+    except BUILD_ERRORS as exc:
+        log.warning("%s kernel unavailable, %s: %s", source.stem.replace("_", " "), fallback, exc)
+        return False
+    return True
+
+
 def built_library(source: Path) -> Path:
     """The library of `source` for this machine, compiled unless a cached build exists (one
     process builds; others wait on the lock and load its result)."""

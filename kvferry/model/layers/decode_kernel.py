@@ -95,9 +95,4 @@ def paged_decode(
 @functools.cache
 def decode_kernel_available() -> bool:
     """Build (once per machine) and load the kernel; False, with one warning, if it cannot."""
-    try:
-        cpu_kernels.load(SOURCE)
-    except cpu_kernels.BUILD_ERRORS as exc:
-        logger.warning("paged decode kernel unavailable, decode attention uses torch SDPA: %s", exc)
-        return False
-    return True
+    return cpu_kernels.loaded(SOURCE, logger, "decode attention uses torch SDPA")

@@ -69,10 +69,7 @@ def tiles_matmul(rows: torch.Tensor, tiles: NibbleTiles) -> torch.Tensor:
 @functools.cache
 def int4_kernel_available() -> bool:
     """Build (once per machine) and load the kernel; False where it cannot run here."""
-    try:
-        cpu_kernels.load(SOURCE)
-    except cpu_kernels.BUILD_ERRORS as exc:
-        logger.warning("int4 kernel unavailable, int4 linears use torch's kernel: %s", exc)
+    if not cpu_kernels.loaded(SOURCE, logger, "int4 linears use torch's kernel"):
         return False
     if not torch.ops.kvferry_int4.supported():
         logger.info("this CPU has no AVX-512 BF16: int4 linears use torch's kernel")

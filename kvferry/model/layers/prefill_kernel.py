@@ -106,9 +106,4 @@ def _same_strides(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch
 @functools.cache
 def prefill_kernel_available() -> bool:
     """Build (once per machine) and load the kernel; False, with one warning, if it cannot."""
-    try:
-        cpu_kernels.load(SOURCE)
-    except cpu_kernels.BUILD_ERRORS as exc:
-        logger.warning("paged prefill kernel unavailable, prefill attention uses torch SDPA: %s", exc)
-        return False
-    return True
+    return cpu_kernels.loaded(SOURCE, logger, "prefill attention uses torch SDPA")
