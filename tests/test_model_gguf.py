@@ -132,3 +132,26 @@ def test_tiny_gguf_matches_its_source(tiny_model: Path, tmp_path: Path, quantize
     with torch.no_grad():
         expected = ref(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=0)
+
+
+def test_gguf_without_vocab_size_or_tokens_is_a_load_error(tmp_path: Path) -> None:
+    """No `<arch>.vocab_size` and no tokenizer tokens to count: a ModelLoadError naming
+    the key, not a TypeError from int(None)."""
+    import gguf
+
+    from kvferry.errors import ModelLoadError
+    from kvferry.model.loader.gguf_config import gguf_model_info
+
+    path = tmp_path / "no-vocab.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_embedding_length(16)
+    writer.add_feed_forward_length(32)
+    writer.add_head_count(2)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 16), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="lacks metadata key 'llama.vocab_size'"):
+        gguf_model_info(path)

@@ -49,6 +49,8 @@ def _config_kwargs(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> d
     heads = int(meta[f"{arch}.attention.head_count"])
     hidden = int(meta[f"{arch}.embedding_length"])
     vocab = meta.get(f"{arch}.vocab_size") or meta.get("_num_tokens")
+    if vocab is None:  # neither the key nor the tokenizer's token list to count
+        raise KeyError(f"{arch}.vocab_size")
     head_dim = meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
     return dict(
         vocab_size=int(vocab),
