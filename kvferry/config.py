@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -67,7 +67,15 @@ class ModelConfig:
         )
 
 
-def _member(enum: type[Enum], value: object, what: str) -> Enum:
+def weight_quantization(value: WeightQuantization | str) -> WeightQuantization:
+    """`value` ("none", "int4" or a member) as a WeightQuantization, or a ConfigError."""
+    return _member(WeightQuantization, value, "quantization")
+
+
+E = TypeVar("E", bound=Enum)
+
+
+def _member(enum: type[E], value: object, what: str) -> E:
     """`value` as a member of a str-valued `enum`, or a ConfigError listing the choices."""
     try:
         return enum(value)

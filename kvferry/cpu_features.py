@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict
 
 import torch
 
@@ -25,11 +26,18 @@ def native_half_precision(dtype: torch.dtype) -> bool:
     return False
 
 
+class CPUFeatureSummary(TypedDict):
+    avx2: bool
+    avx512: bool
+    bf16_flags: list[str]  # avx512_bf16, amx_bf16 where present
+    wide_flags: list[str]  # every avx512* and amx* flag
+
+
 @dataclass(frozen=True)
 class CPUFeatures:
     flags: frozenset[str]
 
-    def summary(self) -> dict:
+    def summary(self) -> CPUFeatureSummary:
         """The flags that decide kernel speed, for logs and benchmark results."""
         wide = sorted(f for f in self.flags if f.startswith(("avx512", "amx")))
         return {

@@ -21,7 +21,8 @@ from kvferry.errors import ModelLoadError
 from kvferry.kv.spec import AttentionLayerKV
 from kvferry.model.forward_context import ForwardContext, HookPlacement
 from kvferry.model.layers.attention import PagedAttention
-from kvferry.model.layers.linear import copy_checked
+from kvferry.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from kvferry.model.layers.linear import copy_checked, weight_loader_of
 from kvferry.model.microbatch import MicroBatcher
 
 logger = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ class Target:
 
 
 def head_dim_of(config: Any) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
 
 
 class LayerType(enum.StrEnum):
@@ -103,12 +104,19 @@ def layer_windows(config: Any) -> list[int | None]:
     return [window if t is LayerType.SLIDING and window else None for t in types]
 
 
+class DecoderModel(nn.Module):
+    """Base of an architecture's decoder (`CausalLM.model`): token embeddings in, final
+    hidden states out (`forward(input_ids, positions, ctx)`)."""
+
+    embed_tokens: VocabParallelEmbedding
+
+
 class CausalLM(nn.Module):
     """Base of the causal LMs. Subclasses set config, model, lm_head, tie_word_embeddings."""
 
     config: Any
-    model: nn.Module
-    lm_head: nn.Module
+    model: DecoderModel
+    lm_head: ParallelLMHead
     tie_word_embeddings: bool = False
     final_logit_softcapping: float | None = None
     microbatcher: MicroBatcher | None = None  # see enable_microbatching
@@ -124,10 +132,11 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Final hidden states [T, hidden] of a flat batch (decodes first, then prefill spans)."""
         mb = self.microbatcher
-        splittable = mb is not None and self.hook_placement is HookPlacement.NONE  # hooks: once per layer
-        parts = mb.split_batch(ctx, input_ids.shape[0]) if splittable else []
-        if len(parts) < 2:
-            return self.model(input_ids, positions, ctx)
+        hooks = self.hook_placement is not HookPlacement.NONE  # hooks: once per layer
+        parts = mb.split_batch(ctx, input_ids.shape[0]) if mb is not None and not hooks else []
+        if len(parts) < 2 or mb is None:
+            hidden: torch.Tensor = self.model(input_ids, positions, ctx)
+            return hidden
         outs = mb.map(
             lambda p: self.model(input_ids[p.start : p.stop], positions[p.start : p.stop], p.ctx), parts
         )
@@ -138,12 +147,12 @@ class CausalLM(nn.Module):
         """Full-vocabulary float32 logits [N, vocab] for the selected hidden states [N, hidden]."""
         mb = self.microbatcher
         parts = mb.split_rows(hidden.shape[0]) if mb is not None else []
-        if len(parts) < 2:
+        if len(parts) < 2 or mb is None:
             return self._logits(hidden)
         return torch.cat(mb.map(lambda p: self._logits(hidden[p.start : p.stop]), parts))
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
+        logits: torch.Tensor = self.lm_head(hidden)
         cap = self.final_logit_softcapping
         if cap:  # in the model's dtype, as the reference does
             logits = torch.tanh(logits / cap) * cap
@@ -196,7 +205,7 @@ class CausalLM(nn.Module):
 
     @staticmethod
     def _copy_in(param: nn.Parameter, tensor: torch.Tensor, target: Target) -> None:
-        loader = getattr(param, "weight_loader", None)
+        loader = weight_loader_of(param)
         if loader is None:
             copy_checked(param.data, tensor, target.param)
         else:

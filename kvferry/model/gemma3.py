@@ -20,6 +20,7 @@ from torch import nn
 from kvferry.errors import ModelLoadError
 from kvferry.model.causal_lm import (
     CausalLM,
+    DecoderModel,
     Skip,
     Target,
     head_dim_of,
@@ -32,7 +33,7 @@ from kvferry.model.layers.embedding import ParallelLMHead, VocabParallelEmbeddin
 from kvferry.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvferry.model.layers.norm import GemmaRMSNorm
 from kvferry.model.layers.parallel import TPGroup
-from kvferry.model.layers.rotary import RotaryEmbedding, apply_rope, rope_parameters
+from kvferry.model.layers.rotary import RotaryEmbedding, apply_rope, rope_parameters, rope_per_kind
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,8 @@ class Gemma3Attention(nn.Module):
         q = self.q_norm(q.view(q.shape[0], self.qkv_proj.num_heads, self.head_dim))
         k = self.k_norm(k.view(k.shape[0], self.qkv_proj.num_kv_heads, self.head_dim))
         q, k = apply_rope(rope, q, k)
-        return self.o_proj(self.attn(q, k, v, ctx))
+        out: torch.Tensor = self.o_proj(self.attn(q, k, v, ctx))
+        return out
 
 
 class Gemma3MLP(nn.Module):
@@ -92,7 +94,8 @@ class Gemma3MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        out: torch.Tensor = self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return out
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -112,10 +115,13 @@ class Gemma3DecoderLayer(nn.Module):
         attn = self.self_attn(rope, self.input_layernorm(hidden), ctx)
         hidden = hidden + self.post_attention_layernorm(attn)
         mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
-        return hidden + self.post_feedforward_layernorm(mlp)
+        out: torch.Tensor = hidden + self.post_feedforward_layernorm(mlp)
+        return out
 
 
-class Gemma3Model(nn.Module):
+class Gemma3Model(DecoderModel):
+    embed_scale: torch.Tensor  # a buffer
+
     def __init__(self, config: Any, tp: TPGroup, dtype: torch.dtype):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
@@ -142,14 +148,17 @@ class Gemma3Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids) * self.embed_scale
-        ropes = {kind: rope.cos_sin(positions, hidden.dtype) for kind, rope in self.rope.items()}
+        ropes = rope_per_kind(self.rope, positions, hidden.dtype)
         for kind, layer in zip(self.layer_types, self.layers, strict=True):
             hidden = layer(ropes[kind], hidden, ctx)
-        return self.norm(hidden)
+        out: torch.Tensor = self.norm(hidden)
+        return out
 
 
 class Gemma3ForCausalLM(CausalLM):
     """Gemma 3 text model (`Gemma3ForCausalLM`, model_type gemma3_text)."""
+
+    model: Gemma3Model
 
     def __init__(self, config: Any, tp: TPGroup | None = None, dtype: torch.dtype = torch.float32):
         super().__init__()

@@ -32,7 +32,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvferry.errors import ModelLoadError
-from kvferry.model.causal_lm import CausalLM, LayerType, Skip, Target, layer_types, layer_windows
+from kvferry.model.causal_lm import (
+    CausalLM,
+    DecoderModel,
+    LayerType,
+    Skip,
+    Target,
+    layer_types,
+    layer_windows,
+)
 from kvferry.model.forward_context import ForwardContext
 from kvferry.model.gemma3 import Gemma3MLP, language_model_name
 from kvferry.model.layers.attention import PagedAttention
@@ -45,7 +53,7 @@ from kvferry.model.layers.linear import (
 )
 from kvferry.model.layers.norm import GemmaRMSNorm, UnscaledRMSNorm
 from kvferry.model.layers.parallel import TPGroup
-from kvferry.model.layers.rotary import RotaryEmbedding, rope_parameters, rotate
+from kvferry.model.layers.rotary import RotaryEmbedding, rope_parameters, rope_per_kind, rotate
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +165,8 @@ class Gemma4Attention(nn.Module):
         else:
             q, (k, v) = self.q_proj(hidden), shared
         q = rotate(self.q_norm(q.view(q.shape[0], self.num_heads, self.head_dim)), *rope)
-        return self.o_proj(self.attn(q, k, v, ctx)), (k, v)
+        out: torch.Tensor = self.o_proj(self.attn(q, k, v, ctx))
+        return out, (k, v)
 
     def _keys_values(self, rope: CosSin, k: torch.Tensor, v: torch.Tensor) -> StepKV:
         shape = (k.shape[0], self.num_kv_heads, self.head_dim)
@@ -173,8 +182,10 @@ class Gemma4DecoderLayer(nn.Module):
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.self_attn = Gemma4Attention(config, plan, f"{prefix}.self_attn", tp, dtype)
         self.mlp = Gemma3MLP(config, tp, dtype, intermediate=plan.mlp_width)
-        for name in ("input", "post_attention", "pre_feedforward", "post_feedforward"):
-            setattr(self, f"{name}_layernorm", GemmaRMSNorm(hidden, eps, weight_offset=0.0))
+        self.input_layernorm = GemmaRMSNorm(hidden, eps, weight_offset=0.0)
+        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps, weight_offset=0.0)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps, weight_offset=0.0)
+        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps, weight_offset=0.0)
         self.has_per_layer_input = bool(_per_layer_width(config))
         if self.has_per_layer_input:
             self._add_per_layer_input_branch(config, dtype)
@@ -192,9 +203,10 @@ class Gemma4DecoderLayer(nn.Module):
         hidden = hidden + self.post_attention_layernorm(attn)
         mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
         hidden = hidden + self.post_feedforward_layernorm(mlp)
-        if self.has_per_layer_input:
+        if self.has_per_layer_input and per_layer_input is not None:
             hidden = hidden + self._per_layer_input_branch(hidden, per_layer_input)
-        return hidden * self.layer_scalar, kv
+        out: torch.Tensor = hidden * self.layer_scalar
+        return out, kv
 
     def _add_per_layer_input_branch(self, config: Any, dtype: torch.dtype) -> None:
         hidden, width = config.hidden_size, _per_layer_width(config)
@@ -205,14 +217,18 @@ class Gemma4DecoderLayer(nn.Module):
     def _per_layer_input_branch(self, hidden: torch.Tensor, per_layer_input: torch.Tensor) -> torch.Tensor:
         """The residual branch this layer's per-layer input gates (after the MLP)."""
         gate = F.gelu(self.per_layer_input_gate(hidden), approximate="tanh") * per_layer_input
-        return self.post_per_layer_input_norm(self.per_layer_projection(gate))
+        out: torch.Tensor = self.post_per_layer_input_norm(self.per_layer_projection(gate))
+        return out
 
 
 def _per_layer_width(config: Any) -> int:
     return int(getattr(config, "hidden_size_per_layer_input", 0) or 0)
 
 
-class Gemma4Model(nn.Module):
+class Gemma4Model(DecoderModel):
+    embed_scale: torch.Tensor  # buffers
+    per_layer_embed_scale: torch.Tensor
+
     def __init__(self, config: Any, tp: TPGroup, dtype: torch.dtype):
         super().__init__()
         self.plans = layer_plans(config)
@@ -252,7 +268,8 @@ class Gemma4Model(nn.Module):
         tokens = self.embed_tokens_per_layer(input_ids) * self.per_layer_embed_scale
         projected = self.per_layer_model_projection(embeds) * embeds.shape[-1] ** -0.5
         projected = self.per_layer_projection_norm(projected.view(-1, *self.per_layer_shape))
-        return (projected + tokens.view(-1, *self.per_layer_shape)) * 2**-0.5
+        inputs: torch.Tensor = (projected + tokens.view(-1, *self.per_layer_shape)) * 2**-0.5
+        return inputs
 
     def _rope(self, config: Any, kind: LayerType) -> RotaryEmbedding:
         head_dim = next(p.head_dim for p in self.plans if p.kind == kind)  # equal within a type
@@ -261,7 +278,7 @@ class Gemma4Model(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids) * self.embed_scale
         per_layer = self._per_layer_inputs(input_ids, hidden)
-        ropes = {kind: rope.cos_sin(positions, hidden.dtype) for kind, rope in self.rope.items()}
+        ropes = rope_per_kind(self.rope, positions, hidden.dtype)
         step_kv: dict[int, StepKV] = {}  # k/v of this step of the layers others read
         for i, (plan, layer) in enumerate(zip(self.plans, self.layers, strict=True)):
             shared = step_kv[plan.kv_source] if plan.kv_source is not None else None
@@ -269,11 +286,14 @@ class Gemma4Model(nn.Module):
             hidden, kv = layer(ropes[plan.kind], hidden, ctx, layer_input, shared)
             if i in self.kv_read_by_others:
                 step_kv[i] = kv
-        return self.norm(hidden)
+        out: torch.Tensor = self.norm(hidden)
+        return out
 
 
 class Gemma4ForCausalLM(CausalLM):
     """Gemma 4 text model (`Gemma4ForCausalLM`, model_type gemma4_text)."""
+
+    model: Gemma4Model
 
     def __init__(self, config: Any, tp: TPGroup | None = None, dtype: torch.dtype = torch.float32):
         super().__init__()

@@ -22,16 +22,23 @@ from __future__ import annotations
 
 import torch
 
-from kvferry.model.forward_context import ForwardContext, HookPlacement
+from kvferry.model.forward_context import ForwardContext, HookPlacement, LayerKVHooks
 from kvferry.model.operators import operator
 
 
+def _hooks(ctx: ForwardContext, layer_name: str) -> LayerKVHooks:
+    if ctx.kv_hooks is None:
+        raise RuntimeError(f"{layer_name} calls the connector's hooks, but the step has none")
+    return ctx.kv_hooks
+
+
 def _wait(ctx: ForwardContext, layer_name: str) -> None:
-    ctx.kv_hooks.wait_for_layer_load(layer_name)
+    _hooks(ctx, layer_name).wait_for_layer_load(layer_name)
 
 
 def _save(ctx: ForwardContext, layer_name: str) -> None:
-    ctx.kv_hooks.save_kv_layer(layer_name, ctx.kv_caches[layer_name], ctx.attn_for(layer_name))
+    hooks = _hooks(ctx, layer_name)
+    hooks.save_kv_layer(layer_name, ctx.kv_caches[layer_name], ctx.attn_for(layer_name))
 
 
 @operator("wait_for_layer_load", mutates_args=("order",), tags=(torch.Tag.cudagraph_unsafe,))
@@ -52,8 +59,9 @@ def _(order: torch.Tensor, ctx: ForwardContext, layer_name: str) -> None:
     return None
 
 
-_wait_eagerly = torch.compiler.disable(_wait)  # SPLIT: the compiled graph is cut at the call
-_save_eagerly = torch.compiler.disable(_save)
+# SPLIT: the compiled graph is cut at the call (torch.compiler.disable carries no annotations)
+_wait_eagerly = torch.compiler.disable(_wait)  # type: ignore[no-untyped-call]
+_save_eagerly = torch.compiler.disable(_save)  # type: ignore[no-untyped-call]
 
 
 def before_attention(

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvferry.model.causal_lm import CausalLM, head_dim_of, layer_windows
+from kvferry.model.causal_lm import CausalLM, DecoderModel, head_dim_of, layer_windows
 from kvferry.model.forward_context import ForwardContext
 from kvferry.model.layers.activation import SiluAndMul
 from kvferry.model.layers.attention import PagedAttention
@@ -74,10 +74,11 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden))
         q = q.view(q.shape[0], self.qkv_proj.num_heads, self.head_dim)
         k = k.view(k.shape[0], self.qkv_proj.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(rope, q, k)
-        return self.o_proj(self.attn(q, k, v, ctx))
+        out: torch.Tensor = self.o_proj(self.attn(q, k, v, ctx))
+        return out
 
 
 class LlamaMLP(nn.Module):
@@ -90,7 +91,8 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        out: torch.Tensor = self.down_proj(self.act(self.gate_up_proj(x)))
+        return out
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -122,10 +124,11 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(rope, hidden, ctx)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        out: torch.Tensor = self.mlp(hidden)
+        return out, residual
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderModel):
     def __init__(self, config: Any, tp: TPGroup, dtype: torch.dtype, flags: dict[str, bool]):
         super().__init__()
         windows = layer_windows(config)  # checks the layer types first
@@ -139,7 +142,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden: torch.Tensor = self.embed_tokens(input_ids)
         rope = self.rotary_emb.cos_sin(positions, hidden.dtype)  # the same for every layer
         residual = None
         for layer in self.layers:
@@ -150,6 +153,8 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(CausalLM):
     """Causal LM of the Llama family. See kvferry.model.registry for the names it serves."""
+
+    model: LlamaModel
 
     def __init__(self, config: Any, tp: TPGroup | None = None, dtype: torch.dtype = torch.float32):
         super().__init__()

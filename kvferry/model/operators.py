@@ -19,7 +19,9 @@ import torch
 from torch._library.infer_schema import infer_schema
 
 NAMESPACE = "kvferry"
-_LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")  # the namespace's registration handle
+# The namespace's registration handle (torch.library.Library and its define/impl carry no
+# annotations: the ignores below are for that alone).
+_LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")  # type: ignore[no-untyped-call]
 
 
 @dataclass(frozen=True)
@@ -40,8 +42,9 @@ def operator(
     """Register the decorated function as the operator `kvferry::<name>`."""
 
     def register(kernel: Callable[..., Any]) -> Operator:
-        _LIBRARY.define(name + infer_schema(kernel, mutates_args=tuple(mutates_args)), tags=tags)
-        _LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")
+        schema = name + infer_schema(kernel, mutates_args=tuple(mutates_args))
+        _LIBRARY.define(schema, tags=tags)  # type: ignore[no-untyped-call]
+        _LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
         return Operator(f"{NAMESPACE}::{name}")
 
     return register

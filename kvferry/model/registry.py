@@ -5,8 +5,12 @@ from __future__ import annotations
 import importlib
 import logging
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 from kvferry.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from kvferry.model.causal_lm import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +55,13 @@ def check_supported(architecture: str, model: str) -> None:
         )
 
 
-def model_class(architecture: str) -> type:
-    """The nn.Module class implementing `architecture`."""
+def model_class(architecture: str) -> type[CausalLM]:
+    """The CausalLM class implementing `architecture`."""
+    from kvferry.model.causal_lm import CausalLM  # with the architecture's module: torch
+
     check_supported(architecture, architecture)
     module_name, class_name = ARCHITECTURES[architecture]
-    return getattr(importlib.import_module(module_name), class_name)
+    cls = getattr(importlib.import_module(module_name), class_name)
+    if not (isinstance(cls, type) and issubclass(cls, CausalLM)):
+        raise ModelLoadError(f"{module_name}.{class_name} is not a causal LM class")
+    return cls

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kvferry.config import ModelConfig, WeightQuantization, parse_dtype
+from kvferry.config import ModelConfig, WeightQuantization, parse_dtype, weight_quantization
 from kvferry.errors import ModelLoadError
 from kvferry.model.loader.gguf_config import gguf_model_info
 from kvferry.model.registry import MODEL_TYPES, check_supported
@@ -103,9 +103,12 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text())
+        loaded = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise ModelLoadError(f"cannot read {str(path)!r}: {err}") from err
+    if not isinstance(loaded, dict):
+        raise ModelLoadError(f"{str(path)!r} does not hold a JSON object")
+    return loaded
 
 
 def _architecture_of(raw: dict[str, Any], model: str) -> str:
@@ -227,5 +230,5 @@ def resolve_model_config(
         eos_token_ids=eos_ids,
         gguf_file=str(source.gguf_file) if source.gguf_file is not None else None,
         local_dir=str(source.local_dir),
-        quantization=quantization,  # coerced and checked by ModelConfig
+        quantization=weight_quantization(quantization),
     )

@@ -12,9 +12,13 @@ import logging
 import os
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvferry.config import ModelConfig
 from kvferry.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +51,7 @@ def gguf_tokenizer_cache_dir(gguf_file: str | Path) -> Path:
     return root / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:20]
 
 
-def _save_to_cache(tokenizer, cache_dir: Path) -> None:
+def _save_to_cache(tokenizer: PreTrainedTokenizerBase, cache_dir: Path) -> None:
     """Save atomically (temp dir + rename); a failure only costs speed next time."""
     try:
         cache_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -59,7 +63,7 @@ def _save_to_cache(tokenizer, cache_dir: Path) -> None:
         logger.debug("could not cache the GGUF tokenizer in %s: %s", cache_dir, err)
 
 
-def _load_gguf_tokenizer(gguf_file: str):
+def _load_gguf_tokenizer(gguf_file: str) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     cache_dir = gguf_tokenizer_cache_dir(gguf_file)
@@ -76,7 +80,7 @@ def _load_gguf_tokenizer(gguf_file: str):
     return tokenizer
 
 
-def load_tokenizer(model_config: ModelConfig):
+def load_tokenizer(model_config: ModelConfig) -> PreTrainedTokenizerBase:
     """A transformers tokenizer for `model_config`, with a chat template set."""
     from transformers import AutoTokenizer
 

@@ -407,5 +407,15 @@ class PagedAttention(nn.Module):
 
 
 @attend.register_fake
-def _(q, k, v, out, ctx, layer_name, scale, window, write=True) -> None:  # noqa: ANN001 - the operator's signature
+def _(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    ctx: ForwardContext,
+    layer_name: str,
+    scale: float,
+    window: int,
+    write: bool = True,
+) -> None:
     return None

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvferry.config import WeightQuantization
-from kvferry.model.layers.linear import PackableLinear, copy_checked
+from kvferry.model.layers.linear import PackableLinear, attach_weight_loader, copy_checked
 from kvferry.model.layers.parallel import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -21,6 +21,8 @@ class VocabParallelEmbedding(nn.Module):
     Each rank looks up the ids it owns, zeros the rest, and the partial results are summed.
     """
 
+    weight: nn.Parameter | None  # None only in a ParallelLMHead once packed (PackableLinear)
+
     def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup, dtype: torch.dtype | None = None):
         super().__init__()
         self.tp = tp
@@ -28,7 +30,7 @@ class VocabParallelEmbedding(nn.Module):
         self.rows = -(-vocab_size // tp.size)
         self.start = tp.rank * self.rows
         self.weight = nn.Parameter(torch.empty(self.rows, hidden_size, dtype=dtype), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        attach_weight_loader(self.weight, self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         end = min(self.start + self.rows, loaded.shape[0])
@@ -37,6 +39,7 @@ class VocabParallelEmbedding(nn.Module):
         copy_checked(param.data[: src.shape[0]], src, "vocab-parallel weight")
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        assert self.weight is not None, "an embedding table is never packed"
         if self.tp.size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.start

@@ -79,7 +79,8 @@ class Int4Weight(OpaqueBase):
         return F.linear(rows, self.dense)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.kvferry.int4_linear(x, self, bias, self.out_features)
+        out: torch.Tensor = torch.ops.kvferry.int4_linear(x, self, bias, self.out_features)
+        return out
 
     def __reduce__(self) -> tuple[type, tuple[str]]:
         """For the compiler's cache key: a reference, not the weight."""
@@ -118,7 +119,10 @@ def int4_matmul(rows: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
     if weight.tiles is not None:
         return tiles_matmul(rows, weight.tiles)
     assert weight.packed is not None
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, weight.packed, GROUP_SIZE, weight.scales_zeros)
+    out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        rows, weight.packed, GROUP_SIZE, weight.scales_zeros
+    )
+    return out
 
 
 @operator("int4_linear", mutates_args=())

@@ -8,7 +8,7 @@ this rank's slice into place, so checkpoint readers never learn about TP.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,22 @@ from kvferry.model.layers.packed import PackedWeight, can_pack, pack
 from kvferry.model.layers.parallel import TPGroup
 
 logger = logging.getLogger(__name__)
+
+
+# (parameter, the unsharded checkpoint tensor, shard id): copies this rank's slice in
+WeightLoader = Callable[[nn.Parameter, torch.Tensor, object], None]
+_WEIGHT_LOADER = "weight_loader"  # the attribute a parameter carries its loader in
+
+
+def attach_weight_loader(param: nn.Parameter, loader: WeightLoader) -> None:
+    """Give `param` the loader that copies this rank's slice of a checkpoint tensor in."""
+    setattr(param, _WEIGHT_LOADER, loader)
+
+
+def weight_loader_of(param: nn.Parameter) -> WeightLoader | None:
+    """The loader `attach_weight_loader` gave `param`; None: the tensor is copied whole."""
+    loader: WeightLoader | None = getattr(param, _WEIGHT_LOADER, None)
+    return loader
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype | None) -> nn.Parameter:
@@ -37,6 +53,7 @@ class PackableLinear(nn.Module):
     """A linear whose weight may be packed once loaded: for the CPU GEMM (layers.packed),
     or as weight-only int4 (layers.int4, --quantization int4)."""
 
+    weight: nn.Parameter | None  # None once packed (unless kept)
     packed: PackedWeight | Int4Weight | None = None
 
     def pack_weight(
@@ -56,6 +73,7 @@ class PackableLinear(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed is not None:
             return self.packed.linear(x, bias)
+        assert self.weight is not None, "released only once packed"
         return F.linear(x, self.weight, bias)
 
 
@@ -87,10 +105,10 @@ class ColumnParallelLinear(PackableLinear):
         self.in_features = in_features
         self.out_local = out_local if out_local is not None else tp.split(out_features, "output features")
         self.weight = _param((self.out_local, in_features), dtype)
-        self.weight.weight_loader = self.weight_loader
+        attach_weight_loader(self.weight, self.weight_loader)
         self.bias = _param((self.out_local,), dtype) if bias else None
         if self.bias is not None:
-            self.bias.weight_loader = self.weight_loader
+            attach_weight_loader(self.bias, self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         rows = param.shape[0]
@@ -162,7 +180,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         copy_checked(param.data.narrow(0, offset, size), src, f"{shard_id} projection")
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q, k, v = qkv.split_with_sizes((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        return q, k, v
 
 
 class QueryParallelLinear(ColumnParallelLinear):
@@ -214,10 +233,10 @@ class RowParallelLinear(PackableLinear):
             in_range = (tp.rank * self.in_local, self.in_local)
         self.in_start, self.in_local = in_range
         self.weight = _param((out_features, self.in_local), dtype)
-        self.weight.weight_loader = self.weight_loader
+        attach_weight_loader(self.weight, self.weight_loader)
         self.bias = _param((out_features,), dtype) if bias else None
         if self.bias is not None:
-            self.bias.weight_loader = self.bias_loader
+            attach_weight_loader(self.bias, self.bias_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         fits = loaded.dim() == 2 and loaded.shape[1] >= self.in_start + self.in_local

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvferry.model.layers.linear import copy_checked
+from kvferry.model.layers.linear import attach_weight_loader, copy_checked
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
         self.weight_offset = weight_offset
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=torch.float32), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        attach_weight_loader(self.weight, self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         copy_checked(param.data, self.weight_offset + loaded.float(), "Gemma RMSNorm weight")

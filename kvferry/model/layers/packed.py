@@ -58,7 +58,8 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     padded = row_bucket(rows)
     if padded == rows:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return out
     flat = x.new_zeros(padded, x.shape[-1])
     flat[:rows] = x.reshape(rows, x.shape[-1])
     out = torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], "")
@@ -68,7 +69,8 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def can_pack(weight: torch.Tensor) -> bool:
     """CPU weights with oneDNN available, in float32, or in bfloat16 where the CPU computes
     it natively (other dtypes and devices stay plain)."""
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    # torch.backends.mkldnn.is_available carries no annotations
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return False
     return weight.dtype == torch.float32 or (
         weight.dtype == torch.bfloat16 and native_half_precision(torch.bfloat16)
@@ -102,7 +104,8 @@ def pack(weight: torch.Tensor, batch_hint: int = BATCH_HINT) -> PackedWeight:
 
 def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + b with W packed by `pack`; x may have any leading dims, including 0 rows."""
-    return torch.ops.kvferry.packed_linear(x, packed, bias, packed.out_features)
+    out: torch.Tensor = torch.ops.kvferry.packed_linear(x, packed, bias, packed.out_features)
+    return out
 
 
 @operator("packed_linear", mutates_args=())

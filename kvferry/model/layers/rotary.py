@@ -94,6 +94,7 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         # [max_positions, head_dim]: cos in the first half, sin in the second
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        self.cos_sin_cache: torch.Tensor
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,6 +118,17 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     torch.mul(x1, cos, out=out1).addcmul_(x2, sin, value=-1)  # x1 cos - x2 sin
     torch.mul(x2, cos, out=out2).addcmul_(x1, sin)  # x2 cos + x1 sin
     return out
+
+
+def rope_per_kind(
+    ropes: nn.ModuleDict, positions: torch.Tensor, dtype: torch.dtype
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """(cos, sin) at `positions` of each layer type's RotaryEmbedding in `ropes`."""
+    return {
+        kind: rope.cos_sin(positions, dtype)
+        for kind, rope in ropes.items()
+        if isinstance(rope, RotaryEmbedding)
+    }
 
 
 def apply_rope(

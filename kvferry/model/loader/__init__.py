@@ -11,6 +11,7 @@ from torch import nn
 from kvferry.config import ModelConfig, WeightQuantization
 from kvferry.cpu_features import native_half_precision
 from kvferry.errors import ConfigError
+from kvferry.model.causal_lm import CausalLM
 from kvferry.model.layers.attention import PagedAttention
 from kvferry.model.layers.int4 import Int4Weight
 from kvferry.model.layers.kernel_choice import describe_cpu_kernels
@@ -29,7 +30,7 @@ def load_model(
     model_config: ModelConfig,
     tp: TPGroup | None = None,
     device: str | torch.device = "cpu",
-) -> nn.Module:
+) -> CausalLM:
     """Instantiate `model_config.architecture` on `device` and load its weights.
 
     Weights take `model_config.dtype`; the model computes in `compute_dtype` (float32 for

@@ -87,7 +87,7 @@ def gguf_model_info(path: str | Path, reader: GGUFFile | None = None) -> GGUFMod
     reader = reader if reader is not None else open_gguf(path)
     meta = dict(reader.fields)
     arch = meta.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(
             f"GGUF file {str(path)!r} has architecture {arch!r}, which kvferry does not support; "
             f"supported GGUF architectures: {', '.join(GGUF_ARCHITECTURES)}"

@@ -121,7 +121,7 @@ class GGUFFile:
             self._data = np.memmap(self.path, dtype=np.uint8, mode="r")
         except (OSError, ValueError) as err:
             raise ModelLoadError(f"cannot read GGUF file {self.path!r}: {err}") from err
-        self._buf = memoryview(self._data)
+        self._buf = self._data.data  # a memoryview of the mapping
         try:
             self.fields, self.tensors = self._parse()
         except (struct.error, KeyError, ValueError, UnicodeDecodeError) as err:
