@@ -38,12 +38,16 @@ import time
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvferry.config import CaptureMode
 from kvferry.connector.base import KVConnectorBase
 from kvferry.model.forward_context import ForwardContext, HookPlacement
+
+if TYPE_CHECKING:
+    from kvferry.model.causal_lm import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +66,8 @@ def _own_entry(module: torch.nn.Module) -> Callable[..., torch.Tensor]:
     each engine's programs, and their guard checks, to itself."""
 
     def forward(*args: object) -> torch.Tensor:
-        return module(*args)
+        hidden: torch.Tensor = module(*args)
+        return hidden
 
     code = forward.__code__.replace(co_name=f"captured_forward_{id(module):x}")
     return types.FunctionType(code, forward.__globals__, code.co_name, None, forward.__closure__)
@@ -151,9 +156,7 @@ class CaptureStats:
 class CapturedForward:
     """Runs a step's forward compiled (decode-only steps) or eagerly (everything else)."""
 
-    def __init__(
-        self, model: torch.nn.Module, placement: HookPlacement, mode: CaptureMode, device: torch.device
-    ):
+    def __init__(self, model: CausalLM, placement: HookPlacement, mode: CaptureMode, device: torch.device):
         self.model = model
         self.placement = placement
         self.cuda_graphs = device.type == "cuda"
@@ -165,7 +168,7 @@ class CapturedForward:
         self._use_compiled = True  # the engine's decision (use), until it is given
 
     @staticmethod
-    def _compile(model: torch.nn.Module, placement: HookPlacement, cuda_graphs: bool):  # noqa: ANN205
+    def _compile(model: CausalLM, placement: HookPlacement, cuda_graphs: bool) -> Callable[..., torch.Tensor]:
         """CPU: one inductor program. CUDA: the same, replayed as CUDA graphs between the
         operators tagged `cudagraph_unsafe` (attention, hooks); one graph per padded size."""
         fullgraph = placement is not HookPlacement.SPLIT
@@ -191,15 +194,19 @@ class CapturedForward:
             if hidden is not None:
                 return hidden[:num_tokens]
         self.stats.eager_steps += 1
-        return self.model(input_ids, positions, ctx)
+        eager: torch.Tensor = self.model(input_ids, positions, ctx)
+        return eager
 
     def _run_compiled(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor | None:
+        compiled = self._compiled
+        if compiled is None:  # callers check `enabled` first
+            return None
         first = not self._compiled_once
         start = time.perf_counter()
         try:
-            hidden = self._compiled(input_ids, positions, ctx)
+            hidden = compiled(input_ids, positions, ctx)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back, say why
             if not first:
                 raise

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvferry.config import EngineConfig
-from kvferry.connector.base import KVConnectorBase
+from kvferry.connector.base import KVConnectorBase, KVConnectorMetadata
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.messages.kv_connector import KVConnectorOutput, KVConnectorStats
-from kvferry.messages.model_runner import ModelRunnerOutput
+from kvferry.messages.model_runner import ModelRunnerOutput, SampleLogprobs
 from kvferry.model.forward_context import ForwardContext, Workspace
 from kvferry.scheduler.output import SchedulerOutput
 from kvferry.worker.capture import CapturedForward, hook_placement
@@ -19,11 +20,14 @@ from kvferry.worker.inputs import StepInputs, build_step_inputs
 from kvferry.worker.request_state import RequestState, build_sampling_batch
 from kvferry.worker.sampler import Sampler
 
+if TYPE_CHECKING:
+    from kvferry.model.causal_lm import CausalLM
+
 logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: torch.nn.Module, device: torch.device):
+    def __init__(self, config: EngineConfig, model: CausalLM, device: torch.device):
         self.config = config
         self.model = model
         self.device = device
@@ -50,6 +54,17 @@ class ModelRunner:
         self.model.set_hook_placement(placement)
         self.forward = CapturedForward(self.model, placement, self.config.compilation.capture, self.device)
 
+    def bound_forward(self) -> CapturedForward:
+        """The forward over the bound KV caches; RuntimeError before bind_kv_caches."""
+        if self.forward is None:
+            raise RuntimeError("no KV caches are bound to the model runner")
+        return self.forward
+
+    def _bound_kv_config(self) -> KVCacheConfig:
+        if self.kv_config is None:
+            raise RuntimeError("no KV caches are bound to the model runner")
+        return self.kv_config
+
     def unbind_kv_caches(self) -> None:
         """Drop the KV tensors (the profiling step's provisional cache) and every request."""
         self.kv_config, self.kv_caches, self.layer_group = None, {}, {}
@@ -62,12 +77,14 @@ class ModelRunner:
         if self.connector is None:
             return self._run_step(scheduler_output)
         # Invariant 1: the metadata is bound for the whole step, empty steps included.
+        metadata = scheduler_output.kv_connector_metadata
+        assert isinstance(metadata, KVConnectorMetadata), f"bad connector metadata {metadata!r}"
         guard = ConnectorGuard(self.connector)
-        with self.connector.bound(scheduler_output.kv_connector_metadata):
+        with self.connector.bound(metadata):
             guard.start_load_kv()
             output = self._run_step(scheduler_output, guard)
             guard.wait_for_save()
-            kv_output = self._collect_connector_output(scheduler_output)
+            kv_output = self._collect_connector_output(self.connector, scheduler_output)
         if guard.load_failed:
             kv_output.invalid_block_ids |= self._step_block_ids(scheduler_output)
         if guard.save_failed:
@@ -77,11 +94,13 @@ class ModelRunner:
         output.kv_connector_output = kv_output
         return output
 
-    def _collect_connector_output(self, scheduler_output: SchedulerOutput) -> KVConnectorOutput:
+    def _collect_connector_output(
+        self, connector: KVConnectorBase, scheduler_output: SchedulerOutput
+    ) -> KVConnectorOutput:
         try:
-            return self.connector.collect_output(scheduler_output.finished_req_ids)
+            return connector.collect_output(scheduler_output.finished_req_ids)
         except Exception:
-            logger.exception("KV connector %s failed to report results", type(self.connector).__name__)
+            logger.exception("KV connector %s failed to report results", type(connector).__name__)
             return KVConnectorOutput(invalid_block_ids=self._step_block_ids(scheduler_output))
 
     def _step_block_ids(self, scheduler_output: SchedulerOutput) -> set[int]:
@@ -98,7 +117,8 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput.empty()
         states = [self.states[req_id] for req_id in scheduler_output.num_scheduled_tokens]
-        inputs = build_step_inputs(states, scheduler_output.num_scheduled_tokens, self.kv_config, self.device)
+        kv_config = self._bound_kv_config()
+        inputs = build_step_inputs(states, scheduler_output.num_scheduled_tokens, kv_config, self.device)
         hidden = self._forward(inputs, hooks)
         output = ModelRunnerOutput(req_ids=[s.req_id for s in inputs.ordered])
         sampled = self._sample(hidden, inputs)
@@ -115,13 +135,15 @@ class ModelRunner:
             attn=inputs.attn,
             layer_group=self.layer_group,
             kv_caches=self.kv_caches,
-            layout=self.kv_config.layout,
+            layout=self._bound_kv_config().layout,
             kv_hooks=hooks,
             workspace=self.workspace,
         )
-        return self.forward(inputs.input_ids, inputs.positions, ctx)
+        return self.bound_forward()(inputs.input_ids, inputs.positions, ctx)
 
-    def _sample(self, hidden: torch.Tensor, inputs: StepInputs) -> dict[str, tuple[list[int], object]]:
+    def _sample(
+        self, hidden: torch.Tensor, inputs: StepInputs
+    ) -> dict[str, tuple[list[int], SampleLogprobs | None]]:
         if not inputs.sample_rows:
             return {}
         rows = torch.tensor(inputs.sample_rows, dtype=torch.int64, device=hidden.device)

@@ -8,7 +8,7 @@ import torch
 
 from kvferry.sampling_params import SamplingParams
 from kvferry.scheduler.output import NewRequestData
-from kvferry.worker.sampler import SamplingBatch
+from kvferry.worker.sampler import Penalties, SamplingBatch
 
 
 @dataclass
@@ -63,9 +63,11 @@ def build_sampling_batch(states: list[RequestState]) -> SamplingBatch:
     if any(token is not None for token in forced):
         batch.forced_token_ids = forced
     if any(p.uses_penalties for p in params):
-        batch.repetition_penalty = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)
-        batch.presence_penalty = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)
-        batch.frequency_penalty = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)
-        batch.prompt_token_ids = [s.token_ids[: s.num_prompt_tokens] for s in states]
-        batch.output_token_ids = [s.output_token_ids for s in states]
+        batch.penalties = Penalties(
+            repetition=torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32),
+            presence=torch.tensor([p.presence_penalty for p in params], dtype=torch.float32),
+            frequency=torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32),
+            prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in states],
+            output_token_ids=[s.output_token_ids for s in states],
+        )
     return batch

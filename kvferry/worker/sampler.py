@@ -26,6 +26,17 @@ from kvferry.worker.seeded_draws import position_draws
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Penalties:
+    """Per-row penalties of a batch where some row uses them."""
+
+    repetition: torch.Tensor  # float32 [N]; over prompt and output tokens
+    presence: torch.Tensor  # float32 [N]; over output tokens
+    frequency: torch.Tensor  # float32 [N]; over output tokens
+    prompt_token_ids: list[list[int]]
+    output_token_ids: list[list[int]]
+
+
 @dataclass
 class SamplingBatch:
     """Per-row sampling inputs for the requests that sample this step."""
@@ -39,12 +50,7 @@ class SamplingBatch:
     seeds: list[int | None]
     positions: list[int]
     num_logprobs: list[int | None]
-    # Penalties (None when no row uses them).
-    repetition_penalty: torch.Tensor | None = None  # [N]
-    presence_penalty: torch.Tensor | None = None  # [N]
-    frequency_penalty: torch.Tensor | None = None  # [N]
-    prompt_token_ids: list[list[int]] | None = None
-    output_token_ids: list[list[int]] | None = None
+    penalties: Penalties | None = None  # None when no row uses them
     # Per row, the token to output instead of the sampled one (None when no row has one).
     forced_token_ids: list[int | None] | None = None
 
@@ -64,8 +70,8 @@ class Sampler:
         raw_logprobs = (
             torch.log_softmax(logits, dim=-1) if any(n is not None for n in batch.num_logprobs) else None
         )
-        if batch.repetition_penalty is not None:
-            logits = apply_penalties(logits, batch)
+        if batch.penalties is not None:
+            logits = apply_penalties(logits, batch.penalties)
         if batch.all_greedy:
             tokens = logits.argmax(dim=-1)
         else:
@@ -115,16 +121,16 @@ def apply_forced(tokens: list[int], forced: list[int | None] | None, vocab_size:
     return [sampled if f is None else f for sampled, f in zip(tokens, forced, strict=True)]
 
 
-def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
     """Repetition penalty over prompt+output tokens; presence/frequency over output tokens."""
     num_rows, vocab = logits.shape
-    output_counts = _token_counts(batch.output_token_ids, num_rows, vocab)
-    seen = _token_counts(batch.prompt_token_ids, num_rows, vocab) + output_counts > 0
-    rep = batch.repetition_penalty.unsqueeze(1)
+    output_counts = _token_counts(penalties.output_token_ids, num_rows, vocab)
+    seen = _token_counts(penalties.prompt_token_ids, num_rows, vocab) + output_counts > 0
+    rep = penalties.repetition.unsqueeze(1)
     penalized = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalized, logits)
-    logits = logits - batch.frequency_penalty.unsqueeze(1) * output_counts
-    return logits - batch.presence_penalty.unsqueeze(1) * (output_counts > 0).float()
+    logits = logits - penalties.frequency.unsqueeze(1) * output_counts
+    return logits - penalties.presence.unsqueeze(1) * (output_counts > 0).float()
 
 
 def _token_counts(token_lists: list[list[int]], num_rows: int, vocab: int) -> torch.Tensor:
@@ -200,13 +206,17 @@ def gather_logprobs(
     if raw_logprobs is None:
         return [None] * len(tokens)
     max_k = max(n or 0 for n in num_logprobs)
-    top_values, top_ids = raw_logprobs.topk(max_k, dim=-1) if max_k else (None, None)
+    best = raw_logprobs.topk(max_k, dim=-1) if max_k else None
     sampled = raw_logprobs.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist()
     result: list[SampleLogprobs | None] = []
     for row, n in enumerate(num_logprobs):
         if n is None:
             result.append(None)
             continue
-        top = list(zip(top_ids[row, :n].tolist(), top_values[row, :n].tolist())) if n else []
+        top = (
+            list(zip(best.indices[row, :n].tolist(), best.values[row, :n].tolist()))
+            if n and best is not None
+            else []
+        )
         result.append(SampleLogprobs(sampled=sampled[row], top=top))
     return result

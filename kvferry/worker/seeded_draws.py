@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 GAMMA = np.uint64(0x9E3779B97F4A7C15)  # the golden ratio's 64-bit fraction: SplitMix64's step
@@ -29,11 +30,12 @@ TOP_53_BITS = np.uint64(11)  # a float64 holds 53 bits of mantissa
 UNIT_53 = 2.0**-53
 
 
-def _mix(z: np.ndarray) -> np.ndarray:
+def _mix(z: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     """SplitMix64's finalizer, element-wise on uint64 (products wrap modulo 2**64)."""
     z = (z ^ (z >> np.uint64(30))) * MIX_1
     z = (z ^ (z >> np.uint64(27))) * MIX_2
-    return z ^ (z >> np.uint64(31))
+    mixed: npt.NDArray[np.uint64] = z ^ (z >> np.uint64(31))
+    return mixed
 
 
 def position_draws(seeds: Sequence[int], positions: Sequence[int]) -> torch.Tensor:

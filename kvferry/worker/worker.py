@@ -122,11 +122,11 @@ class Worker:
         return self.kv_memory.usage()
 
     def capture_stats(self) -> CaptureStats:
-        return self.runner.forward.stats
+        return self.runner.bound_forward().stats
 
     def use_capture(self, decision: CaptureDecision) -> None:
         """Run decode steps compiled or eagerly, as the engine decided for every rank."""
-        self.runner.forward.use(decision)
+        self.runner.bound_forward().use(decision)
 
     def shutdown(self) -> None:
         if self.runner.forward is not None:
