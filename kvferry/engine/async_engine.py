@@ -21,7 +21,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvferry.config import EngineConfig, ModelConfig
 from kvferry.connector.factory import kv_params_validator
@@ -34,8 +34,12 @@ from kvferry.engine.output_processor import OutputProcessor
 from kvferry.errors import InvalidRequestError, KVFerryError, UnknownRequestError
 from kvferry.kv.usage import KVGroupStats, KVMemoryStats
 from kvferry.messages.engine_core import EngineCoreOutput
+from kvferry.messages.kv_connector import KVTransferParams
 from kvferry.outputs import RequestOutput
 from kvferry.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +92,7 @@ class StatLogger(Protocol):
 class _Stream:
     timing: RequestTiming
     # RequestOutput, an exception to raise, or None (aborted: end quietly)
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[RequestOutput | BaseException | None] = field(default_factory=asyncio.Queue)
     finished: bool = False
 
 
@@ -100,7 +104,7 @@ def _request_error(message: str | None, invalid_param: str | None) -> KVFerryErr
     return RequestFailedError(message)
 
 
-def _stats_from_wire(raw: dict) -> EngineStats:
+def _stats_from_wire(raw: dict[str, Any]) -> EngineStats:
     names = {f.name for f in dataclasses.fields(EngineStats)}
     fields = {k: v for k, v in raw.items() if k in names}
     if isinstance(fields.get("kv_memory"), dict):
@@ -116,8 +120,8 @@ class AsyncEngine:
         client: CoreClient,
         input_processor: InputProcessor,
         output_processor: OutputProcessor,
-        tokenizer: object,
-    ):
+        tokenizer: PreTrainedTokenizerBase,
+    ) -> None:
         self.model_config = model_config
         self.client = client
         self.input_processor = input_processor
@@ -126,8 +130,8 @@ class AsyncEngine:
         self._stats = _stats_from_wire(client.wait_ready())
         self._streams: dict[str, _Stream] = {}
         self._stat_loggers: list[StatLogger] = []
-        self._stats_waiters: list[tuple[int, asyncio.Future]] = []
-        self._task: asyncio.Task | None = None
+        self._stats_waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._task: asyncio.Task[None] | None = None
         self._dead: BaseException | None = None
         # Finished requests whose answer carried kv_transfer_params (the connector may keep
         # their KV for a remote consumer), oldest first: the ids release_kv accepts.
@@ -180,7 +184,7 @@ class AsyncEngine:
         prompt: str | list[int],
         params: SamplingParams,
         request_id: str,
-        kv_transfer_params: dict | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; the last one has ``finished=True``.
 
@@ -398,7 +402,7 @@ class AsyncEngine:
         return failed
 
     def _wake_stats_waiters(self, answered: int) -> None:
-        keep = []
+        keep: list[tuple[int, asyncio.Future[None]]] = []
         for seq, fut in self._stats_waiters:
             if seq <= answered:
                 if not fut.done():

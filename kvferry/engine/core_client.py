@@ -18,6 +18,7 @@ import multiprocessing
 import shutil
 import tempfile
 import time
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -54,6 +55,12 @@ def _private_dir() -> str:
     return path
 
 
+def _endpoint(sock: zmq.Socket[bytes]) -> str:
+    """The address `sock` was last bound to."""
+    endpoint = sock.last_endpoint
+    return endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
+
+
 class CoreClient:
     """Starts the core process; ``wait_ready`` blocks until it is ready (or raises EngineStartupError).
 
@@ -80,8 +87,8 @@ class CoreClient:
         self._codec = CoreCodec()
         self._stats_seq = 0
         self._closed = False
-        self.initial_stats: dict | None = None
-        args = (config, core_factory, self._in.last_endpoint.decode(), self._out.last_endpoint.decode())
+        self.initial_stats: dict[str, Any] | None = None
+        args = (config, core_factory, _endpoint(self._in), _endpoint(self._out))
         kwargs = {"log_level": logging.getLogger("kvferry").getEffectiveLevel()}
         ctx = multiprocessing.get_context("spawn")
         self._proc = ctx.Process(target=run_core_process, args=args, kwargs=kwargs, name="kvferry-core")
@@ -90,7 +97,7 @@ class CoreClient:
         if wait:
             self.wait_ready(startup_timeout_s)
 
-    def wait_ready(self, timeout_s: float = 900.0) -> dict:
+    def wait_ready(self, timeout_s: float = 900.0) -> dict[str, Any]:
         """Block until the core is ready; returns its initial stats. Shuts down on failure."""
         if self.initial_stats is None:
             try:
@@ -108,7 +115,7 @@ class CoreClient:
     def is_alive(self) -> bool:
         return not self._closed and self._proc.is_alive()
 
-    def _wait_ready(self, timeout_s: float) -> dict:
+    def _wait_ready(self, timeout_s: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout_s
         while True:
             if self._out.poll(100):

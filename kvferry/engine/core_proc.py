@@ -142,7 +142,7 @@ def _wake_fd_on_sigterm() -> int:
 
 
 def _build_core(
-    factory: CoreFactory, config: EngineConfig, out_sock: zmq.Socket, codec: CoreCodec
+    factory: CoreFactory, config: EngineConfig, out_sock: zmq.Socket[bytes], codec: CoreCodec
 ) -> tuple[CoreLike, int] | None:
     """The core and the fd SIGTERM wakes from now on (set before Ready is sent: a SIGTERM
     that follows Ready stops the loop between steps, never the load handler); None if the
@@ -182,8 +182,8 @@ class CoreLoop:
     def __init__(
         self,
         core: CoreLike,
-        in_sock: zmq.Socket,
-        out_sock: zmq.Socket,
+        in_sock: zmq.Socket[bytes],
+        out_sock: zmq.Socket[bytes],
         codec: CoreCodec,
         parent_sentinel: int | None = None,
         sigterm_fd: int | None = None,

@@ -92,7 +92,7 @@ class CoreCodec:
         self._request = msgspec.msgpack.Decoder(EngineCoreRequest)
         self._ids = msgspec.msgpack.Decoder(list[str])
         self._seq = msgspec.msgpack.Decoder(int)
-        self._message = msgspec.msgpack.Decoder(CoreMessage)
+        self._message: msgspec.msgpack.Decoder[CoreMessage] = msgspec.msgpack.Decoder(CoreMessage)
 
     def encode(self, obj: object) -> bytes:
         return self._encoder.encode(obj)

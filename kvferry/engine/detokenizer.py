@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 REPLACEMENT_CHAR = "\ufffd"
 PREFIX_CONTEXT_TOKENS = 5  # earlier tokens decoded with the new ones, so spacing is right
 
@@ -13,7 +18,12 @@ class IncrementalDetokenizer:
     UTF-8 sequence (decoded as U+FFFD); the bytes wait for the tokens that finish them.
     """
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool = True,
+    ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.token_ids = list(prompt_token_ids[-PREFIX_CONTEXT_TOKENS:])
@@ -26,7 +36,10 @@ class IncrementalDetokenizer:
         return self.read_offset < len(self.token_ids)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        text = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        if not isinstance(text, str):  # a list: one text per sequence of a batch, not ours
+            raise TypeError(f"the tokenizer decoded one sequence to {type(text).__name__}")
+        return text
 
     def step(self, new_token_ids: list[int], final: bool = False) -> str:
         """Append tokens; return the text they complete (all of it when final)."""

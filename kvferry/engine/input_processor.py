@@ -4,20 +4,29 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from kvferry.config import ModelConfig
 from kvferry.errors import InvalidRequestError
 from kvferry.messages.engine_core import EngineCoreRequest
+from kvferry.messages.kv_connector import KVTransferParams
 from kvferry.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# A chat message as the client sent it (a JSON object: "role", "content" as text or parts,
+# ...); the chat template reads it.
+ChatMessage = dict[str, Any]
 
 
 class InputProcessor:
     def __init__(
         self,
         model_config: ModelConfig,
-        tokenizer,
-        kv_params_validator: Callable[[dict | None], None] | None = None,
-    ):
+        tokenizer: PreTrainedTokenizerBase,
+        kv_params_validator: Callable[[KVTransferParams | None], None] | None = None,
+    ) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
         # The KV connector's synchronous check of kv_transfer_params (raises InvalidRequestError).
@@ -27,7 +36,10 @@ class InputProcessor:
         if isinstance(prompt, str):
             # A chat template that already wrote the BOS token must not get a second one.
             bos = self.tokenizer.bos_token
-            return self.tokenizer.encode(prompt, add_special_tokens=not (bos and prompt.startswith(bos)))
+            ids: list[int] = self.tokenizer.encode(
+                prompt, add_special_tokens=not (bos and prompt.startswith(bos))
+            )
+            return ids
         if not isinstance(prompt, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt
         ):
@@ -39,7 +51,7 @@ class InputProcessor:
         request_id: str,
         prompt: str | list[int],
         params: SamplingParams,
-        kv_transfer_params: dict | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> EngineCoreRequest:
         token_ids = self.tokenize(prompt)
         self._validate(token_ids, params)
@@ -67,15 +79,18 @@ class InputProcessor:
         if any(t < 0 or t >= vocab for t in token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages must be a non-empty list", param="messages")
         for msg in messages:
             if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
                 raise InvalidRequestError("each message needs a string 'role'", param="messages")
         try:
-            return self.tokenizer.apply_chat_template(
+            text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt
             )
         except Exception as exc:  # jinja errors on odd message content
             raise InvalidRequestError(f"cannot apply the chat template: {exc}", param="messages") from exc
+        if not isinstance(text, str):  # tokenize=False renders one conversation as text
+            raise TypeError(f"the chat template rendered {type(text).__name__}, not text")
+        return text

@@ -5,11 +5,11 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from kvferry.config import EngineConfig, EngineOptions
 from kvferry.engine.core import EngineCore, EngineStats
-from kvferry.engine.input_processor import InputProcessor
+from kvferry.engine.input_processor import ChatMessage, InputProcessor
 from kvferry.engine.options import engine_config
 from kvferry.engine.output_processor import OutputProcessor
 from kvferry.errors import InvalidRequestError
@@ -17,10 +17,29 @@ from kvferry.model.tokenizer import load_tokenizer
 from kvferry.outputs import RequestOutput
 from kvferry.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+    from typing_extensions import TypeIs
+
 logger = logging.getLogger(__name__)
 
+
+class PromptDict(TypedDict, total=False):
+    """A prompt as vLLM takes it: one of the two keys (checked by prompt_input)."""
+
+    prompt: str
+    prompt_token_ids: list[int]
+
+
 # Text, token ids, or (as vLLM takes them) {"prompt": text} / {"prompt_token_ids": ids}.
-Prompt = str | list[int] | dict
+Prompt = str | list[int] | PromptDict
+
+
+def _is_one_prompt(prompts: Prompt | Sequence[Prompt]) -> TypeIs[Prompt]:
+    """One prompt (text, token ids or a prompt dict), not a sequence of them."""
+    return isinstance(prompts, str | dict) or (
+        isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)
+    )
 
 
 def prompt_input(prompt: Prompt) -> str | list[int]:
@@ -68,11 +87,8 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        if isinstance(prompts, str | dict) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompts = [prompt_input(prompt) for prompt in prompts]
+        batch: Sequence[Prompt] = [prompts] if _is_one_prompt(prompts) else prompts
+        prompts = [prompt_input(prompt) for prompt in batch]
         params = params or SamplingParams()
         param_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(param_list) != len(prompts):
@@ -86,9 +102,9 @@ class LLM:
         return self._run([r.req_id for r in requests])
 
     def chat(
-        self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None
+        self, messages: list[ChatMessage] | list[list[ChatMessage]], params: SamplingParams | None = None
     ) -> list[RequestOutput]:
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = [messages] if _is_one_conversation(messages) else messages
         prompts = [self.inputs.apply_chat_template(conv) for conv in conversations]
         return self.generate(prompts, params)
 
@@ -106,5 +122,12 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
-    def get_tokenizer(self):
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.tokenizer
+
+
+def _is_one_conversation(
+    messages: list[ChatMessage] | list[list[ChatMessage]],
+) -> TypeIs[list[ChatMessage]]:
+    """A list of messages, not a list of conversations."""
+    return bool(messages) and isinstance(messages[0], dict)

@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvferry.engine.detokenizer import IncrementalDetokenizer
 from kvferry.messages.engine_core import EngineCoreOutput, FinishReason
+from kvferry.messages.model_runner import SampleLogprobs
 from kvferry.outputs import CompletionOutput, RequestOutput
 from kvferry.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +37,7 @@ class _RequestState:
     emitted_tokens: int = 0  # tokens already sent (their text is all in the first emitted_len)
     # (tokens, chars): after that many tokens the text is that long, no bytes pending.
     boundaries: list[tuple[int, int]] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
+    logprobs: list[SampleLogprobs] = field(default_factory=list)
     num_cached_tokens: int = 0
 
     @property
@@ -48,7 +53,7 @@ class ProcessedOutputs:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
         self._states: dict[str, _RequestState] = {}
 
@@ -126,7 +131,14 @@ class OutputProcessor:
             reach = state.boundaries.pop(0)
         return reach
 
-    def _make_output(self, state, out, finish_reason, stop_reason, finished) -> RequestOutput:
+    def _make_output(
+        self,
+        state: _RequestState,
+        out: EngineCoreOutput,
+        finish_reason: FinishReason | None,
+        stop_reason: int | str | None,
+        finished: bool,
+    ) -> RequestOutput:
         tokens_end, visible = self._sendable(state, finished)
         delta_text = state.text[state.emitted_len : visible]
         delta_tokens = state.token_ids[state.emitted_tokens : tokens_end]
