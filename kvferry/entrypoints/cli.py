@@ -83,7 +83,9 @@ PLUGGABLE_BENCHES = {
 }
 
 
-def _add_pluggable(sub, commands: dict[str, tuple[str, str]]) -> None:
+def _add_pluggable(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], commands: dict[str, tuple[str, str]]
+) -> None:
     for name, (module_name, help_text) in commands.items():
         try:
             module = importlib.import_module(module_name)

@@ -32,6 +32,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvferry.config import KVRole
 from kvferry.connector.nixl.auth import SECRET_ENV
@@ -63,8 +64,14 @@ class Child:
     url: str
     log: Path
     env: dict[str, str] = field(default_factory=dict)  # set in the child's environment
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen[bytes] | None = None
     side_channel_port: int | None = None
+
+    def started(self) -> subprocess.Popen[bytes]:
+        """The child's process (only started children are stopped or watched)."""
+        if self.proc is None:
+            raise RuntimeError(f"{self.name} was not started")
+        return self.proc
 
     def log_tail(self) -> str:
         try:
@@ -160,7 +167,7 @@ def _argv(args: argparse.Namespace, actions: list[argparse.Action]) -> list[str]
 
 
 def kv_transfer_json(
-    connector: str, role: str, extra: dict, side_port: int | None, policy: str | None
+    connector: str, role: str, extra: dict[str, Any], side_port: int | None, policy: str | None
 ) -> str | None:
     """The --kv-transfer-config of one instance (None without a connector). A prefill
     instance's side channel (where decoders handshake and ask for its blocks) listens on
@@ -168,7 +175,7 @@ def kv_transfer_json(
     if connector == NO_CONNECTOR:
         return None
     channel = {"side_channel_host": "127.0.0.1", "side_channel_port": side_port} if side_port else {}
-    config: dict = {
+    config: dict[str, Any] = {
         "kv_connector": connector,
         "kv_role": KV_ROLES[role].value,
         "kv_connector_extra_config": {**channel, **extra},
@@ -178,7 +185,7 @@ def kv_transfer_json(
     return json.dumps(config)
 
 
-def check_connector(args: argparse.Namespace) -> dict:
+def check_connector(args: argparse.Namespace) -> dict[str, Any]:
     """Fail fast on a connector that does not resolve; the parsed extra config."""
     try:
         extra = json.loads(args.kv_connector_extra_config)
@@ -220,7 +227,7 @@ def child_environment(own: dict[str, str]) -> dict[str, str]:
     return {**env, **own}
 
 
-def instance_secrets(args: argparse.Namespace, extra: dict) -> dict[str, str]:
+def instance_secrets(args: argparse.Namespace, extra: dict[str, Any]) -> dict[str, str]:
     """The secrets every instance gets by environment: API key, KV side-channel secret."""
     env = {API_KEY_ENV: args.api_key} if args.api_key else {}
     if args.kv_connector != NO_CONNECTOR and not extra.get("secret_file"):
@@ -284,17 +291,17 @@ def stop_all(children: list[Child], grace: float) -> None:
     """
     started = [c for c in children if c.proc is not None]
     for child in started:
-        if child.proc.poll() is None:
+        if child.started().poll() is None:
             _signal_group_leader(child, signal.SIGTERM)
     begin = time.monotonic()
     pending = list(started)
     while pending and time.monotonic() < begin + grace:
-        for child in [c for c in pending if c.proc.poll() is not None]:
+        for child in [c for c in pending if c.started().poll() is not None]:
             pending.remove(child)
             logger.info(
                 "%s stopped (exit code %s) after %.1f s",
                 child.name,
-                child.proc.returncode,
+                child.started().returncode,
                 time.monotonic() - begin,
             )
         time.sleep(0.05)
@@ -303,12 +310,12 @@ def stop_all(children: list[Child], grace: float) -> None:
     for child in started:
         if _kill_group(child):  # the leader's leftovers too: its engine core, TP workers
             _wait_group_gone(child)
-        child.proc.wait()
+        child.started().wait()
 
 
 def _signal_group_leader(child: Child, sig: int) -> None:
     try:
-        child.proc.send_signal(sig)
+        child.started().send_signal(sig)
     except ProcessLookupError:
         pass
 
@@ -316,7 +323,7 @@ def _signal_group_leader(child: Child, sig: int) -> None:
 def _kill_group(child: Child) -> bool:
     """SIGKILL the child's process group; whether anything was left in it."""
     try:
-        os.killpg(child.proc.pid, signal.SIGKILL)
+        os.killpg(child.started().pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         return False  # the group is gone: nothing left behind
     return True
@@ -324,11 +331,11 @@ def _kill_group(child: Child) -> bool:
 
 def _wait_group_gone(child: Child, timeout: float = 5.0) -> None:
     """Reap the leader, then wait (bounded) until the kernel has removed the whole group."""
-    child.proc.wait()
+    child.started().wait()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            os.killpg(child.proc.pid, 0)
+            os.killpg(child.started().pid, 0)
         except (ProcessLookupError, PermissionError):
             return
         time.sleep(0.02)
@@ -368,14 +375,15 @@ def split_cores(rank_counts: list[int], cores: tuple[int, ...]) -> list[tuple[in
     if per_rank == 0:
         logger.warning("%d cores for %d ranks: instances share all cores", len(cores), sum(rank_counts))
         return [None] * len(rank_counts)
-    shares, start = [], 0
+    shares: list[tuple[int, ...] | None] = []
+    start = 0
     for ranks in rank_counts:
         shares.append(cores[start : start + ranks * per_rank])
         start += ranks * per_rank
     return shares
 
 
-def plan_instances(args: argparse.Namespace, extra: dict, log_dir: Path) -> list[Child]:
+def plan_instances(args: argparse.Namespace, extra: dict[str, Any], log_dir: Path) -> list[Child]:
     passthrough = engine_argv(args)
     env = instance_secrets(args, extra)
     roles = [("prefill", i, args.prefill_tp) for i in range(args.prefill)]
@@ -465,7 +473,7 @@ def run(args: argparse.Namespace) -> None:
         stop_all([proxy] + instances, args.stop_timeout)
     if dead is not None:
         raise LaunchError(
-            f"{dead.name} exited with code {dead.proc.returncode}; everything was stopped. "
+            f"{dead.name} exited with code {dead.started().returncode}; everything was stopped. "
             f"log {dead.log}:\n{dead.log_tail()}"
         )
     logger.info("all stopped")

@@ -149,7 +149,7 @@ def parse_model(model: type[M], value: Any) -> M:
 _UNION_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
 
 
-def _field_path(loc: tuple) -> list[str]:
+def _field_path(loc: tuple[int | str, ...]) -> list[str]:
     """The field path of a pydantic error location, without 'body' and union member tags."""
     path = []
     for part in loc[1:] if loc and loc[0] == "body" else loc:

@@ -10,7 +10,7 @@ import asyncio
 import json
 import logging
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -28,7 +28,9 @@ K = TypeVar("K")
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def error_body(message: str, err_type: str, param: str | None = None, code: str | int | None = None) -> dict:
+def error_body(
+    message: str, err_type: str, param: str | None = None, code: str | int | None = None
+) -> dict[str, Any]:
     """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
@@ -158,7 +160,7 @@ async def gather_or_cancel(work: Sequence[Awaitable[T]]) -> list[T]:
         raise
 
 
-async def interleave(sources: Sequence[tuple[K, AsyncIterator[T]]]) -> AsyncIterator[tuple[K, T]]:
+async def interleave(sources: Sequence[tuple[K, AsyncIterator[T]]]) -> AsyncGenerator[tuple[K, T], None]:
     """Items of several streams as they come, as (key, item); the first failure is raised.
 
     Each stream is read by its own task (a single one is read directly); the tasks are
@@ -169,7 +171,7 @@ async def interleave(sources: Sequence[tuple[K, AsyncIterator[T]]]) -> AsyncIter
         async for item in stream:
             yield key, item
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue[tuple[K, T | Exception | None]] = asyncio.Queue()
 
     async def pump(key: K, stream: AsyncIterator[T]) -> None:
         try:
@@ -183,13 +185,13 @@ async def interleave(sources: Sequence[tuple[K, AsyncIterator[T]]]) -> AsyncIter
     try:
         remaining = len(tasks)
         while remaining:
-            key, item = await queue.get()
-            if item is None:
+            key, event = await queue.get()
+            if event is None:
                 remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
+            elif isinstance(event, Exception):
+                raise event
             else:
-                yield key, item
+                yield key, event
     finally:
         for t in tasks:
             t.cancel()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -28,12 +29,12 @@ logger = logging.getLogger(__name__)
 
 
 def error_response(
-    status: int, message: str, err_type: str, param: str | None = None, code=None
+    status: int, message: str, err_type: str, param: str | None = None, code: str | int | None = None
 ) -> JSONResponse:
     return JSONResponse(error_body(message, err_type, param, code), status_code=status)
 
 
-def exception_body(exc: BaseException) -> tuple[int, dict]:
+def exception_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
     """(HTTP status, OpenAI error body) for an exception raised while serving a request."""
     if isinstance(exc, InvalidRequestError):
         code = "model_not_found" if isinstance(exc, ModelNotFoundError) else None

@@ -103,7 +103,7 @@ class EngineStatsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s = self.engine.stats
-        gauges = (
+        gauges: tuple[tuple[str, str, float], ...] = (
             ("num_requests_running", "Requests in the running batch.", s.num_running),
             ("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
             ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", s.kv_cache_usage),
@@ -111,7 +111,7 @@ class EngineStatsCollector(Collector):
             ("num_blocks", "KV cache blocks in total.", s.num_blocks),
             ("engine_alive", "1 while the engine core process serves.", 0 if self.engine.is_dead else 1),
         )
-        counters = [
+        counters: list[tuple[str, str, float]] = [
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
             ("num_preemptions", "Requests preempted.", s.num_preemptions),
@@ -156,7 +156,7 @@ class EngineStatsCollector(Collector):
         yield from (blocks, nbytes, clipped)
 
     def _sample(
-        self, family: type[GaugeMetricFamily | CounterMetricFamily], name: str, doc: str, val
+        self, family: type[GaugeMetricFamily | CounterMetricFamily], name: str, doc: str, val: float
     ) -> Metric:
         metric = family(PREFIX + name, doc, labels=["model_name"])
         metric.add_metric([self.model_name], float(val))

@@ -10,12 +10,15 @@ models, so both refuse the same bodies.
 from __future__ import annotations
 
 import logging
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvferry.errors import InvalidRequestError
 from kvferry.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +91,11 @@ class _CommonRequest(BaseModel):
 Prompt = str | list[int]
 
 
+def _is_token_ids(prompt: list[str] | list[int] | list[list[int]]) -> TypeIs[list[int]]:
+    """One prompt's token ids, not a batch (a list holds one kind: pydantic checked it)."""
+    return all(isinstance(x, int) for x in prompt)
+
+
 class CompletionRequest(_CommonRequest):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     logprobs: Int64 | None = None
@@ -101,9 +109,9 @@ class CompletionRequest(_CommonRequest):
             return [p]
         if not p:
             raise InvalidRequestError("prompt must not be empty", param="prompt")
-        if all(isinstance(x, int) for x in p):
+        if _is_token_ids(p):
             return [list(p)]
-        return list(p)
+        return [prompt for prompt in p]
 
     def to_sampling_params(self) -> SamplingParams:
         if self.echo:

@@ -67,7 +67,7 @@ def build_app(
     v1 = APIRouter(prefix="/v1")
 
     @v1.get("/models")
-    async def models() -> dict:
+    async def models() -> dict[str, object]:
         card = {
             "id": served_model_name,
             "object": "model",
@@ -89,7 +89,7 @@ def build_app(
         return await create_chat_completion(body, request, state)
 
     @v1.post("/kv_transfer/release")
-    async def release_kv(request: Request) -> dict:
+    async def release_kv(request: Request) -> dict[str, object]:
         """Free the KV kept for a finished prefill whose decoder will not come (404: unknown
         id; idempotent). The proxy calls it when its client leaves between the two legs."""
         body = parse_model(KVReleaseRequest, await read_json(request, limits))

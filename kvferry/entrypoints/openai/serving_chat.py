@@ -12,7 +12,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -24,13 +24,18 @@ from kvferry.entrypoints.openai.serving_common import ServerState, Streams
 from kvferry.messages.model_runner import SampleLogprobs
 from kvferry.outputs import RequestOutput
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
-def _logprob_entry(tokenizer: Any, token_id: int, logprob: float) -> dict[str, Any]:
+
+def _logprob_entry(tokenizer: PreTrainedTokenizerBase, token_id: int, logprob: float) -> dict[str, Any]:
     text = common.token_text(tokenizer, token_id)
     return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
-def chat_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[SampleLogprobs]) -> dict[str, Any]:
+def chat_logprobs(
+    tokenizer: PreTrainedTokenizerBase, token_ids: list[int], logprobs: list[SampleLogprobs]
+) -> dict[str, Any]:
     """OpenAI's chat logprobs object: {"content": [{token, logprob, bytes, top_logprobs}]}."""
     content = []
     for tid, lp in zip(token_ids, logprobs):
@@ -69,8 +74,8 @@ async def _prompt(body: ChatCompletionRequest, state: ServerState) -> str | list
 
 
 def _response(
-    state: ServerState, body: ChatCompletionRequest, meta: dict, finals: list[RequestOutput]
-) -> dict:
+    state: ServerState, body: ChatCompletionRequest, meta: dict[str, Any], finals: list[RequestOutput]
+) -> dict[str, Any]:
     comp = finals[0].outputs[0]
     lps = None
     if body.logprobs and comp.logprobs is not None:
@@ -82,7 +87,11 @@ def _response(
 
 
 async def _chunks(
-    state: ServerState, body: ChatCompletionRequest, meta: dict, firsts: list[RequestOutput], gens: Streams
+    state: ServerState,
+    body: ChatCompletionRequest,
+    meta: dict[str, Any],
+    firsts: list[RequestOutput],
+    gens: Streams,
 ) -> AsyncIterator[dict[str, Any]]:
     meta = {**meta, "object": "chat.completion.chunk"}
     yield chat_role_chunk(meta)

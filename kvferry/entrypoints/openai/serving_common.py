@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -24,6 +24,9 @@ from kvferry.entrypoints.http_common import (
 from kvferry.entrypoints.openai.errors import exception_body
 from kvferry.errors import ModelNotFoundError
 from kvferry.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +106,9 @@ def final_choice(index: int, content: dict[str, Any], logprobs: Any, out: Reques
     }
 
 
-def response_body(meta: dict[str, Any], choices: list[dict[str, Any]], finals: list[RequestOutput]) -> dict:
+def response_body(
+    meta: dict[str, Any], choices: list[dict[str, Any]], finals: list[RequestOutput]
+) -> dict[str, Any]:
     """A complete response: choices, usage and the KV transfer parameters (one, or a list)."""
     result = {**meta, "choices": choices, "usage": usage(finals)}
     kv = [o.kv_transfer_params for o in finals if o.kv_transfer_params is not None]
@@ -168,8 +173,11 @@ def usage(outputs: list[RequestOutput]) -> dict[str, Any]:
     }
 
 
-def token_text(tokenizer: Any, token_id: int) -> str:
-    return tokenizer.decode([token_id])
+def token_text(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str:
+    text = tokenizer.decode([token_id])
+    if not isinstance(text, str):  # a list: one text per sequence of a batch, not ours
+        raise TypeError(f"the tokenizer decoded one token to {type(text).__name__}")
+    return text
 
 
 # -- several generate() streams -----------------------------------------------------------

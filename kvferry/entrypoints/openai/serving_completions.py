@@ -6,7 +6,7 @@ import copy
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -17,9 +17,12 @@ from kvferry.entrypoints.openai.serving_common import ServerState, Streams
 from kvferry.messages.model_runner import SampleLogprobs
 from kvferry.outputs import RequestOutput
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 
 def completion_logprobs(
-    tokenizer: Any, token_ids: list[int], logprobs: list[SampleLogprobs], offset: int = 0
+    tokenizer: PreTrainedTokenizerBase, token_ids: list[int], logprobs: list[SampleLogprobs], offset: int = 0
 ) -> dict[str, Any]:
     """OpenAI's legacy logprobs object: tokens, token_logprobs, top_logprobs, text_offset."""
     tokens, token_lps, tops, offsets = [], [], [], []
@@ -62,7 +65,9 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
     )
 
 
-def _response(state: ServerState, body: CompletionRequest, meta: dict, finals: list[RequestOutput]) -> dict:
+def _response(
+    state: ServerState, body: CompletionRequest, meta: dict[str, Any], finals: list[RequestOutput]
+) -> dict[str, Any]:
     choices = []
     for i, out in enumerate(finals):
         comp = out.outputs[0]
@@ -76,7 +81,11 @@ def _response(state: ServerState, body: CompletionRequest, meta: dict, finals: l
 
 
 async def _chunks(
-    state: ServerState, body: CompletionRequest, meta: dict, firsts: list[RequestOutput], gens: Streams
+    state: ServerState,
+    body: CompletionRequest,
+    meta: dict[str, Any],
+    firsts: list[RequestOutput],
+    gens: Streams,
 ) -> AsyncIterator[dict[str, Any]]:
     choices = [_Choice() for _ in gens]
     async for i, out in common.merge(firsts, gens):
@@ -89,8 +98,13 @@ async def _chunks(
 
 
 def _chunk(
-    state: ServerState, body: CompletionRequest, meta: dict, index: int, out: RequestOutput, choice: _Choice
-) -> dict | None:
+    state: ServerState,
+    body: CompletionRequest,
+    meta: dict[str, Any],
+    index: int,
+    out: RequestOutput,
+    choice: _Choice,
+) -> dict[str, Any] | None:
     lps = None
     if body.logprobs is not None and out.delta_logprobs:
         lps = completion_logprobs(

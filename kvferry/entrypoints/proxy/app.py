@@ -25,10 +25,11 @@ from kvferry.entrypoints.http_common import (
     CLIENT_CLOSED_STATUS,
     ApiKeyMiddleware,
     ClientDisconnected,
+    error_body,
     until_disconnect,
 )
 from kvferry.entrypoints.proxy.config import ProxyConfig, normalize_url
-from kvferry.entrypoints.proxy.errors import ProxyError, error_body, install_error_handlers
+from kvferry.entrypoints.proxy.errors import ProxyError, install_error_handlers
 from kvferry.entrypoints.proxy.health import health_loop
 from kvferry.entrypoints.proxy.metrics import ProxyMetrics
 from kvferry.entrypoints.proxy.pd import CHAT, COMPLETIONS, ProxyContext, complete

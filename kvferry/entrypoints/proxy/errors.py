@@ -89,7 +89,7 @@ class UpstreamHTTPError(ProxyError):
         except ValueError:
             parsed = None
         openai_shaped = isinstance(parsed, dict) and isinstance(parsed.get("error"), dict)
-        if openai_shaped and self.status_code == self.upstream_status:
+        if isinstance(parsed, dict) and openai_shaped and self.status_code == self.upstream_status:
             return parsed
         if openai_shaped:
             detail = str(parsed["error"].get("message"))[:500]

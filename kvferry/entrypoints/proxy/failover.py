@@ -32,6 +32,7 @@ status line (``lost``), and the request went whole to another decoder (upstream.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 from kvferry.entrypoints.proxy.errors import UpstreamTimeoutError, UpstreamUnavailableError
 
@@ -49,7 +50,7 @@ class SentTokens:
         self.generated: list[int] = []
         self.resumed_after = 0  # tokens sent before the current decoder took over
 
-    def record(self, chunk: dict, keep_ids: bool) -> None:
+    def record(self, chunk: dict[str, Any], keep_ids: bool) -> None:
         """Note the chunk's ids; drop them from it unless the client asked for them."""
         for choice in chunk.get("choices") or []:
             prompt = choice.get("prompt_token_ids")
@@ -62,7 +63,7 @@ class SentTokens:
             elif self.resumed_after:
                 choice.pop("prompt_token_ids", None)  # the client got the real prompt's already
 
-    def resume_body(self, body: dict) -> dict:
+    def resume_body(self, body: dict[str, Any]) -> dict[str, Any]:
         """The request that continues the answer on another decoder."""
         out = copy.deepcopy(body)
         out.pop("kv_transfer_params", None)
@@ -76,7 +77,7 @@ class SentTokens:
         self.resumed_after = len(self.generated)
         return out
 
-    def fix_usage(self, chunk: dict) -> None:
+    def fix_usage(self, chunk: dict[str, Any]) -> None:
         """Count tokens sent before a failover as completion tokens, not the prompt's."""
         usage = chunk.get("usage")
         if not self.resumed_after or not isinstance(usage, dict):
@@ -85,13 +86,13 @@ class SentTokens:
         usage["completion_tokens"] = usage.get("completion_tokens", 0) + self.resumed_after
 
 
-def is_role_chunk(chunk: dict) -> bool:
+def is_role_chunk(chunk: dict[str, Any]) -> bool:
     """A chat stream's opening chunk: the assistant's role, no content, ids or end yet."""
     choices = chunk.get("choices") or []
     return bool(choices) and all(_opens_the_role(choice) for choice in choices)
 
 
-def _opens_the_role(choice: dict) -> bool:
+def _opens_the_role(choice: dict[str, Any]) -> bool:
     delta = choice.get("delta") or {}
     return (
         bool(delta.get("role"))

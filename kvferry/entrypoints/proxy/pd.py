@@ -51,7 +51,7 @@ class ProxyContext:
     metrics: ProxyMetrics
     early_first_token: bool = True
     pools: list[InstancePool] = field(init=False)
-    background: set[asyncio.Task] = field(init=False, default_factory=set)
+    background: set[asyncio.Future[None]] = field(init=False, default_factory=set)
 
     def __post_init__(self) -> None:
         self.pools = [self.prefill, self.decode]
@@ -69,7 +69,7 @@ class ProxyContext:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def split_legs(path: str, body: dict) -> list[dict]:
+def split_legs(path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
     """One body per prompt: a completions batch (list of strings or token lists) is split."""
     prompt = body.get("prompt")
     if path != COMPLETIONS or not isinstance(prompt, list) or not prompt:
@@ -84,7 +84,7 @@ def split_legs(path: str, body: dict) -> list[dict]:
     return legs
 
 
-def prefill_body(path: str, body: dict) -> dict:
+def prefill_body(path: str, body: dict[str, Any]) -> dict[str, Any]:
     """The request for the prefiller: one token, not streamed, KV kept for a remote decoder."""
     out = copy.deepcopy(body)
     out["max_tokens"] = 1
@@ -96,7 +96,7 @@ def prefill_body(path: str, body: dict) -> dict:
     return out
 
 
-def decode_body(body: dict, prefill_response: dict) -> dict:
+def decode_body(body: dict[str, Any], prefill_response: dict[str, Any]) -> dict[str, Any]:
     """The original request plus the prefill's kv_transfer_params (none: the decoder recomputes)."""
     out = dict(body)
     out.pop("kv_transfer_params", None)
@@ -106,7 +106,7 @@ def decode_body(body: dict, prefill_response: dict) -> dict:
     return out
 
 
-def first_text(path: str, prefill_response: dict) -> str:
+def first_text(path: str, prefill_response: dict[str, Any]) -> str:
     """The text of the prefill's one generated token ("" if it has none)."""
     choices = prefill_response.get("choices") or [{}]
     choice = choices[0]
@@ -115,19 +115,19 @@ def first_text(path: str, prefill_response: dict) -> str:
     return choice.get("text") or ""
 
 
-def is_greedy(body: dict) -> bool:
+def is_greedy(body: dict[str, Any]) -> bool:
     """Greedy decoding: a decoder that recomputes the prompt finds the prefiller's token again."""
     return body.get("temperature") == 0 or body.get("top_k") == 1
 
 
-def forwards_first_token(prefill_response: dict) -> bool:
+def forwards_first_token(prefill_response: dict[str, Any]) -> bool:
     """Whether the decoder gets the prefiller's first token to output as its own."""
     params = prefill_response.get("kv_transfer_params")
     token = params.get("first_token_id") if isinstance(params, dict) else None
     return isinstance(token, int) and not isinstance(token, bool)
 
 
-def decoder_repeats_first_token(body: dict, prefill_response: dict) -> bool:
+def decoder_repeats_first_token(body: dict[str, Any], prefill_response: dict[str, Any]) -> bool:
     """Whether the decoder's answer starts with the prefiller's token: it is handed the token,
     or (no connector: it recomputes the prompt) greedy decoding finds that token again. A
     decoder given KV but not the token (vLLM's NixlConnector) recomputes the last prompt
@@ -140,11 +140,12 @@ def decoder_repeats_first_token(body: dict, prefill_response: dict) -> bool:
 def stop_may_cut(text: str, stop: object) -> bool:
     """Whether a stop string could end the answer inside ``text`` (the answer's start): one
     occurs in it, or one may begin in it and finish in later tokens."""
-    stops = [stop] if isinstance(stop, str) else [s for s in stop or () if isinstance(s, str)]
+    listed = stop if isinstance(stop, list) else []
+    stops = [stop] if isinstance(stop, str) else [s for s in listed if isinstance(s, str)]
     return any(s and (s in text or any(text.endswith(s[:k]) for k in range(1, len(s)))) for s in stops)
 
 
-def kept_request_id(prefill_response: dict) -> str | None:
+def kept_request_id(prefill_response: dict[str, Any]) -> str | None:
     """The prefill instance's id of the request whose KV it keeps for this leg (None: none)."""
     params = prefill_response.get("kv_transfer_params")
     request_id = params.get("remote_request_id") if isinstance(params, dict) else None
@@ -158,7 +159,7 @@ def release_abandoned(ctx: ProxyContext, prefill: Prefilled, headers: dict[str, 
         ctx.spawn(ctx.upstream.release_kv(ctx.prefill, prefill.instance, request_id, headers))
 
 
-def wants_logprobs(path: str, body: dict) -> bool:
+def wants_logprobs(path: str, body: dict[str, Any]) -> bool:
     if path == CHAT:
         return bool(body.get("logprobs"))
     return body.get("logprobs") is not None
@@ -169,10 +170,12 @@ class Prefilled:
     """A prefill's answer and the instance that gave it (which keeps the leg's KV)."""
 
     instance: Instance
-    response: dict
+    response: dict[str, Any]
 
 
-async def run_prefill(ctx: ProxyContext, path: str, body: dict, headers: dict[str, str]) -> Prefilled:
+async def run_prefill(
+    ctx: ProxyContext, path: str, body: dict[str, Any], headers: dict[str, str]
+) -> Prefilled:
     """The prefill's answer. A leg cancelled meanwhile (its client left, another leg of the
     batch failed) leaves the prefill request running: its answer may already be on the way,
     with KV kept for it that only its ``remote_request_id`` can release. The answer is then
@@ -189,7 +192,9 @@ async def run_prefill(ctx: ProxyContext, path: str, body: dict, headers: dict[st
     return Prefilled(inst, response)
 
 
-async def release_when_answered(ctx: ProxyContext, task: asyncio.Future, headers: dict[str, str]) -> None:
+async def release_when_answered(
+    ctx: ProxyContext, task: asyncio.Future[tuple[Instance, dict[str, Any]]], headers: dict[str, str]
+) -> None:
     """A cancelled leg's prefill: once it answers, release the KV it kept for the leg."""
     try:
         inst, response = await task
@@ -202,7 +207,9 @@ async def release_when_answered(ctx: ProxyContext, task: asyncio.Future, headers
     release_abandoned(ctx, Prefilled(inst, response), headers)
 
 
-async def run_leg(ctx: ProxyContext, path: str, body: dict, headers: dict[str, str]) -> dict:
+async def run_leg(
+    ctx: ProxyContext, path: str, body: dict[str, Any], headers: dict[str, str]
+) -> dict[str, Any]:
     prefill = await run_prefill(ctx, path, body, headers)
     decode = decode_body(body, prefill.response)
     try:
@@ -217,8 +224,8 @@ async def run_leg(ctx: ProxyContext, path: str, body: dict, headers: dict[str, s
 
 
 async def fail_over(
-    ctx: ProxyContext, path: str, body: dict, headers: dict[str, str], exc: Exception
-) -> dict:
+    ctx: ProxyContext, path: str, body: dict[str, Any], headers: dict[str, str], exc: Exception
+) -> dict[str, Any]:
     """The decoder was lost before answering: the whole request on another one (see failover.py)."""
     if len(ctx.decode.instances) < 2:
         raise exc
@@ -229,7 +236,9 @@ async def fail_over(
     return answer
 
 
-async def complete(ctx: ProxyContext, path: str, body: dict, headers: dict[str, str]) -> dict:
+async def complete(
+    ctx: ProxyContext, path: str, body: dict[str, Any], headers: dict[str, str]
+) -> dict[str, Any]:
     """A non-streamed answer: the decoder's, or the decoders' merged for a batch."""
     legs = split_legs(path, body)
     answers = await gather_or_cancel([run_leg(ctx, path, leg, headers) for leg in legs])
@@ -238,7 +247,7 @@ async def complete(ctx: ProxyContext, path: str, body: dict, headers: dict[str, 
     return merge_answers(answers)
 
 
-def merge_answers(answers: list[dict]) -> dict:
+def merge_answers(answers: list[dict[str, Any]]) -> dict[str, Any]:
     """One completions answer from one answer per prompt: choices re-indexed, usage summed."""
     merged = {k: v for k, v in answers[0].items() if k not in ("choices", "usage", "kv_transfer_params")}
     choices = []
@@ -252,7 +261,7 @@ def merge_answers(answers: list[dict]) -> dict:
     return merged
 
 
-def sum_usage(usages: list[dict]) -> dict:
+def sum_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
     """Field-wise sum of OpenAI usage objects (nested detail objects too)."""
     total: dict[str, Any] = {}
     for usage in usages:

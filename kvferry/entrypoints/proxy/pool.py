@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvferry.entrypoints.proxy.errors import NoHealthyInstanceError
 
@@ -25,7 +25,7 @@ class Instance:
     last_error: str | None = None
     num_requests: int = 0
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         return {
             "url": self.url,
             "healthy": self.healthy,
@@ -70,7 +70,7 @@ class LeastLoaded:
         return best
 
 
-POLICY_CLASSES: dict[str, type] = {"round_robin": RoundRobin, "least_loaded": LeastLoaded}
+POLICY_CLASSES: dict[str, type[Policy]] = {"round_robin": RoundRobin, "least_loaded": LeastLoaded}
 
 
 def make_policy(name: str) -> Policy:

@@ -29,6 +29,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from kvferry.entrypoints.http_common import SSE_DONE as SSE_DONE_EVENT
 from kvferry.entrypoints.http_common import chat_role_chunk, gather_or_cancel, interleave, sse
@@ -58,7 +59,9 @@ REPLACEMENT_CHAR = "\ufffd"  # an incomplete character: never stream it early
 class StreamLeg:
     """One prompt's prefill, then its decoder stream."""
 
-    def __init__(self, ctx: ProxyContext, path: str, index: int, body: dict, headers: dict[str, str]) -> None:
+    def __init__(
+        self, ctx: ProxyContext, path: str, index: int, body: dict[str, Any], headers: dict[str, str]
+    ) -> None:
         self.ctx = ctx
         self.path = path
         self.index = index
@@ -81,25 +84,31 @@ class StreamLeg:
         else:
             await self._open_decoder()
 
+    def _prefilled(self) -> Prefilled:
+        """The prefill's answer (`start` waited for it)."""
+        if self.prefill is None:
+            raise RuntimeError("the leg has not started: no prefill answer yet")
+        return self.prefill
+
     def _can_send_early(self, text: str) -> bool:
         return (
             bool(text)
             and REPLACEMENT_CHAR not in text
-            and decoder_repeats_first_token(self.body, self.prefill.response)
+            and decoder_repeats_first_token(self.body, self._prefilled().response)
             and not stop_may_cut(text, self.body.get("stop"))
         )
 
     async def _open_decoder(self) -> None:
-        body = decode_body(self.body, self.prefill.response)
+        body = decode_body(self.body, self._prefilled().response)
         if self.can_fail_over:
             body["return_token_ids"] = True
         self.stream = await self.ctx.upstream.open_stream(self.ctx.decode, self.path, body, self.headers)
 
-    async def chunks(self) -> AsyncIterator[dict]:
+    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
         """Chunks for the client; an ``{"error": ...}`` chunk ends the leg. A decoder lost
         mid-stream is replaced by another one continuing the answer (see failover.py)."""
         if self.early is not None:
-            for chunk in early_chunks(self.path, self.prefill.response, self.early):
+            for chunk in early_chunks(self.path, self._prefilled().response, self.early):
                 yield chunk
             self.role_sent = self.path == CHAT
             self.pending = self.early
@@ -116,7 +125,7 @@ class StreamLeg:
         if self.pending:
             logger.warning("decoder's answer is shorter than the prefill's first token %r", self.early)
 
-    async def _decoder_chunks(self) -> AsyncIterator[dict]:
+    async def _decoder_chunks(self) -> AsyncIterator[dict[str, Any]]:
         assert self.stream is not None
         async for obj in self.stream.events():
             if obj is SSE_DONE:
@@ -139,12 +148,12 @@ class StreamLeg:
         if lost is not None:
             self.ctx.decode.mark(lost.instance, False, str(exc))
             await lost.aclose()
-        release_abandoned(self.ctx, self.prefill, self.headers)
+        release_abandoned(self.ctx, self._prefilled(), self.headers)
         self.ctx.metrics.failover(streamed=True)
         body = self.sent.resume_body(self.body)
         self.stream = await self.ctx.upstream.open_stream(self.ctx.decode, self.path, body, self.headers)
 
-    def _role_again(self, chunk: dict) -> bool:
+    def _role_again(self, chunk: dict[str, Any]) -> bool:
         """Whether ``chunk`` is a chat role chunk the client already got (from the prefill's
         early text, or from a decoder lost since)."""
         if self.path != CHAT or not is_role_chunk(chunk):
@@ -152,11 +161,11 @@ class StreamLeg:
         again, self.role_sent = self.role_sent, True
         return again
 
-    def _strip_early(self, chunk: dict) -> dict | None:
+    def _strip_early(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
         if self.early is None:
             return chunk
-        chunk, self.pending = strip_sent(self.path, chunk, self.pending)
-        return chunk
+        stripped, self.pending = strip_sent(self.path, chunk, self.pending)
+        return stripped
 
     async def aclose(self) -> None:
         """Drop the decoder's stream; with none opened, release the prefill's kept KV (no
@@ -168,7 +177,7 @@ class StreamLeg:
         await self.stream.aclose()
 
 
-def early_chunks(path: str, prefill: dict, text: str) -> list[dict]:
+def early_chunks(path: str, prefill: dict[str, Any], text: str) -> list[dict[str, Any]]:
     meta = {"id": None, "created": prefill.get("created", int(time.time())), "model": prefill.get("model")}
     if path == CHAT:
         meta["object"] = "chat.completion.chunk"
@@ -186,7 +195,7 @@ def _skip(text: str, pending: str) -> tuple[str, str]:
     return text[n:], pending[n:]
 
 
-def strip_sent(path: str, chunk: dict, pending: str) -> tuple[dict | None, str]:
+def strip_sent(path: str, chunk: dict[str, Any], pending: str) -> tuple[dict[str, Any] | None, str]:
     """Drop from a decoder chunk what the client already got early: ``pending`` text and,
     for chat, the role (token ids stay: the early text carried none). Returns the chunk (None when nothing is left) and what is still pending."""
     choices = []
@@ -212,13 +221,13 @@ def strip_sent(path: str, chunk: dict, pending: str) -> tuple[dict | None, str]:
     return {**chunk, "choices": choices}, pending
 
 
-def _carries_more(choice: dict) -> bool:
+def _carries_more(choice: dict[str, Any]) -> bool:
     """Whether a choice carries more than text: logprobs, or token ids the client asked for
     (the early text went without them)."""
     return any(choice.get(name) is not None for name in ("logprobs", "token_ids", "prompt_token_ids"))
 
 
-def _has_text(chunk: dict) -> bool:
+def _has_text(chunk: dict[str, Any]) -> bool:
     for choice in chunk.get("choices") or []:
         if choice.get("text") or (choice.get("delta") or {}).get("content"):
             return True
@@ -226,7 +235,7 @@ def _has_text(chunk: dict) -> bool:
 
 
 async def open_stream(
-    ctx: ProxyContext, path: str, body: dict, headers: dict[str, str], start: float
+    ctx: ProxyContext, path: str, body: dict[str, Any], headers: dict[str, str], start: float
 ) -> AsyncIterator[str]:
     """Run the prefills (errors raise here, before any response); the SSE lines to send."""
     legs = [StreamLeg(ctx, path, i, leg, headers) for i, leg in enumerate(split_legs(path, body))]
@@ -242,7 +251,7 @@ async def open_stream(
 async def _events(ctx: ProxyContext, path: str, legs: list[StreamLeg], start: float) -> AsyncIterator[str]:
     prefix = "chatcmpl" if path == CHAT else "cmpl"
     stream_id = f"{prefix}-{uuid.uuid4().hex}"
-    usages: list[dict] = []
+    usages: list[dict[str, Any]] = []
     first = True
     try:
         async with contextlib.aclosing(interleave([(leg, leg.chunks()) for leg in legs])) as items:

@@ -101,10 +101,10 @@ class Upstream:
         self,
         pool: InstancePool,
         path: str,
-        body: dict,
+        body: dict[str, Any],
         headers: dict[str, str],
         move_when_lost: bool = True,
-    ) -> tuple[Instance, dict]:
+    ) -> tuple[Instance, dict[str, Any]]:
         """POST ``body`` to an instance of ``pool``; its JSON answer (HTTP 200 only)."""
         inst, resp = await self._send(pool, "POST", path, body, headers, False, move_when_lost)
         try:
@@ -147,7 +147,9 @@ class Upstream:
             )
         return resp.status_code < 500
 
-    async def _post_idempotent(self, url: str, body: dict, headers: dict[str, str]) -> httpx.Response:
+    async def _post_idempotent(
+        self, url: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> httpx.Response:
         for attempt in range(STALE_RETRIES + 1):
             try:
                 return await self.client.post(url, json=body, headers=headers, timeout=RELEASE_TIMEOUT_S)
@@ -156,12 +158,13 @@ class Upstream:
                     raise
         raise AssertionError("unreachable")
 
-    async def get_json(self, pool: InstancePool, path: str, headers: dict[str, str]) -> dict:
+    async def get_json(self, pool: InstancePool, path: str, headers: dict[str, str]) -> dict[str, Any]:
         _, resp = await self._send(pool, "GET", path, None, headers, stream=False)
-        return resp.json()
+        answer: dict[str, Any] = resp.json()  # an instance's JSON object
+        return answer
 
     async def open_stream(
-        self, pool: InstancePool, path: str, body: dict, headers: dict[str, str]
+        self, pool: InstancePool, path: str, body: dict[str, Any], headers: dict[str, str]
     ) -> UpstreamStream:
         """POST ``body`` with stream=true; an open stream once the instance answered HTTP 200."""
         inst, resp = await self._send(pool, "POST", path, body, headers, stream=True)
@@ -172,7 +175,7 @@ class Upstream:
         pool: InstancePool,
         method: str,
         path: str,
-        body: dict | None,
+        body: dict[str, Any] | None,
         headers: dict[str, str],
         stream: bool,
         move_when_lost: bool = True,
@@ -213,7 +216,7 @@ class Upstream:
         inst: Instance,
         method: str,
         path: str,
-        body: dict | None,
+        body: dict[str, Any] | None,
         headers: dict[str, str],
         stream: bool,
     ) -> httpx.Response:
@@ -246,7 +249,7 @@ class Upstream:
         inst: Instance,
         method: str,
         path: str,
-        body: dict | None,
+        body: dict[str, Any] | None,
         headers: dict[str, str],
     ) -> httpx.Response:
         """The response's status and headers; sent again on another connection when a pooled

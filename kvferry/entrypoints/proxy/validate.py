@@ -5,15 +5,18 @@ leg starts or a stream commits to HTTP 200."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import Request
 
 from kvferry.entrypoints.edge import parse_model, read_json
 from kvferry.entrypoints.edge_options import EdgeLimits
 from kvferry.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from kvferry.entrypoints.proxy.pd import CHAT, COMPLETIONS
+from kvferry.errors import InvalidRequestError
 
 
-async def checked_body(request: Request, path: str, limits: EdgeLimits) -> dict:
+async def checked_body(request: Request, path: str, limits: EdgeLimits) -> dict[str, Any]:
     """The client's body (to forward as sent) once it passed the instances' checks."""
     body = await read_json(request, limits)
     if path == COMPLETIONS:
@@ -22,4 +25,6 @@ async def checked_body(request: Request, path: str, limits: EdgeLimits) -> dict:
         completion.to_sampling_params()
     elif path == CHAT:
         parse_model(ChatCompletionRequest, body).to_sampling_params()
+    if not isinstance(body, dict):  # what the request models parse: a JSON object
+        raise InvalidRequestError("the request body must be a JSON object")
     return body
