@@ -1,10 +1,12 @@
 """Two `kvferry serve` processes serving different models on one shared KV memory pool
 smaller than the sum of their peaks: a burst on one, then a burst on the other, and the
 second completes without preemption; two eager servers splitting the same memory in halves
-cannot (the second preempts)."""
+cannot (the second preempts). The ledger is gone once both servers exit; a fake slot planted
+in it fails requests with an error naming the pool."""
 
 from __future__ import annotations
 
+import subprocess
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from kvferry.kv.pool_ledger import NUM_SLOTS, Slot, encode_slot, parse, slot_offset
 from kvferry.kv.shared_pool import KVPoolSpec
 from tests.test_pd_support import Server, start_server, stop, wait_healthy, wait_idle
 
@@ -71,6 +74,8 @@ def test_second_burst_needs_the_first_engines_memory(tiny_llama, tiny_qwen2, tmp
                 assert m["kv_pool_size_bytes"] == 0
     finally:
         assert stop(servers) == [0, 0]
+    if mode == "elastic_pool":
+        assert not KVPoolSpec(pool_name).path.exists()  # the last engine to leave removed it
 
 
 def _check_pool_metrics(peaks: list[dict[str, float]], ends: list[dict[str, float]]) -> None:
@@ -108,6 +113,29 @@ def test_a_prompt_larger_than_the_pool_is_a_400_and_the_server_keeps_serving(tin
         assert server.post({**body, "prompt": PROMPTS[0]}).status_code == 200
         wait_idle(server)
         assert server.metrics()["kv_pool_used_bytes"] == 0
+        bystander = _plant_fake_slot(KVPoolSpec(f"{pool_name}-tiny"))
+        try:  # a slot no engine wrote, holding the rest of the pool: an error, not a wait
+            failed = server.post({**body, "prompt": PROMPTS[1]}, timeout=60)
+        finally:
+            bystander.kill()
+            bystander.wait()
+        assert failed.status_code == 500, failed.text
+        assert f"KV memory pool '{pool_name}-tiny'" in failed.json()["error"]["message"]
+        assert "not attached to the pool" in failed.json()["error"]["message"]
     finally:
         assert stop([server]) == [0]
         KVPoolSpec(f"{pool_name}-tiny").path.unlink(missing_ok=True)
+
+
+def _plant_fake_slot(spec: KVPoolSpec) -> subprocess.Popen:
+    """Another process of this user writes a slot for a live process that never joined the
+    pool (`sleep`, returned), holding everything the engines do not."""
+    bystander = subprocess.Popen(["sleep", "120"])
+    started = int(Path(f"/proc/{bystander.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    state = parse(spec.path.read_bytes())
+    index = NUM_SLOTS - 1
+    fake = encode_slot(index, Slot(bystander.pid, started, state.size_bytes - state.used_bytes))
+    with spec.path.open("r+b") as ledger:
+        ledger.seek(slot_offset(index))
+        ledger.write(fake)
+    return bystander

@@ -165,6 +165,7 @@ class EngineCore:
         if self.connector is not None:
             self.connector.shutdown()
         self.executor.shutdown()
+        self.scheduler.kv_cache_manager.close()  # leave the shared KV memory pool, if any
 
 
 def describe_step_budget(config: SchedulerConfig) -> str:
