@@ -152,3 +152,16 @@ def test_proxy_counts_a_restart_when_health_names_another_run() -> None:
     assert 'kvferry_proxy:instance_restarts_total{instance="http://a",role="decode"} 1.0' in text
     assert 'kvferry_proxy:instances{role="decode",state="up"} 1.0' in text
     assert 'kvferry_proxy:instances{role="decode",state="down"} 1.0' in text
+
+
+def test_a_restart_that_cannot_start_counts_as_one_more_exit() -> None:
+    prefill = FakeChild("prefill-0", "prefill", code=127)
+    attempts: list[str] = []
+
+    def restart(child: FakeChild) -> None:
+        attempts.append(child.name)
+        raise FileNotFoundError("no such interpreter")
+
+    lost = supervise([prefill], POLICY, threading.Event(), restart, lambda c: None, FakeClock(), poll_s=0.0)
+    assert lost is not None and lost.role == "prefill" and lost.last.exit_code == 127
+    assert attempts == ["prefill-0"] * POLICY.max_restarts

@@ -6,6 +6,8 @@ a free port and a log file; waits until every one is healthy (on failure: its lo
 and everything started so far is stopped); prints the proxy URL; on Ctrl-C or SIGTERM
 stops the proxy, then the instances (SIGTERM, then SIGKILL of the whole group after a
 grace period), leaving no process behind. Children also get SIGTERM if the launcher dies.
+A process that dies meanwhile is restarted as it was started, or left down past its
+restarts; the deployment ends (non-zero) once a role has none left (disagg_supervisor.py).
 
 ``--kv-connector none`` starts colocated instances without a connector: the decoder then
 recomputes the prompt and ignores the prefill's ``kv_transfer_params``.

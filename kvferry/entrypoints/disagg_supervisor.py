@@ -111,7 +111,7 @@ class Member:
     name: str
     role: str
     state: MemberState = MemberState.RUNNING
-    restarts: list[float] = field(default_factory=list)  # when each restart was made
+    restarts: list[float] = field(default_factory=list)  # when each restart in the window was made
     restart_at: float | None = None
     exit_code: int | None = None
 
@@ -163,7 +163,7 @@ class Fleet:
     def restarted(self, name: str, now: float) -> None:
         member = self.members[name]
         member.state, member.restart_at = MemberState.RUNNING, None
-        member.restarts.append(now)
+        member.restarts = [t for t in member.restarts if now - t < self.policy.window_s] + [now]
 
     def alive(self, role: str) -> list[Member]:
         """Members of ``role`` running or waiting for a restart."""
@@ -205,7 +205,8 @@ def supervise(
     """Until ``stop`` is set (None) or a role is lost (RoleLost): restart what exits.
 
     ``reap`` clears what an exited child left behind (its process group) before anything
-    else, so that its ports are free for the restart; ``restart`` starts it again."""
+    else, so that its ports are free for the restart; ``restart`` starts it again (an
+    OSError there leaves it exited, so it counts as one more exit)."""
     fleet = Fleet({c.name: c.role for c in children}, policy)
     by_name = {c.name: c for c in children}
     while not stop.wait(poll_s):
@@ -222,9 +223,13 @@ def supervise(
             if lost is not None:
                 return lost
         for member in fleet.due(clock()):
-            restart(by_name[member.name])
             fleet.restarted(member.name, clock())
-            logger.info("%s restarted (restart %d)", member.name, len(member.restarts))
+            try:
+                restart(by_name[member.name])
+            except OSError as exc:  # still exited: the next round counts it as another exit
+                logger.error("%s could not be started again: %s", member.name, exc)
+                continue
+            logger.info("%s restarted (%d restarts in the window)", member.name, len(member.restarts))
     return None
 
 
