@@ -3,9 +3,10 @@ decoders (NIXL) on the tiny llama, a few clients streaming greedy answers; one d
 SIGKILLed mid-answer. The answers in flight continue on the other decoder byte for byte
 as a colocated engine gives them, no client sees an error, the launcher stays up and
 restarts the decoder on its port; the proxy's /health and /metrics report it down, then
-back (one restart), and route to it again. Then the prefiller is killed past its last
-allowed restart (--max-restarts 1): no prefill instance is left, so the launcher stops
-everything and exits non-zero, saying why."""
+back (one restart), and route to it again. Then the prefiller is killed: restarted, it
+serves again (the decoders pull its KV); killed past its last allowed restart
+(--max-restarts 1), no prefill instance is left, so the launcher stops everything and
+exits non-zero, saying why."""
 
 from __future__ import annotations
 
@@ -249,19 +250,34 @@ def test_a_killed_decoder_is_restarted_while_the_other_serves(
     for prompt in PROMPTS[:3]:  # round robin: at least one of three on each decoder
         assert _complete(dep.proxy, prompt) == reference[prompt]
     assert _metric(victim, "kvferry:request_success_total") > 0
+    # its KV came over NIXL: it proved the side channel's secret, the same as before
+    assert _metric(victim, "kvferry:kv_connector_nixl_bytes_read_total") > 0
     dep.running()
 
 
+def _prefill_health(proxy: str) -> dict:
+    return dict(httpx.get(proxy + "/health", timeout=5).json()["instances"]["prefill"][0])
+
+
 @pytest.mark.slow
-def test_the_launcher_ends_non_zero_once_the_only_prefiller_is_down_for_good(deployment: Deployment) -> None:
+@pytest.mark.timeout(1800)
+def test_a_restarted_prefiller_serves_then_the_launcher_ends_once_it_is_down_for_good(
+    deployment: Deployment, reference: dict[str, str]
+) -> None:
     dep = deployment
     family = _descendants(dep.proc.pid)
     first = dep.instance_pid(dep.prefill)
     assert first is not None
     _kill_group(first)  # restarted: its one allowed restart
-    _wait("the prefiller restarted", lambda: dep.instance_pid(dep.prefill) not in (None, first), dep)
+    _wait("the dead prefiller in /health", lambda: not _prefill_health(dep.proxy)["healthy"], dep)
+    _wait("the restarted prefiller in /health", lambda: _prefill_health(dep.proxy)["healthy"], dep)
+    assert _prefill_health(dep.proxy)["restarts"] == 1
+    # the decoders take KV from the new run (a new engine, the same side-channel port and secret)
+    read = sum(_metric(url, "kvferry:kv_connector_nixl_bytes_read_total") for url in dep.decoders)
+    assert _complete(dep.proxy, PROMPTS[1]) == reference[PROMPTS[1]]
+    assert sum(_metric(url, "kvferry:kv_connector_nixl_bytes_read_total") for url in dep.decoders) > read
     again = dep.instance_pid(dep.prefill)
-    assert again is not None
+    assert again is not None and again != first
     family |= _descendants(dep.proc.pid)
     _kill_group(again)  # past --max-restarts: down for good, and it was the only one
     code = dep.proc.wait(120)
