@@ -6,6 +6,8 @@ a free port and a log file; waits until every one is healthy (on failure: its lo
 and everything started so far is stopped); prints the proxy URL; on Ctrl-C or SIGTERM
 stops the proxy, then the instances (SIGTERM, then SIGKILL of the whole group after a
 grace period), leaving no process behind. Children also get SIGTERM if the launcher dies.
+A process that dies meanwhile is restarted as it was started, or left down past its
+restarts; the deployment ends (non-zero) once a role has none left (disagg_supervisor.py).
 
 ``--kv-connector none`` starts colocated instances without a connector: the decoder then
 recomputes the prompt and ignores the prefill's ``kv_transfer_params``.
@@ -36,6 +38,7 @@ from typing import Any
 
 from kvferry.config import KVRole
 from kvferry.connector.nixl.auth import SECRET_ENV
+from kvferry.entrypoints.disagg_supervisor import add_restart_args, restart_policy, supervise
 from kvferry.entrypoints.edge_options import add_edge_args
 from kvferry.entrypoints.http_common import API_KEY_ENV
 from kvferry.errors import ConfigError, KVFerryError
@@ -72,6 +75,15 @@ class Child:
         if self.proc is None:
             raise RuntimeError(f"{self.name} was not started")
         return self.proc
+
+    @property
+    def role(self) -> str:
+        """prefill, decode or proxy."""
+        return self.name.rpartition("-")[0] or self.name
+
+    def exit_code(self) -> int | None:
+        """None while it runs (or before it was started)."""
+        return None if self.proc is None else self.proc.poll()
 
     def log_tail(self) -> str:
         try:
@@ -141,6 +153,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-dir", default=None, help="instance logs (default: a new temporary dir)")
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to become healthy")
     parser.add_argument("--stop-timeout", type=float, default=20.0, help="grace seconds before SIGKILL")
+    add_restart_args(parser)
     engine = parser.add_argument_group("engine options (passed to every instance)")
     for action in _passthrough_actions():
         engine._add_action(action)
@@ -235,9 +248,10 @@ def instance_secrets(args: argparse.Namespace, extra: dict[str, Any]) -> dict[st
     return env
 
 
-def spawn(child: Child) -> None:
+def spawn(child: Child, append: bool = False) -> None:
+    """Start the child, its output in its log (``append``: after the previous run's)."""
     parent = os.getpid()
-    with open(child.log, "wb") as out:
+    with open(child.log, "ab" if append else "wb") as out:
         child.proc = subprocess.Popen(
             child.cmd,
             env=child_environment(child.env),
@@ -344,20 +358,14 @@ def _wait_group_gone(child: Child, timeout: float = 5.0) -> None:
     )
 
 
-def first_dead(children: list[Child]) -> Child | None:
-    for child in children:
-        if child.proc is not None and child.proc.poll() is not None:
-            return child
-    return None
+def reap(child: Child) -> None:
+    """Kill what an exited child left in its process group (its engine core, TP workers)."""
+    if _kill_group(child):
+        _wait_group_gone(child)
 
 
-def watch(children: list[Child], stop: threading.Event) -> Child | None:
-    """Block until a stop is requested (None) or a child exits (that child)."""
-    while not stop.wait(0.5):
-        dead = first_dead(children)
-        if dead is not None:
-            return dead
-    return None
+def restart(child: Child) -> None:
+    spawn(child, append=True)
 
 
 # ---- the deployment ---------------------------------------------------------------------
@@ -413,6 +421,7 @@ def plan_proxy(args: argparse.Namespace, instances: list[Child], log_dir: Path) 
     cmd += ["--prefill"] + [c.url for c in instances if c.name.startswith("prefill")]
     cmd += ["--decode"] + [c.url for c in instances if c.name.startswith("decode")]
     cmd += ["--host", args.host, "--port", str(args.port), "--policy", args.policy]
+    cmd += ["--health-interval", str(args.health_interval)] if args.health_interval else []
     cmd += edge_argv(args)
     env = {API_KEY_ENV: args.api_key} if args.api_key else {}
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
@@ -424,6 +433,7 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError("--prefill and --decode need at least one instance each")
     if args.prefill_tp < 1 or args.decode_tp < 1:
         raise ConfigError("--prefill-tp and --decode-tp must be at least 1")
+    restart_policy(args)  # its ConfigError before anything starts
     if not bindable(args.host if args.host else "0.0.0.0", args.port):
         raise ConfigError(f"the proxy's port {args.port} on {args.host} is in use (--port)")
 
@@ -457,7 +467,8 @@ def run(args: argparse.Namespace) -> None:
     proxy = plan_proxy(args, instances, log_dir)
     stop = threading.Event()
     _install_signal_handlers(stop)
-    dead = None
+    policy = restart_policy(args)
+    lost = None
     try:
         start(instances, proxy, args.startup_timeout, stop)
         prefill = " ".join(c.url for c in instances if c.name.startswith("prefill"))
@@ -468,12 +479,10 @@ def run(args: argparse.Namespace) -> None:
             f"connector: {connector}; logs: {log_dir})",
             flush=True,
         )
-        dead = watch(instances + [proxy], stop)
+        lost = supervise(instances + [proxy], policy, stop, restart=restart, reap=reap)
     finally:
         stop_all([proxy] + instances, args.stop_timeout)
-    if dead is not None:
-        raise LaunchError(
-            f"{dead.name} exited with code {dead.started().returncode}; everything was stopped. "
-            f"log {dead.log}:\n{dead.log_tail()}"
-        )
+    if lost is not None:
+        dead = next(c for c in instances + [proxy] if c.name == lost.last.name)
+        raise LaunchError(f"{lost.message(policy)}. log {dead.log}:\n{dead.log_tail()}")
     logger.info("all stopped")

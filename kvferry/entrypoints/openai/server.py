@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import signal
 import socket
 import threading
@@ -103,6 +104,8 @@ def build_app(
 
 def _add_ops_routes(app: FastAPI, engine: AsyncEngine, served_model_name: str) -> None:
     registry = make_registry(engine, served_model_name)
+    # Names this run of the server in /health: a proxy that sees it change counts a restart.
+    instance_id = secrets.token_hex(8)
 
     @app.get("/health")
     async def health() -> Response:
@@ -110,7 +113,7 @@ def _add_ops_routes(app: FastAPI, engine: AsyncEngine, served_model_name: str) -
             engine.check_health()
         except EngineDeadError as exc:
             return exception_response(exc)
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", "instance_id": instance_id})
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -2,7 +2,8 @@
 
 POST /v1/completions, /v1/chat/completions   prefill, then decode (SSE when "stream": true)
 GET  /v1/models                              a decode instance's answer
-GET  /health                                 200 while each role has a healthy instance
+GET  /health                                 200 while each role has a healthy instance; instances up/down
+                                             per role, each instance's health, last error and restarts
 GET  /metrics                                the proxy's Prometheus metrics
 """
 
@@ -114,11 +115,12 @@ def _add_ops_routes(app: FastAPI, ctx: ProxyContext) -> None:
     @app.get("/health")
     async def health() -> Response:
         state = {pool.role: [i.describe() for i in pool.instances] for pool in ctx.pools}
+        counts = {p.role: {"up": p.num_healthy, "down": len(p.instances) - p.num_healthy} for p in ctx.pools}
         missing = [pool.role for pool in ctx.pools if pool.num_healthy == 0]
         if missing:
             body = error_body(f"no healthy {' or '.join(missing)} instance", "service_unavailable_error")
-            return JSONResponse({**body, "instances": state}, status_code=503)
-        return JSONResponse({"status": "ok", "instances": state})
+            return JSONResponse({**body, "roles": counts, "instances": state}, status_code=503)
+        return JSONResponse({"status": "ok", "roles": counts, "instances": state})
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -1,4 +1,8 @@
-"""Periodic GET /health on every instance; an unhealthy instance is skipped until it recovers."""
+"""Periodic GET /health on every instance; an unhealthy instance is skipped until it recovers.
+
+A kvferry server's /health names its run (``instance_id``); a healthy answer from another
+run than the last one counts a restart of that instance (``kvferry_proxy:instance_restarts``),
+whoever restarted it (`kvferry disagg`'s supervisor, a process manager, a person)."""
 
 from __future__ import annotations
 
@@ -23,8 +27,19 @@ async def check_instance(
         return
     if resp.status_code == 200:
         pool.mark(inst, True)
+        pool.seen_run(inst, _instance_id(resp))
     else:
         pool.mark(inst, False, f"/health answered HTTP {resp.status_code}")
+
+
+def _instance_id(resp: httpx.Response) -> str | None:
+    """The server run's id in a /health answer (kvferry serve's), if there is one."""
+    try:
+        body = resp.json()
+    except ValueError:
+        return None
+    value = body.get("instance_id") if isinstance(body, dict) else None
+    return value if isinstance(value, str) else None
 
 
 async def check_all(client: httpx.AsyncClient, pools: Sequence[InstancePool], timeout: float) -> None:

@@ -7,7 +7,7 @@ from collections.abc import Iterator, Sequence
 from enum import StrEnum
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvferry.entrypoints.proxy.pool import InstancePool
@@ -30,7 +30,7 @@ class _PoolCollector(Collector):
     def __init__(self, pools: Sequence[InstancePool]) -> None:
         self._pools = pools
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         healthy = GaugeMetricFamily(
             "kvferry_proxy:instance_healthy",
             "1 if the instance passed its last health check",
@@ -41,12 +41,27 @@ class _PoolCollector(Collector):
             "requests in flight on the instance",
             labels=["role", "instance"],
         )
+        restarts = CounterMetricFamily(
+            "kvferry_proxy:instance_restarts",
+            "times the instance answered its health check from a new run of its server",
+            labels=["role", "instance"],
+        )
+        counts = GaugeMetricFamily(
+            "kvferry_proxy:instances",
+            "instances of the role that passed (up) or failed (down) their last health check",
+            labels=["role", "state"],
+        )
         for pool in self._pools:
             for inst in pool.instances:
                 healthy.add_metric([pool.role, inst.url], float(inst.healthy))
                 in_flight.add_metric([pool.role, inst.url], float(inst.in_flight))
+                restarts.add_metric([pool.role, inst.url], float(inst.restarts))
+            counts.add_metric([pool.role, "up"], float(pool.num_healthy))
+            counts.add_metric([pool.role, "down"], float(len(pool.instances) - pool.num_healthy))
         yield healthy
         yield in_flight
+        yield restarts
+        yield counts
 
 
 class ProxyMetrics:

@@ -24,6 +24,8 @@ class Instance:
     in_flight: int = 0
     last_error: str | None = None
     num_requests: int = 0
+    instance_id: str | None = None  # the run of the server last seen healthy (its /health)
+    restarts: int = 0  # times a healthy answer came from another run than the last one
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -31,6 +33,7 @@ class Instance:
             "healthy": self.healthy,
             "in_flight": self.in_flight,
             "error": self.last_error,
+            "restarts": self.restarts,
         }
 
 
@@ -107,6 +110,15 @@ class InstancePool:
                 logger.warning("%s instance %s is unhealthy: %s", self.role, inst.url, error)
         inst.healthy = healthy
         inst.last_error = error
+
+    def seen_run(self, inst: Instance, instance_id: str | None) -> None:
+        """A healthy answer named ``instance_id``: another run than before is a restart."""
+        if instance_id is None:
+            return
+        if inst.instance_id is not None and inst.instance_id != instance_id:
+            inst.restarts += 1
+            logger.info("%s instance %s was restarted (%d restarts)", self.role, inst.url, inst.restarts)
+        inst.instance_id = instance_id
 
     @property
     def num_healthy(self) -> int:
