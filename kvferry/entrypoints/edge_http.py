@@ -32,7 +32,9 @@ from kvferry.entrypoints.http_common import error_body
 
 logger = logging.getLogger(__name__)
 
-MAX_HEAD_BYTES = 64 * 1024  # beyond this h11 refuses the head itself (its incomplete-event limit)
+# h11 refuses a head over 16 KiB itself (uvicorn's default h11_max_incomplete_event_size),
+# so a head is rescanned at most that long; past this, no more is kept.
+MAX_HEAD_BYTES = 64 * 1024
 _HEAD_END = re.compile(rb"\r?\n\r?\n")
 _CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # CTLs but HTAB; CR/LF only as line ends
 
