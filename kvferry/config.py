@@ -135,11 +135,17 @@ class SchedulerConfig:
     # for one 1,000-token step without a budget and for at most a 256-token chunk with
     # this one, for +3% on the prompt's own compute (docs/benchmarks.md, "Prefill budget").
     prefill_budget_with_decodes: int = 256
+    # --default-max-tokens: the output tokens of a request that sets no max_tokens (chat's
+    # null or absent). None: up to the end of the model's context, as vLLM; a chat answer
+    # may then take minutes.
+    default_max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _at_least_one("max_num_batched_tokens", self.max_num_batched_tokens)
         _at_least_one("max_num_seqs", self.max_num_seqs)
         _at_least_one("the prefill budget with decodes", self.prefill_budget_with_decodes)
+        if self.default_max_tokens is not None:
+            _at_least_one("default_max_tokens", self.default_max_tokens)
 
     @property
     def caps_prefill_with_decodes(self) -> bool:
@@ -308,6 +314,7 @@ class EngineOptions:
     max_num_seqs: int = SchedulerConfig.max_num_seqs
     enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
     prefill_budget_with_decodes: int = SchedulerConfig.prefill_budget_with_decodes
+    default_max_tokens: int | None = SchedulerConfig.default_max_tokens
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
     executor: ExecutorKind = ParallelConfig.executor
     cpu_cores: tuple[int, ...] | None = ParallelConfig.cpu_cores
@@ -345,6 +352,7 @@ class EngineOptions:
                 max_num_seqs=self.max_num_seqs,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 prefill_budget_with_decodes=self.prefill_budget_with_decodes,
+                default_max_tokens=self.default_max_tokens,
             ),
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,

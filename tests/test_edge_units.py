@@ -5,11 +5,22 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 
 import pytest
 from fastapi import FastAPI, Request
+from fastapi.testclient import TestClient
 
-from kvferry.entrypoints.edge import check_content_type, parse_json, parse_model, read_json
+from kvferry.entrypoints.edge import (
+    BodyDecoder,
+    check_content_type,
+    check_prompt_lengths,
+    check_value_count,
+    parse_json,
+    parse_model,
+    read_json,
+)
+from kvferry.entrypoints.edge_http import head_problem
 from kvferry.entrypoints.edge_options import EdgeLimits
 from kvferry.entrypoints.http_common import CLIENT_CLOSED_STATUS, sse
 from kvferry.entrypoints.openai.errors import install_error_handlers
@@ -17,6 +28,7 @@ from kvferry.entrypoints.openai.protocol import CompletionRequest
 from kvferry.entrypoints.proxy.sse import SSEDecoder
 from kvferry.errors import InvalidRequestError
 from kvferry.sampling_params import SamplingParams
+from kvferry.scheduler.request import resolve_max_tokens
 
 
 @pytest.mark.parametrize(
@@ -144,3 +156,85 @@ def test_a_client_gone_while_its_body_is_read_is_not_an_internal_error(
         asyncio.run(app(scope, receive, send))
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == CLIENT_CLOSED_STATUS
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_value_count_is_an_upper_bound_checked_before_parsing() -> None:
+    body = b'{"a": [1, 2, 3], "b": {"c": "d"}}'  # 10 values (keys too): {} [] 1 2 3 "a" "b" {} "c" "d"
+    check_value_count(body, 10)
+    with pytest.raises(InvalidRequestError, match="more than 9 JSON values"):
+        check_value_count(body, 9)
+    with pytest.raises(InvalidRequestError):
+        check_value_count(b"[" + b"1," * 300_000 + b"1]", 2**18)  # counted across slices
+
+
+def test_prompts_longer_than_the_context_are_refused_by_length() -> None:
+    ok = {"prompt": [1] * 9, "prompt_token_ids": [1] * 9}
+    assert check_prompt_lengths(ok, 10) is ok
+    assert check_prompt_lengths({"prompt": ["a"] * 100}, 10)  # a batch of texts: the model's
+    for body in ({"prompt": [1] * 10}, {"prompt": [[1], [1] * 10]}, {"prompt_token_ids": [1] * 10}):
+        with pytest.raises(InvalidRequestError, match="maximum context length is 10") as info:
+            check_prompt_lengths(body, 10)
+        assert info.value.param == "prompt"
+
+
+def test_one_bad_id_after_many_is_found_fast_and_named() -> None:
+    """pydantic stops at a list's first bad item (it once reported every one, for each
+    member of the prompt union: 15 s for 262,144 ids)."""
+    with pytest.raises(InvalidRequestError) as info:
+        parse_model(CompletionRequest, {"prompt": [1] * 200_000 + [-1]})
+    assert info.value.param == "prompt"
+    errors = info.value.__cause__.errors()  # type: ignore[union-attr]
+    assert len(errors) <= 4, len(errors)  # one per union member, not one per item
+
+
+def test_large_bodies_are_decoded_off_the_event_loop() -> None:
+    app = FastAPI()
+    install_error_handlers(app)
+    decoder = BodyDecoder()
+    threads: list[str] = []
+
+    def check(value: object) -> object:
+        threads.append(threading.current_thread().name)
+        return value
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> dict:
+        return {"body": await decoder.read(request, check)}
+
+    small, large = {"prompt": "hi"}, {"prompt": "x" * 20_000}
+    with TestClient(app) as client:
+        assert client.post("/v1/completions", json=small).json() == {"body": small}
+        assert client.post("/v1/completions", json=large).json() == {"body": large}
+    assert not threads[0].startswith("kvferry-body"), threads  # small: decoded on the loop
+    assert threads[1].startswith("kvferry-body"), threads
+    decoder.close()
+
+
+@pytest.mark.parametrize(
+    ("head", "problem"),
+    [
+        (b"POST / HTTP/1.1\r\nHost: x\r\nX-Request-Id: a\r\n b\r\n\r\n", "folding"),
+        (b"POST / HTTP/1.1\nHost: x\nX-Request-Id: a\n\tb\n\n", "folding"),
+        (b"POST / HTTP/1.1\r\nX-Request-Id: a\x01b\r\n\r\n", "control"),
+        (b"POST / HTTP/1.1\r\nX-Request-Id: a\rb\r\n\r\n", "control"),
+        (b"POST / HTTP/1.1\r\nX-Request-Id: a\x7f\r\n\r\n", "control"),
+        (b"POST / HTTP/1.1\r\ntransfer-encoding: chunked\r\nContent-Length: 3\r\n\r\n", "Transfer"),
+        (b"POST / HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n", "Transfer"),
+    ],
+)
+def test_request_heads_refused(head: bytes, problem: str) -> None:
+    assert problem in (head_problem(head) or "")
+
+
+def test_request_heads_accepted() -> None:
+    head = b"POST / HTTP/1.1\r\nHost: x\r\nX-Request-Id: a\tb\r\nContent-Length: 3\r\n\r\n"
+    assert head_problem(head) is None
+    assert head_problem(head + b"\r\n x\x01") is None  # the body is not the head
+    assert head_problem(b"POST / HTTP/1.1\r\nX-A: b\r\n\tc") is None  # partial line: not yet
+
+
+def test_default_max_tokens_caps_only_requests_that_set_none() -> None:
+    assert resolve_max_tokens(None, 10, 100) == 90  # to the end of the context, as vLLM
+    assert resolve_max_tokens(None, 10, 100, default_max_tokens=5) == 5
+    assert resolve_max_tokens(20, 10, 100, default_max_tokens=5) == 20
+    assert resolve_max_tokens(None, 98, 100, default_max_tokens=5) == 2

@@ -16,27 +16,47 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.edge_inputs import JSON, Bad, bad_beside_good, bad_inputs, check_refusal
+from tests.edge_inputs import (
+    JSON,
+    STARTUP_S,
+    Bad,
+    bad_beside_good,
+    bad_inputs,
+    check_bad_head_refused,
+    check_log_has_no_crash,
+    check_refusal,
+    disconnect_lines,
+    integer_body,
+    leave_mid_body,
+    post_while_polling_health,
+)
 from tests.test_proxy_fakes import free_port, start_cli, stop, wait_healthy
 
 KEY = "sk-edge"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_BODY = 12_000_000
+DEFAULT_MAX_TOKENS = 5
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def server_and_log(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     url = f"http://127.0.0.1:{free_port()}"
     log = tmp_path_factory.mktemp("edge") / "serve.log"
-    args = ["--log-level", "WARNING", "serve", str(tiny_llama), "--port", url.rsplit(":", 1)[1]]
+    args = ["--log-level", "INFO", "serve", str(tiny_llama), "--port", url.rsplit(":", 1)[1]]
     args += ["--kv-cache-memory", "0.01", "--max-request-body", str(MAX_BODY), "--enforce-eager"]
+    args += ["--default-max-tokens", str(DEFAULT_MAX_TOKENS)]
     proc = start_cli(args, log)
     try:
-        wait_healthy(proc, url, log)
-        yield url
+        wait_healthy(proc, url, log, STARTUP_S)
+        yield url, log
     finally:
         codes = stop([proc])
     assert codes == [0], log.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def server(server_and_log: tuple[str, Path]) -> str:
+    return server_and_log[0]
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +68,7 @@ def server_with_key(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) 
     (log.parent / "key").write_text(KEY)
     proc = start_cli(args, log)
     try:
-        wait_healthy(proc, url, log)
+        wait_healthy(proc, url, log, STARTUP_S)
         yield url
     finally:
         stop([proc])
@@ -97,6 +117,44 @@ def test_a_huge_prompt_does_not_stall_health(server: str) -> None:
     assert resp.status_code == 400 and "maximum context length" in resp.json()["error"]["message"]
     assert took > 1.0, "the prompt was not slow to tokenize: the test proves nothing"
     assert len(gaps) > 5 and max(gaps) < 0.5 * took, (max(gaps), took)
+
+
+@pytest.mark.parametrize("count", [4_000_000, 20_000])
+def test_a_costly_integer_body_does_not_stall_health(server: str, count: int) -> None:
+    """4 million token ids in 8 MB (over the JSON value limit) and 20,000 (decoded in a worker
+    thread, then over the model's context: refused by length before each id is validated):
+    /health answers within 100 ms meanwhile."""
+    resp, took, health = post_while_polling_health(server, integer_body(count))
+    assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error", resp.text
+    assert took < 30, took
+    assert health and max(health) < 0.1, (took, health)
+
+
+def test_a_client_leaving_mid_body_is_one_line(server_and_log: tuple[str, Path]) -> None:
+    url, log = server_and_log
+    leave_mid_body(url)
+    lines = disconnect_lines(log)
+    assert len(lines) == 1 and "/v1/completions" in lines[0], lines
+    check_log_has_no_crash(log)
+
+
+def test_bad_request_heads_are_400(server: str) -> None:
+    check_bad_head_refused(server)
+    assert httpx.get(server + "/health").status_code == 200
+
+
+def test_default_max_tokens_caps_a_chat_request_that_sets_none(server: str) -> None:
+    """Without the option, max_tokens null generates to the end of the context (vLLM's rule)."""
+    messages = [{"role": "user", "content": "Count to a thousand"}]
+    for extra in ({"max_tokens": None}, {}):
+        body = {"messages": messages, "ignore_eos": True, **extra}
+        resp = httpx.post(server + "/v1/chat/completions", json=body, timeout=120)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["usage"]["completion_tokens"] == DEFAULT_MAX_TOKENS, resp.json()
+        assert resp.json()["choices"][0]["finish_reason"] == "length"
+    body = {"messages": messages, "ignore_eos": True, "max_tokens": DEFAULT_MAX_TOKENS + 2}
+    resp = httpx.post(server + "/v1/chat/completions", json=body, timeout=120)
+    assert resp.json()["usage"]["completion_tokens"] == DEFAULT_MAX_TOKENS + 2  # a request's own cap holds
 
 
 def test_metrics_and_openapi_need_the_key(server_with_key: str) -> None:

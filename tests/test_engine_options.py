@@ -62,6 +62,7 @@ def test_the_command_line_and_llm_options_build_the_same_config(tiny_llama: Path
         *("--seed", "7", "--dtype", "float32", "--quantization", "int4", "--kv-cache-memory", "1MiB"),
         *("--no-prefix-caching", "--no-chunked-prefill", "--enforce-eager", "--cpu-threads", "1"),
         *("--kv-cache-memory-fraction", "0.5", "--max-model-len", "64", "--served-model-name", "m"),
+        *("--default-max-tokens", "12"),
     )
     options = EngineOptions(
         str(tiny_llama),
@@ -78,6 +79,7 @@ def test_the_command_line_and_llm_options_build_the_same_config(tiny_llama: Path
         max_num_batched_tokens=256,
         max_num_seqs=8,
         enable_chunked_prefill=False,
+        default_max_tokens=12,
         tensor_parallel_size=2,
         executor="multiproc",
         cpu_threads=1,
@@ -107,6 +109,7 @@ def test_every_option_reaches_the_config(tiny_llama: Path):
         "max_num_seqs": 8,
         "enable_chunked_prefill": False,
         "prefill_budget_with_decodes": 64,
+        "default_max_tokens": 32,
         "tensor_parallel_size": 2,
         "executor": "multiproc",
         "cpu_cores": (0, 1),

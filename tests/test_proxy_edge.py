@@ -23,34 +23,77 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvferry.entrypoints.proxy.app import build_app
 from kvferry.entrypoints.proxy.config import ProxyConfig
-from tests.edge_inputs import bad_beside_good, bad_inputs
+from tests.edge_inputs import (
+    STARTUP_S,
+    bad_beside_good,
+    bad_inputs,
+    check_bad_head_refused,
+    check_log_has_no_crash,
+    counted_statuses,
+    disconnect_lines,
+    integer_body,
+    leave_mid_body,
+    post_while_polling_health,
+)
 from tests.test_proxy_fakes import FakeInstance, free_port, serve_in_thread, start_cli, stop, wait_healthy
 
 SEPARATORS = ["Hello", " line\u2028sep", " para\u2029sep", " next\x85line", " end"]
 
 
 @pytest.fixture(scope="module")
-def proxy_url(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A proxy process in front of one colocated `kvferry serve` playing both roles."""
+def proxy_and_log(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """A proxy process (logging at INFO, to the path given) in front of one colocated
+    `kvferry serve` playing both roles."""
     logs = tmp_path_factory.mktemp("proxy_edge")
     server, proxy = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
     args = ["--log-level", "WARNING", "serve", str(tiny_llama), "--port", server.rsplit(":", 1)[1]]
     procs = [start_cli(args + ["--kv-cache-memory", "0.01", "--enforce-eager"], logs / "server.log")]
-    proxy_args = ["--log-level", "WARNING", "proxy", "--prefill", server, "--decode", server]
+    proxy_args = ["--log-level", "INFO", "proxy", "--prefill", server, "--decode", server]
     procs.append(start_cli(proxy_args + ["--port", proxy.rsplit(":", 1)[1]], logs / "proxy.log"))
     try:
-        wait_healthy(procs[0], server, logs / "server.log")
+        wait_healthy(procs[0], server, logs / "server.log", STARTUP_S)
         wait_healthy(procs[1], proxy, logs / "proxy.log")
-        yield proxy
+        yield proxy, logs / "proxy.log"
     finally:
         codes = stop(procs)
     assert codes == [0, 0], codes
+
+
+@pytest.fixture(scope="module")
+def proxy_url(proxy_and_log: tuple[str, Path]) -> str:
+    return proxy_and_log[0]
 
 
 def test_bad_inputs_are_refused_up_front_and_others_finish(proxy_url: str, tiny_llama: Path) -> None:
     vocab = json.loads((tiny_llama / "config.json").read_text())["vocab_size"]
     asyncio.run(bad_beside_good(proxy_url, {}, bad_inputs(vocab)))
     assert httpx.get(proxy_url + "/health").json()["status"] == "ok"
+
+
+@pytest.mark.parametrize("count", [4_000_000, 20_000])
+def test_a_costly_integer_body_does_not_stall_health(proxy_url: str, count: int) -> None:
+    """4 million token ids in 8 MB (under the body limit; over the JSON value limit) and
+    20,000 (under both: decoded in a worker thread, the last id refused): /health answers
+    within 100 ms meanwhile."""
+    resp, took, health = post_while_polling_health(proxy_url, integer_body(count))
+    assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error", resp.text
+    assert took < 30, took  # generous: the bound that matters is the next one
+    assert health and max(health) < 0.1, (took, health)
+
+
+def test_a_client_leaving_mid_body_is_one_line_and_a_499(proxy_and_log: tuple[str, Path]) -> None:
+    url, log = proxy_and_log
+    leave_mid_body(url)
+    lines = disconnect_lines(log)
+    assert len(lines) == 1 and "/v1/completions" in lines[0], lines
+    check_log_has_no_crash(log)
+    statuses = counted_statuses(httpx.get(url + "/metrics").text, "/v1/completions")
+    assert statuses.get("499") == 1 and "500" not in statuses, statuses
+
+
+def test_bad_request_heads_are_400(proxy_url: str) -> None:
+    check_bad_head_refused(proxy_url)
+    assert httpx.get(proxy_url + "/health").status_code == 200
 
 
 @contextmanager

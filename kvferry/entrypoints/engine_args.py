@@ -64,6 +64,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="while requests decode, at most this many prompt tokens per step (chunked prefill; "
         "default 256; at or above --max-num-batched-tokens: no cap)",
     )
+    parser.add_argument(
+        "--default-max-tokens",
+        type=int,
+        metavar="N",
+        help="output tokens of a request that sets no max_tokens (a chat request's null or "
+        "absent): at most N; default: up to the end of the model's context, as vLLM",
+    )
     parser.add_argument("--tensor-parallel-size", "-tp", type=int)
     parser.add_argument("--executor", choices=["uniproc", "multiproc", "ray"])
     parser.add_argument(
@@ -153,6 +160,7 @@ _SAME_NAME = (
     "max_num_seqs",
     "max_num_batched_tokens",
     "prefill_budget_with_decodes",
+    "default_max_tokens",
     "tensor_parallel_size",
     "executor",
     "kv_layout",

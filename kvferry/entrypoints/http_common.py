@@ -121,7 +121,8 @@ CLIENT_CLOSED_STATUS = 499  # nginx's "client closed request": nobody reads it
 
 
 class ClientDisconnected(Exception):
-    """The HTTP client went away before its (non-streaming) answer was ready."""
+    """The HTTP client went away before its (non-streaming) answer was ready, or while its
+    body was read: answered 499 and counted so, never a 500."""
 
 
 async def _wait_for_disconnect(request: Request) -> None:

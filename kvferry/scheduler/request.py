@@ -46,10 +46,15 @@ _FINISH_REASONS = MappingProxyType(
 )
 
 
-def resolve_max_tokens(max_tokens: int | None, num_prompt_tokens: int, max_model_len: int) -> int:
-    """Output tokens allowed: the user's cap, and the model's context (at least one token)."""
+def resolve_max_tokens(
+    max_tokens: int | None, num_prompt_tokens: int, max_model_len: int, default_max_tokens: int | None = None
+) -> int:
+    """Output tokens allowed: the request's cap (``default_max_tokens`` when it sets none:
+    ``--default-max-tokens``), and the model's context (at least one token). With neither,
+    a request generates to the end of the context, as vLLM's do."""
     room = max(1, max_model_len - num_prompt_tokens)
-    return room if max_tokens is None else min(max_tokens, room)
+    cap = default_max_tokens if max_tokens is None else max_tokens
+    return room if cap is None else min(cap, room)
 
 
 class Request:
@@ -69,6 +74,7 @@ class Request:
         arrival_time: float = 0.0,
         kv_transfer_params: KVTransferParams | None = None,
         block_hasher: BlockHasher | None = None,
+        default_max_tokens: int | None = None,
     ):
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt must contain at least one token", param="prompt")
@@ -84,7 +90,9 @@ class Request:
         self.all_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.max_tokens = resolve_max_tokens(sampling_params.max_tokens, len(prompt_token_ids), max_model_len)
+        self.max_tokens = resolve_max_tokens(
+            sampling_params.max_tokens, len(prompt_token_ids), max_model_len, default_max_tokens
+        )
         self.arrival_time = arrival_time
         self.kv_transfer_params = kv_transfer_params
         self.status = RequestStatus.WAITING
@@ -107,6 +115,7 @@ class Request:
         eos_token_ids: Iterable[int],
         max_model_len: int,
         block_hasher: BlockHasher | None = None,
+        default_max_tokens: int | None = None,
     ) -> Request:
         return cls(
             req.req_id,
@@ -117,6 +126,7 @@ class Request:
             arrival_time=req.arrival_time,
             kv_transfer_params=req.kv_transfer_params,
             block_hasher=block_hasher,
+            default_max_tokens=default_max_tokens,
         )
 
     @property

@@ -93,7 +93,7 @@ class Scheduler:
         """Queue a request. Raises InvalidRequestError for an empty or too-long prompt."""
         if isinstance(request, EngineCoreRequest):
             request = Request.from_engine_core_request(
-                request, eos_token_ids, self.max_model_len, self.block_hasher
+                request, eos_token_ids, self.max_model_len, self.block_hasher, self.config.default_max_tokens
             )
         elif self.block_hasher is not None:
             request.attach_block_hasher(self.block_hasher)

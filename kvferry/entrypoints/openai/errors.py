@@ -14,7 +14,7 @@ from starlette.requests import ClientDisconnect
 from kvferry.engine.async_engine import RequestFailedError
 from kvferry.engine.core_protocol import EngineDeadError
 from kvferry.entrypoints.edge import validation_message
-from kvferry.entrypoints.http_common import CLIENT_CLOSED_STATUS, error_body
+from kvferry.entrypoints.http_common import CLIENT_CLOSED_STATUS, ClientDisconnected, error_body
 from kvferry.errors import InvalidRequestError, KVFerryError, ModelNotFoundError
 
 __all__ = [
@@ -73,6 +73,10 @@ def install_error_handlers(app: FastAPI) -> None:
         # client's upstream call): nothing to answer, nothing went wrong here.
         logger.info("%s %s: the client left before its request was read", request.method, request.url.path)
         return Response(status_code=CLIENT_CLOSED_STATUS)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _on_client_gone(_: Request, __: ClientDisconnected) -> Response:
+        return Response(status_code=CLIENT_CLOSED_STATUS)  # logged where it was seen
 
     async def _on_exception(_: Request, exc: Exception) -> JSONResponse:
         return exception_response(exc)

@@ -26,6 +26,11 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]  # the vocabulary's bound is the engine's check
+# Lists stop at their first bad item. Without it pydantic reports every bad item, for each
+# member of a union it tries: one bad id after 262,143 good ones cost 15 s of validation,
+# holding the GIL; with it, 0.07 s (2026-11-27, 3c0034b, AMD EPYC, 2 vCPU, AVX2, loaded host).
+TokenIds = Annotated[list[TokenId], Field(fail_fast=True)]
+Texts = Annotated[list[str], Field(fail_fast=True)]
 _STRICT = ConfigDict(extra="ignore", strict=True)
 
 
@@ -45,7 +50,7 @@ class _CommonRequest(BaseModel):
     n: Int64 = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: str | Texts | None = None
     seed: Int64 | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -55,7 +60,7 @@ class _CommonRequest(BaseModel):
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: TokenIds | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     kv_transfer_params: dict[str, Any] | None = None
@@ -97,7 +102,7 @@ def _is_token_ids(prompt: list[str] | list[int] | list[list[int]]) -> TypeIs[lis
 
 
 class CompletionRequest(_CommonRequest):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    prompt: str | Texts | TokenIds | Annotated[list[TokenIds], Field(fail_fast=True)]
     logprobs: Int64 | None = None
     echo: bool = False
     suffix: str | None = None
@@ -133,7 +138,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | Annotated[list[TextPart], Field(fail_fast=True)] | None = None
     name: str | None = None
 
     def to_template_dict(self) -> dict[str, Any]:
@@ -147,14 +152,14 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_CommonRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
     max_completion_tokens: Int64 | None = None
     logprobs: bool = False
     top_logprobs: Int64 | None = None
     add_generation_prompt: bool = True
     # extras: the prompt as token ids, used instead of the messages' chat template (the P/D
     # proxy continues a chat answer on another decoder from the ids already sent)
-    prompt_token_ids: list[TokenId] | None = Field(default=None, min_length=1)
+    prompt_token_ids: TokenIds | None = Field(default=None, min_length=1)
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

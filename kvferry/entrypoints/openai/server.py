@@ -20,17 +20,21 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from types import FrameType
+from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 
 from kvferry.config import EngineConfig
 from kvferry.engine.async_engine import AsyncEngine
 from kvferry.engine.core_protocol import EngineDeadError
-from kvferry.entrypoints.edge import parse_model, read_json
+from kvferry.entrypoints.edge import BodyDecoder, check_prompt_lengths, parse_model
+from kvferry.entrypoints.edge_http import StrictH11Protocol
 from kvferry.entrypoints.edge_options import EdgeLimits, protected_paths
 from kvferry.entrypoints.http_common import ApiKeyMiddleware
 from kvferry.entrypoints.openai.errors import exception_response, install_error_handlers
@@ -43,6 +47,7 @@ from kvferry.entrypoints.openai.serving_completions import create_completion
 logger = logging.getLogger(__name__)
 
 METRICS_REFRESH_TIMEOUT_S = 1.0
+M = TypeVar("M", bound=BaseModel)
 
 
 def build_app(
@@ -58,7 +63,8 @@ def build_app(
     ``metrics_public``. Request bodies are read and checked by kvferry/entrypoints/edge.py
     within ``limits``.
     """
-    limits = limits or EdgeLimits()
+    decoder = BodyDecoder(limits)
+    max_model_len = engine.model_config.max_model_len
     app = FastAPI(title="kvferry", docs_url=None, redoc_url=None)
     state = ServerState(engine, served_model_name, aliases=(engine.model_config.model,))
     created = int(time.time())
@@ -81,25 +87,30 @@ def build_app(
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
-        body = parse_model(CompletionRequest, await read_json(request, limits))
+        body = await decoder.read(request, partial(_checked, CompletionRequest, max_model_len))
         return await create_completion(body, request, state)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = parse_model(ChatCompletionRequest, await read_json(request, limits))
+        body = await decoder.read(request, partial(_checked, ChatCompletionRequest, max_model_len))
         return await create_chat_completion(body, request, state)
 
     @v1.post("/kv_transfer/release")
     async def release_kv(request: Request) -> dict[str, object]:
         """Free the KV kept for a finished prefill whose decoder will not come (404: unknown
         id; idempotent). The proxy calls it when its client leaves between the two legs."""
-        body = parse_model(KVReleaseRequest, await read_json(request, limits))
+        body = await decoder.read(request, partial(parse_model, KVReleaseRequest))
         engine.release_kv(body.request_id)
         return {"request_id": body.request_id, "released": True}
 
     app.include_router(v1)
     _add_ops_routes(app, engine, served_model_name)
     return app
+
+
+def _checked(model: type[M], max_model_len: int, value: Any) -> M:
+    """A generation request's body as ``model``, a prompt too long for the context refused first."""
+    return parse_model(model, check_prompt_lengths(value, max_model_len))
 
 
 def _add_ops_routes(app: FastAPI, engine: AsyncEngine, served_model_name: str) -> None:
@@ -161,7 +172,14 @@ def _serve(engine_config: EngineConfig, options: HttpOptions, log_level: str) ->
     host, port = options.host, options.port
     try:
         app = build_app(engine, name, options.api_key, options.limits, options.metrics_public)
-        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            timeout_graceful_shutdown=5,
+            http=StrictH11Protocol,
+        )
         logger.info("serving %s on http://%s:%d", name, host, port)
         _Server(config, on_exit=engine.stop).run()
     finally:

@@ -21,7 +21,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvferry.entrypoints.edge_options import EdgeLimits, protected_paths
+from kvferry.entrypoints.edge import BodyDecoder
+from kvferry.entrypoints.edge_options import protected_paths
 from kvferry.entrypoints.http_common import (
     CLIENT_CLOSED_STATUS,
     ApiKeyMiddleware,
@@ -71,6 +72,7 @@ def build_app(config: ProxyConfig) -> FastAPI:
     """The proxy app for ``config``; its httpx client and health checks live with the app."""
     client = make_client(config)
     ctx = make_context(config, client)
+    decoder = BodyDecoder(config.limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -84,6 +86,7 @@ def build_app(config: ProxyConfig) -> FastAPI:
             await asyncio.gather(checks, return_exceptions=True)
             await ctx.cancel_background()
             await client.aclose()
+            decoder.close()
 
     app = FastAPI(title="kvferry proxy", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.proxy = ctx
@@ -92,19 +95,19 @@ def build_app(config: ProxyConfig) -> FastAPI:
         app.add_middleware(
             ApiKeyMiddleware, api_key=config.api_key, protected=protected_paths(config.metrics_public)
         )
-    _add_openai_routes(app, ctx, config.limits)
+    _add_openai_routes(app, ctx, decoder)
     _add_ops_routes(app, ctx)
     return app
 
 
-def _add_openai_routes(app: FastAPI, ctx: ProxyContext, limits: EdgeLimits) -> None:
+def _add_openai_routes(app: FastAPI, ctx: ProxyContext, decoder: BodyDecoder) -> None:
     @app.post(COMPLETIONS)
     async def completions(request: Request) -> Response:
-        return await _generate(ctx, COMPLETIONS, request, limits)
+        return await _generate(ctx, COMPLETIONS, request, decoder)
 
     @app.post(CHAT)
     async def chat(request: Request) -> Response:
-        return await _generate(ctx, CHAT, request, limits)
+        return await _generate(ctx, CHAT, request, decoder)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -127,11 +130,11 @@ def _add_ops_routes(app: FastAPI, ctx: ProxyContext) -> None:
         return Response(generate_latest(ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-async def _generate(ctx: ProxyContext, path: str, request: Request, limits: EdgeLimits) -> Response:
+async def _generate(ctx: ProxyContext, path: str, request: Request, decoder: BodyDecoder) -> Response:
     start = time.monotonic()
     status = 200
     try:
-        body = await checked_body(request, path, limits)
+        body = await checked_body(request, path, decoder)
         headers = _forwarded(request)
         if body.get("stream"):
             events = await until_disconnect(request, open_stream(ctx, path, body, headers, start))

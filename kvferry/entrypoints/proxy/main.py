@@ -57,6 +57,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
 def run(args: argparse.Namespace) -> None:
     import uvicorn
 
+    from kvferry.entrypoints.edge_http import StrictH11Protocol
     from kvferry.entrypoints.proxy.app import build_app
 
     config = config_from_args(args)
@@ -75,7 +76,14 @@ def run(args: argparse.Namespace) -> None:
     # handler it replaced: this one, so a stop asked for ends with exit code 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _exit_zero)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=level, timeout_graceful_shutdown=5)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=level,
+        timeout_graceful_shutdown=5,
+        http=StrictH11Protocol,
+    )
 
 
 def _exit_zero(signum: int, _frame: object) -> None:

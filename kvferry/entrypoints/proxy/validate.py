@@ -5,20 +5,25 @@ leg starts or a stream commits to HTTP 200."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from fastapi import Request
 
-from kvferry.entrypoints.edge import parse_model, read_json
-from kvferry.entrypoints.edge_options import EdgeLimits
+from kvferry.entrypoints.edge import BodyDecoder, parse_model
 from kvferry.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from kvferry.entrypoints.proxy.pd import CHAT, COMPLETIONS
 from kvferry.errors import InvalidRequestError
 
 
-async def checked_body(request: Request, path: str, limits: EdgeLimits) -> dict[str, Any]:
-    """The client's body (to forward as sent) once it passed the instances' checks."""
-    body = await read_json(request, limits)
+async def checked_body(request: Request, path: str, decoder: BodyDecoder) -> dict[str, Any]:
+    """The client's body (to forward as sent) once it passed the instances' checks (in a
+    worker thread when large: see kvferry/entrypoints/edge.py)."""
+    body: dict[str, Any] = await decoder.read(request, partial(_check, path))
+    return body
+
+
+def _check(path: str, body: Any) -> Any:
     if path == COMPLETIONS:
         completion = parse_model(CompletionRequest, body)
         completion.prompts()
