@@ -142,7 +142,7 @@ def _halves(tiny_llama, delays):
 
 
 def _step(sched, worker, finished=frozenset()):
-    from kvferry.scheduler.output import SchedulerOutput
+    from kvferry.messages.scheduler_output import SchedulerOutput
 
     meta = sched.build_connector_meta(SchedulerOutput.empty())
     assert isinstance(meta, MultiMetadata) and all(isinstance(m, KVConnectorMetadata) for m in meta.children)

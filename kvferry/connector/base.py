@@ -26,8 +26,8 @@ from kvferry.messages.kv_connector import KVConnectorOutput, KVConnectorStats, K
 
 if TYPE_CHECKING:
     from kvferry.config import EngineConfig, KVTransferConfig, LoadFailurePolicy
+    from kvferry.messages.scheduler_output import BlockIds, SchedulerOutput
     from kvferry.model.forward_context import AttentionMetadata
-    from kvferry.scheduler.output import BlockIds, SchedulerOutput
     from kvferry.scheduler.request import Request
 
 logger = logging.getLogger(__name__)

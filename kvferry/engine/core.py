@@ -17,7 +17,7 @@ from kvferry.kv.spec import KVCacheConfig
 from kvferry.kv.usage import KVGroupStats, KVMemoryStats
 from kvferry.messages.engine_core import EngineCoreOutput, EngineCoreRequest
 from kvferry.messages.kv_connector import KVConnectorOutput
-from kvferry.scheduler.output import SchedulerOutput
+from kvferry.messages.scheduler_output import SchedulerOutput
 from kvferry.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)

@@ -9,9 +9,9 @@ from kvferry.kv.pages import PageChanges
 from kvferry.kv.shared_pool import PoolPageBudget, SharedKVPool
 from kvferry.kv.spec import KVCacheConfig, KVCacheSpec, SlidingWindowSpec
 from kvferry.kv.usage import KVGroupStats, KVMemoryStats
+from kvferry.messages.scheduler_output import BlockIds
 from kvferry.scheduler.block_pool import BlockPool, KVCacheBlock
 from kvferry.scheduler.hashing import BlockHasher
-from kvferry.scheduler.output import BlockIds
 from kvferry.scheduler.request import Request
 from kvferry.scheduler.single_type_manager import SingleTypeManager, make_manager
 

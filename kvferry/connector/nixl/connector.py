@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from kvferry.config import EngineConfig, KVTransferConfig
     from kvferry.connector.nixl.scheduler_side import NixlScheduler
     from kvferry.connector.nixl.worker_side import NixlWorker
-    from kvferry.scheduler.output import SchedulerOutput
+    from kvferry.messages.scheduler_output import SchedulerOutput
     from kvferry.scheduler.request import Request
 
 logger = logging.getLogger(__name__)

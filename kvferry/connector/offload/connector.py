@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from kvferry.config import EngineConfig
     from kvferry.kv.spec import KVCacheConfig
-    from kvferry.scheduler.output import BlockIds, SchedulerOutput
+    from kvferry.messages.scheduler_output import BlockIds, SchedulerOutput
     from kvferry.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
