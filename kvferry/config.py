@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, TypeVar
@@ -251,6 +252,27 @@ class KVTransferConfig:
             raise ConfigError("kv_connector_extra_config must be a JSON object")
 
 
+@dataclass(frozen=True)
+class ConnectorSpec:
+    """The KV connector resolved once per process (kvferry.connector.factory.resolve_connector):
+    its class, checked against the connector API, the role and the KV layout; its transfer
+    settings with the start-up decisions every half and rank shares (an engine id, a port);
+    and, for a connector made of others (MultiConnector), theirs. The engine, the executor,
+    the workers and the front end read this; nothing resolves the connector again."""
+
+    # a kvferry.connector.base.KVConnectorBase subclass (that layer narrows it:
+    # kvferry.connector.base.connector_class)
+    connector_class: type
+    transfer: KVTransferConfig
+    children: tuple[ConnectorSpec, ...] = ()
+
+    def walk(self) -> Iterator[ConnectorSpec]:
+        """This spec and its children's, depth first."""
+        yield self
+        for child in self.children:
+            yield from child.walk()
+
+
 class CaptureMode(str, Enum):
     """Whether decode steps run as one compiled program (--capture; kvferry.worker.capture)."""
 
@@ -290,6 +312,9 @@ class EngineConfig:
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
     device: str = "cpu"
     seed: int = 0
+    # Set by kvferry.connector.factory.resolve_connector (kv_transfer then holds the settled
+    # settings, the same as connector.transfer); None without a connector or before it.
+    connector: ConnectorSpec | None = None
 
 
 @dataclass(frozen=True)

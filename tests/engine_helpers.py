@@ -18,6 +18,7 @@ from kvferry.config import (
     WeightQuantization,
 )
 from kvferry.engine.llm import LLM
+from kvferry.kv.spec import Layout
 from kvferry.model.resolve import resolve_model_config
 
 PROMPT_TEXTS = [
@@ -53,6 +54,7 @@ def make_llm(
     capture: CaptureMode = CaptureMode.AUTO,  # ALWAYS where a test asserts the compiled path ran
     device: str = "cpu",
     quantization: WeightQuantization = WeightQuantization.NONE,
+    kv_layout: Layout = CacheConfig.layout,
 ) -> LLM:
     model = resolve_model_config(
         str(model_dir), dtype="float32", max_model_len=max_model_len, quantization=quantization
@@ -64,6 +66,7 @@ def make_llm(
             kv_cache_bytes=64 << 20,
             num_gpu_blocks_override=num_blocks,
             enable_prefix_caching=prefix_caching,
+            layout=kv_layout,
         ),
         scheduler=SchedulerConfig(budget, max_num_seqs, chunked),
         parallel=ParallelConfig(tensor_parallel_size=tp, executor=executor),

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from kvferry.sampling_params import SamplingParams
-from kvferry.scheduler import hashing
-from kvferry.scheduler.block_pool import (
+from kvferry.kv.null_block import (
     NO_NULL_BLOCK,
     NULL_BLOCK_ID,
-    BlockPool,
-    FreeBlockQueue,
-    KVCacheBlock,
     null_block_id,
+    reserves_null_block,
     usable_block_ids,
 )
+from kvferry.sampling_params import SamplingParams
+from kvferry.scheduler import hashing
+from kvferry.scheduler.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
 from kvferry.scheduler.hashing import ROOT_HASH, BlockContent, BlockHasher, hash_block_tokens
 from kvferry.scheduler.request import Request
 
@@ -193,6 +192,7 @@ def test_the_null_block_rule_is_stated_once_and_shared_with_the_nixl_checks():
     from kvferry.connector.nixl.protocol import GroupInfo, GroupKind
     from kvferry.connector.nixl.validate import null_block
 
+    assert reserves_null_block(True) and not reserves_null_block(False)
     assert null_block_id(True) == NULL_BLOCK_ID == 0 and null_block_id(False) == NO_NULL_BLOCK
     assert usable_block_ids(4, has_sliding_window=True) == [1, 2, 3]
     assert usable_block_ids(4, has_sliding_window=False) == [0, 1, 2, 3]

@@ -5,7 +5,7 @@ import re
 import pytest
 
 from kvferry.config import CacheConfig, CaptureMode, ExecutorKind, KVRole, KVTransferConfig, ParallelConfig
-from kvferry.connector.factory import resolve_connector_class
+from kvferry.connector.factory import resolve_spec
 from kvferry.entrypoints.engine_args import parse_kv_transfer_config
 from kvferry.errors import ConfigError
 from kvferry.kv.spec import Layout
@@ -35,7 +35,7 @@ BAD_CONFIGS = [
 @pytest.mark.parametrize(("raw", "message"), BAD_CONFIGS)
 def test_bad_kv_transfer_config_is_a_clear_startup_error(raw, message):
     with pytest.raises(ConfigError, match=message):
-        parse_kv_transfer_config(raw)
+        resolve_spec(parse_kv_transfer_config(raw))
 
 
 def test_role_the_connector_does_not_support(monkeypatch):
@@ -43,14 +43,14 @@ def test_role_the_connector_does_not_support(monkeypatch):
 
     monkeypatch.setattr(RecordingConnector, "supported_roles", frozenset({KVRole.PRODUCER}))
     with pytest.raises(ConfigError, match="does not support kv_role 'consumer'"):
-        resolve_connector_class(KVTransferConfig("RecordingConnector", kv_role="consumer"))
+        resolve_spec(KVTransferConfig("RecordingConnector", kv_role="consumer"))
 
 
 def test_out_of_tree_connector_by_module_path():
     config = parse_kv_transfer_config(
         '{"kv_connector": "FaultyConnector", "kv_connector_module_path": "tests.connectors.faulty"}'
     )
-    assert resolve_connector_class(config).__module__ == "tests.connectors.faulty"
+    assert resolve_spec(config).connector_class.__module__ == "tests.connectors.faulty"
 
 
 # The faulty connector counts forwards after warm-up's two: --capture auto's start-up

@@ -136,35 +136,51 @@ def test_secrets_per_child(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_serving_side_channel_host_and_secret(
     tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvferry.connector.nixl.serving import for_serving
-    from kvferry.entrypoints.cli import build_parser
-    from kvferry.entrypoints.engine_args import engine_config_from_args
+    from kvferry.entrypoints.cli import build_parser, serve_config
 
     monkeypatch.delenv(SECRET_ENV, raising=False)
 
-    def config(**extra):
-        kv = json.dumps(nixl("producer", **extra))
-        return engine_config_from_args(
-            build_parser().parse_args(["serve", str(tiny_llama), "--kv-transfer-config", kv])
-        )
+    def served(host: str, *args: str, kv: dict | None = None) -> dict:
+        """The settled extra config of `kvferry serve --host HOST ARGS`."""
+        argv = ["serve", str(tiny_llama), "--host", host, *args]
+        if kv is not None:
+            argv += ["--kv-transfer-config", json.dumps(kv)]
+        config = serve_config(build_parser().parse_args(argv))
+        return config.kv_transfer.kv_connector_extra_config
 
-    def extra_of(cfg) -> dict:
-        return cfg.kv_transfer.kv_connector_extra_config
-
-    assert extra_of(for_serving(config(), "10.1.2.3", None, False))["side_channel_host"] == "10.1.2.3"
+    # (a consumer: a producer would also pick a free side-channel port on that host)
+    assert served("10.1.2.3", kv=nixl("consumer"))["side_channel_host"] == "10.1.2.3"
     for wildcard in ("0.0.0.0", "::"):
-        assert "side_channel_host" not in extra_of(for_serving(config(), wildcard, None, False))
-    assert extra_of(for_serving(config(side_channel_host="10.9.9.9"), "10.1.2.3", None, False)) == {
-        "side_channel_host": "10.9.9.9"
-    }
+        assert "side_channel_host" not in served(wildcard, kv=nixl("producer"))
+    assert served("10.1.2.3", kv=nixl("consumer", side_channel_host="10.9.9.9"))["side_channel_host"] == (
+        "10.9.9.9"
+    )
     with pytest.raises(ConfigError, match="would be unauthenticated"):
-        for_serving(config(), "127.0.0.1", None, True)
+        served("127.0.0.1", "--api-key", KEY, kv=nixl("producer"))
     secret = tmp_path / "secret"
     secret.write_text("a-long-enough-side-channel-secret")
-    assert extra_of(for_serving(config(), "127.0.0.1", str(secret), True))["secret_file"] == str(secret)
+    with_secret = served(
+        "127.0.0.1", "--api-key", KEY, "--kv-transfer-secret-file", str(secret), kv=nixl("producer")
+    )
+    assert with_secret["secret_file"] == str(secret)
     monkeypatch.setenv(SECRET_ENV, "a-long-enough-side-channel-secret")
-    for_serving(config(), "127.0.0.1", None, True)  # the variable will do
-    plain = engine_config_from_args(build_parser().parse_args(["serve", str(tiny_llama)]))
-    assert for_serving(plain, "127.0.0.1", None, True) is plain
-    with pytest.raises(ConfigError, match="needs the NixlConnector"):
-        for_serving(plain, "127.0.0.1", str(secret), False)
+    served("127.0.0.1", "--api-key", KEY, kv=nixl("producer"))  # the variable will do
+    assert served("127.0.0.1", "--api-key", KEY, kv=None) == {}
+    with pytest.raises(ConfigError, match="needs a KV connector that takes a secret"):
+        served("127.0.0.1", "--kv-transfer-secret-file", str(secret))
+    offload = {"kv_connector": "OffloadConnector"}
+    with pytest.raises(ConfigError, match="needs a KV connector that takes a secret"):
+        served("127.0.0.1", "--kv-transfer-secret-file", str(secret), kv=offload)
+    # inside a MultiConnector, the NixlConnector settles its side channel the same way
+    multi = {
+        "kv_connector": "MultiConnector",
+        "kv_connector_extra_config": {"connectors": [nixl("consumer")]},
+    }
+    argv = ["serve", str(tiny_llama), "--host", "10.1.2.3", "--kv-transfer-config", json.dumps(multi)]
+    spec = serve_config(
+        build_parser().parse_args([*argv, "--kv-transfer-secret-file", str(secret)])
+    ).connector
+    assert (
+        spec is not None
+        and spec.children[0].transfer.kv_connector_extra_config["side_channel_host"] == "10.1.2.3"
+    )

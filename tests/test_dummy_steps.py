@@ -12,8 +12,8 @@ from kvferry.config import CacheConfig, SchedulerConfig
 from kvferry.engine.profile_run import profile_steps
 from kvferry.engine.warmup import dummy_block_tables, warmup_steps
 from kvferry.kv.allocate import build_kv_cache_config
+from kvferry.kv.null_block import NULL_BLOCK_ID
 from kvferry.kv.spec import AttentionLayerKV
-from kvferry.scheduler.block_pool import NULL_BLOCK_ID
 
 BLOCK = 4
 

@@ -123,3 +123,140 @@ def test_an_upward_import_is_reported(tmp_path, path, source, expected):
     (root / "kv" / "fine.py").write_text("from kvferry.errors import ConfigError\n")
     [found] = violations(root)
     assert expected in found and found.startswith(f"kvferry/{path}:")
+
+
+# ---- seams inside the layers ---------------------------------------------------------------
+
+# What the rest of the package may import from the scheduler: the Scheduler itself (the
+# engine core), Request (connectors' scheduler halves) and what it expects of a connector.
+# Its block pool, KV cache manager and step bookkeeping are its own; the messages it hands
+# on live in messages/ and the null-block rule in kv/null_block.py.
+SCHEDULER_SURFACE = frozenset(
+    {"kvferry.scheduler.scheduler", "kvferry.scheduler.request", "kvferry.scheduler.interfaces"}
+)
+
+# The null-block rule's names: defined in kv/null_block.py alone.
+NULL_BLOCK_RULE = frozenset({"NULL_BLOCK_ID", "NO_NULL_BLOCK", "null_block_id", "usable_block_ids"})
+NULL_BLOCK_HOME = "kvferry/kv/null_block.py"
+
+NIXL_PACKAGE = "kvferry.connector.nixl"
+# Outside connector/nixl/, who may know the NixlConnector by name, and why.
+NIXL_AWARE: dict[str, str] = {
+    "kvferry/connector/factory.py": "the built-in registry names the class by its module path (a string)",
+    "kvferry/entrypoints/disagg.py": "the P/D launcher: starts NixlConnector instances, wires their side channels",
+}
+
+
+def kvferry_files(root: Path = ROOT) -> list[Path]:
+    """Every module of the package, benchmarks aside (they drive whole deployments, NIXL too)."""
+    return [p for p in sorted(root.rglob("*.py")) if "bench" not in p.relative_to(root).parts]
+
+
+def nixl_option_names() -> frozenset[str]:
+    """The keys of the NixlConnector's kv_connector_extra_config, read from its settings."""
+    from kvferry.connector.nixl.metadata import NixlSettings
+
+    return frozenset(NixlSettings.__dataclass_fields__)
+
+
+def words_of(path: Path) -> set[str]:
+    """Identifiers, attribute and keyword names, and string constants (docstrings aside) of a file."""
+    tree = ast.parse(path.read_text(), str(path))
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            found.add(node.attr)
+        elif isinstance(node, ast.keyword) and node.arg:
+            found.add(node.arg)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            found.add(node.value)
+    return found
+
+
+def seam_violations(root: Path = ROOT, nixl_options: frozenset[str] = frozenset()) -> list[str]:
+    """Imports and names that cross the seams above, as 'file: what'."""
+    found = []
+    for path in kvferry_files(root):
+        rel = str(path.relative_to(root.parent))
+        in_scheduler = rel.startswith("kvferry/scheduler/")
+        in_nixl = rel.startswith("kvferry/connector/nixl/")
+        for line, target in imports_of(path, root):
+            if (
+                target.startswith("kvferry.scheduler.")
+                and not in_scheduler
+                and target not in SCHEDULER_SURFACE
+            ):
+                found.append(f"{rel}:{line}: imports the scheduler's own {target}")
+            if target.startswith(NIXL_PACKAGE) and not in_nixl and rel not in NIXL_AWARE:
+                found.append(f"{rel}:{line}: imports {target}")
+        if rel != NULL_BLOCK_HOME:
+            tree = ast.parse(path.read_text(), str(path))
+            for node in ast.walk(tree):
+                defined = [node.name] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else []
+                if isinstance(node, (ast.Assign, ast.AnnAssign)):
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                    defined = [t.id for t in targets if isinstance(t, ast.Name)]
+                found += [
+                    f"{rel}:{node.lineno}: restates the null-block rule ({name})"
+                    for name in defined
+                    if name in NULL_BLOCK_RULE
+                ]
+        if not in_nixl and rel not in NIXL_AWARE:
+            words = words_of(path)
+            named = sorted(w for w in words if w in nixl_options or "Nixl" in w or NIXL_PACKAGE in w)
+            found += [f"{rel}: names the NixlConnector's {w!r}" for w in named]
+    return found
+
+
+def test_the_seams_hold():
+    assert seam_violations(nixl_options=nixl_option_names()) == []
+
+
+def test_the_nixl_option_names_are_read_from_its_settings():
+    assert {"engine_id", "side_channel_host", "side_channel_port", "secret_file"} <= nixl_option_names()
+
+
+@pytest.mark.parametrize(
+    ("path", "source", "expected"),
+    [
+        # SchedulerOutput read from where the scheduler used to keep it
+        ("engine/x.py", "from kvferry.scheduler.output import SchedulerOutput\n", "scheduler's own"),
+        # a connector reaching into the block pool for the null block
+        ("connector/x.py", "from kvferry.scheduler.block_pool import null_block_id\n", "scheduler's own"),
+        # the null-block rule stated a second time
+        ("scheduler/x.py", "NULL_BLOCK_ID = 0\n", "restates the null-block rule"),
+        (
+            "engine/x.py",
+            "def usable_block_ids(n):\n    return list(range(n))\n",
+            "restates the null-block rule",
+        ),
+        # the generic command line knowing NIXL's options or modules
+        ("entrypoints/cli.py", "extra = {'side_channel_host': host}\n", "'side_channel_host'"),
+        (
+            "entrypoints/cli.py",
+            "def f():\n    from kvferry.connector.nixl import serving\n",
+            "imports kvferry",
+        ),
+        ("engine/x.py", "if issubclass(cls, NixlConnector):\n    pass\n", "'NixlConnector'"),
+    ],
+)
+def test_a_crossed_seam_is_reported(tmp_path, path, source, expected):
+    root = tmp_path / "kvferry"
+    (root / path).parent.mkdir(parents=True, exist_ok=True)
+    (root / path).write_text(source)
+    (root / "kv").mkdir(exist_ok=True)
+    (root / "kv" / "null_block.py").write_text("NULL_BLOCK_ID = 0\n")
+    (root / "connector" / "nixl").mkdir(parents=True, exist_ok=True)
+    (root / "connector" / "nixl" / "serving.py").write_text("extra = {'side_channel_host': 'h'}\n")
+    [found] = seam_violations(root, frozenset({"side_channel_host"}))
+    assert expected in found and found.startswith(f"kvferry/{path}")

@@ -1,19 +1,19 @@
-"""Invariant 5: the engine's KV layout is one the allocator and every connector accept.
---kv-layout is a preference; a connector that accepts only HND gets HND tensors (and the
-same greedy answers), and connectors that share no layout stop the start-up with an error
-naming who accepts what."""
+"""Invariant 5: the engine's KV layout is --kv-layout, as given. Both allocators and every
+built-in connector work with either layout (NIXL converts between a prefiller's and a
+decoder's: tests/test_pd_e2e.py, tests/test_nixl_engine.py); a connector that works with
+one only gets its tensors in that layout, or the start-up stops with an error naming it."""
 
 from __future__ import annotations
 
+import importlib
 import json
-import logging
 
 import pytest
 
 from kvferry.config import KVTransferConfig
 from kvferry.connector.base import KVConnectorBase
+from kvferry.connector.factory import BUILTIN_CONNECTORS
 from kvferry.errors import ConfigError
-from kvferry.kv.layout_choice import LayoutParty, choose_layout
 from kvferry.kv.spec import Layout
 from kvferry.sampling_params import SamplingParams
 from tests.engine_helpers import assert_pool_full, make_llm
@@ -24,7 +24,7 @@ MODULE = __name__
 
 
 class HndOnlyConnector(KVConnectorBase):
-    """Moves nothing; accepts HND only and records the tensors it is handed."""
+    """Moves nothing; works with HND only and records the tensors it is handed."""
 
     supported_layouts = (Layout.HND,)
 
@@ -43,30 +43,18 @@ def _connector(name: str, **extra) -> dict:
     return {"kv_connector": name, "kv_connector_module_path": MODULE, "kv_connector_extra_config": extra}
 
 
-def test_the_preference_is_kept_when_everyone_accepts_it():
-    both = LayoutParty("a", (Layout.NHD, Layout.HND))
-    assert choose_layout(Layout.HND, [both, LayoutParty("b", (Layout.HND, Layout.NHD))]) is Layout.HND
-    assert choose_layout(Layout.NHD, [both, both]) is Layout.NHD
-
-
-def test_a_refused_preference_gives_way_with_a_warning(caplog):
-    parties = [LayoutParty("the allocator", (Layout.NHD, Layout.HND)), LayoutParty("X", (Layout.HND,))]
-    with caplog.at_level(logging.WARNING, logger="kvferry.kv.layout_choice"):
-        assert choose_layout(Layout.NHD, parties) is Layout.HND
-    assert "not accepted by X" in caplog.text
-
-
-def test_no_common_layout_names_who_accepts_what():
-    parties = [LayoutParty("A", (Layout.NHD,)), LayoutParty("B", (Layout.HND,)), LayoutParty("C", ())]
-    with pytest.raises(ConfigError, match="A accepts NHD; B accepts HND; C accepts no layout"):
-        choose_layout(Layout.NHD, parties)
+@pytest.mark.parametrize("name", sorted(BUILTIN_CONNECTORS))
+def test_every_built_in_connector_works_with_both_layouts(name):
+    module, class_name = BUILTIN_CONNECTORS[name].split(":")
+    cls = getattr(importlib.import_module(module), class_name)
+    assert set(cls.supported_layouts) == {Layout.NHD, Layout.HND}
 
 
 def test_an_hnd_only_connector_gets_hnd_tensors_and_the_same_answers(tiny_llama, tmp_path):
     record = tmp_path / "record.json"
     expected = tokens(make_llm(tiny_llama, enforce_eager=True).generate(PROMPTS, GREEDY))
     transfer = KVTransferConfig.from_dict(_connector("HndOnlyConnector", record_path=str(record)))
-    llm = make_llm(tiny_llama, kv_transfer=transfer, enforce_eager=True)  # preference: NHD (default)
+    llm = make_llm(tiny_llama, kv_transfer=transfer, enforce_eager=True, kv_layout="HND")
     assert tokens(llm.generate(PROMPTS, GREEDY)) == expected
     assert_pool_full(llm)
     seen = json.loads(record.read_text())
@@ -75,11 +63,19 @@ def test_an_hnd_only_connector_gets_hnd_tensors_and_the_same_answers(tiny_llama,
         assert shape[3] == 16 and shape[2] != 16
 
 
-def test_connectors_that_share_no_layout_stop_the_start_up(tiny_llama):
+def test_a_layout_the_connector_does_not_work_with_stops_the_start_up(tiny_llama):
+    transfer = KVTransferConfig.from_dict(_connector("HndOnlyConnector"))
+    with pytest.raises(ConfigError, match="HndOnlyConnector works with KV layout HND, not --kv-layout NHD"):
+        make_llm(tiny_llama, kv_transfer=transfer)  # --kv-layout NHD, the default
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_connectors_that_share_no_layout_stop_the_start_up(tiny_llama, layout):
     extra = {"connectors": [_connector("HndOnlyConnector"), _connector("NhdOnlyConnector")]}
     transfer = KVTransferConfig("MultiConnector", kv_connector_extra_config=extra)
-    with pytest.raises(ConfigError, match="HndOnlyConnector accepts HND; NhdOnlyConnector accepts NHD"):
-        make_llm(tiny_llama, kv_transfer=transfer)
+    refusing = {"NHD": "HndOnlyConnector", "HND": "NhdOnlyConnector"}[layout]
+    with pytest.raises(ConfigError, match=f"{refusing} works with KV layout"):
+        make_llm(tiny_llama, kv_transfer=transfer, kv_layout=layout)
 
 
 def tokens(outputs) -> list[list[int]]:

@@ -125,6 +125,7 @@ class _Req:
 
 def _halves(tiny_llama, delays):
     from kvferry.config import EngineConfig
+    from kvferry.connector.factory import resolve_connector
     from kvferry.model.resolve import resolve_model_config
 
     children = [
@@ -135,14 +136,15 @@ def _halves(tiny_llama, delays):
         }
         for i, d in enumerate(delays)
     ]
-    config = EngineConfig(model=resolve_model_config(str(tiny_llama)), kv_transfer=_multi(*children))
+    model = resolve_model_config(str(tiny_llama))
+    config = resolve_connector(EngineConfig(model=model, kv_transfer=_multi(*children)))
     return MultiConnector(config, KVConnectorRole.SCHEDULER, None), MultiConnector(
         config, KVConnectorRole.WORKER, None
     )
 
 
 def _step(sched, worker, finished=frozenset()):
-    from kvferry.scheduler.output import SchedulerOutput
+    from kvferry.messages.scheduler_output import SchedulerOutput
 
     meta = sched.build_connector_meta(SchedulerOutput.empty())
     assert isinstance(meta, MultiMetadata) and all(isinstance(m, KVConnectorMetadata) for m in meta.children)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from kvferry.messages.scheduler_output import NewRequestData
 from kvferry.sampling_params import SamplingParams
-from kvferry.scheduler.output import NewRequestData
 from kvferry.worker.request_state import RequestState, build_sampling_batch
 from kvferry.worker.sampler import Sampler, apply_top_k_top_p, sample_inverse_cdf
 from kvferry.worker.seeded_draws import position_draws

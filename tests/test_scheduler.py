@@ -18,9 +18,9 @@ from kvferry.kv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, Layo
 from kvferry.messages.engine_core import EngineCoreOutput, EngineCoreRequest, FinishReason
 from kvferry.messages.kv_connector import KVConnectorOutput
 from kvferry.messages.model_runner import ModelRunnerOutput
+from kvferry.messages.scheduler_output import SchedulerOutput
 from kvferry.sampling_params import SamplingParams
 from kvferry.scheduler import hashing
-from kvferry.scheduler.output import SchedulerOutput
 from kvferry.scheduler.request import Request, RequestStatus
 from kvferry.scheduler.scheduler import Scheduler
 

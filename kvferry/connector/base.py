@@ -18,16 +18,15 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from kvferry.config import KVRole
+from kvferry.config import ConnectorSpec, KVRole
 from kvferry.errors import KVFerryError
-from kvferry.kv.layout_choice import LayoutParty
 from kvferry.kv.spec import KVCacheConfig, Layout
 from kvferry.messages.kv_connector import KVConnectorOutput, KVConnectorStats, KVTransferParams
 
 if TYPE_CHECKING:
     from kvferry.config import EngineConfig, KVTransferConfig, LoadFailurePolicy
+    from kvferry.messages.scheduler_output import BlockIds, SchedulerOutput
     from kvferry.model.forward_context import AttentionMetadata
-    from kvferry.scheduler.output import BlockIds, SchedulerOutput
     from kvferry.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
@@ -47,17 +46,31 @@ class KVConnectorMetadata:
     """Base of the per-step scheduler -> worker message; connectors subclass it."""
 
 
+@dataclass(frozen=True)
+class ServedInstance:
+    """What `kvferry serve` tells the connector when it settles its settings: the HTTP
+    host, the shared-secret file given on the command line, whether the API has a key."""
+
+    host: str
+    kv_secret_file: str | None = None
+    has_api_key: bool = False
+
+
 class KVConnectorBase:
     """Base class. Subclasses override the hooks they need; defaults do nothing."""
 
     # The roles this connector can take.
     supported_roles: ClassVar[frozenset[KVRole]] = frozenset(KVRole)
     # Invariant 2: may the per-layer hooks be captured in a graph (compiled CPU, CUDA)?
-    # (These three are declared per class; MultiConnector sets its own per instance, from
-    # the children it was built with.)
+    # (This and has_layer_hooks are declared per class; MultiConnector sets its own per
+    # instance, from the children it was built with.)
     graph_safe: bool = False
-    # Invariant 5: layouts this connector can work with, in order of preference.
-    supported_layouts: tuple[Layout, ...] = (Layout.NHD, Layout.HND)
+    # Invariant 5: the KV layouts this connector works with. The engine uses --kv-layout as
+    # given; a connector that cannot work with it refuses the start-up (every built-in one
+    # and both allocators work with either).
+    supported_layouts: ClassVar[tuple[Layout, ...]] = (Layout.NHD, Layout.HND)
+    # Does it read a shared secret (ServedInstance.kv_secret_file, --kv-transfer-secret-file)?
+    takes_secret_file: ClassVar[bool] = False
     # Invariant 2: do the per-layer hooks (wait_for_layer_load, save_kv_layer) do anything?
     # A connector whose hooks do nothing declares False and costs nothing per layer: no
     # call, no graph operator. Undeclared, it is True exactly when the class overrides a hook.
@@ -121,22 +134,22 @@ class KVConnectorBase:
         return None
 
     @classmethod
-    def prepare_config(cls, engine_config: EngineConfig) -> EngineConfig:
-        """Resolve, once and before any half is built, settings every half must agree on
-        (e.g. an engine id or a port chosen at start-up). Default: unchanged."""
-        return engine_config
+    def sub_connectors(cls, transfer_config: KVTransferConfig) -> list[KVTransferConfig]:
+        """The settings of the connectors this one is made of, resolved with it (MultiConnector's
+        children); raise ConfigError for malformed ones. Default: none."""
+        return []
 
     @classmethod
-    def layout_parties(cls, engine_config: EngineConfig) -> list[LayoutParty]:
-        """Who in this connector touches the KV tensors, and the layouts each accepts
-        (invariant 5; the engine picks one every party accepts). Default: the class's
-        `supported_layouts`."""
-        return [LayoutParty(cls.__name__, cls.supported_layouts)]
+    def settle(
+        cls, spec: ConnectorSpec, engine_config: EngineConfig, served: ServedInstance | None
+    ) -> ConnectorSpec:
+        """Decide, once per process and before any half is built, the settings every half and
+        rank must agree on (an engine id, a port chosen at start-up; on a served instance,
+        what `served` implies); raise ConfigError to refuse the start-up. Default: unchanged."""
+        return spec
 
     @classmethod
-    def validate_kv_transfer_params(
-        cls, transfer_config: KVTransferConfig, params: KVTransferParams | None
-    ) -> None:
+    def validate_kv_transfer_params(cls, spec: ConnectorSpec, params: KVTransferParams | None) -> None:
         """Check a request's kv_transfer_params synchronously in the front end; raise
         InvalidRequestError (HTTP 400) for malformed ones. Default: accept anything."""
 
@@ -211,3 +224,10 @@ class KVConnectorBase:
             yield
         finally:
             self.clear_connector_metadata()
+
+
+def connector_class(spec: ConnectorSpec) -> type[KVConnectorBase]:
+    """The class of a resolved connector (checked when it was resolved)."""
+    cls = spec.connector_class
+    assert issubclass(cls, KVConnectorBase), f"{cls!r} is not a KV connector"
+    return cls

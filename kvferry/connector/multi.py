@@ -23,11 +23,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvferry.config import KVTransferConfig
-from kvferry.connector.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
-from kvferry.connector.factory import resolve_connector_class
+from kvferry.config import ConnectorSpec, KVTransferConfig
+from kvferry.connector.base import (
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    ServedInstance,
+    connector_class,
+)
 from kvferry.errors import ConfigError
-from kvferry.kv.layout_choice import LayoutParty
 from kvferry.messages.kv_connector import KVConnectorOutput, KVTransferParams
 
 if TYPE_CHECKING:
@@ -35,8 +39,8 @@ if TYPE_CHECKING:
 
     from kvferry.config import EngineConfig
     from kvferry.kv.spec import KVCacheConfig
+    from kvferry.messages.scheduler_output import BlockIds, SchedulerOutput
     from kvferry.model.forward_context import AttentionMetadata
-    from kvferry.scheduler.output import BlockIds, SchedulerOutput
     from kvferry.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
@@ -49,9 +53,8 @@ class MultiMetadata(KVConnectorMetadata):
     delayed: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
-def child_engine_configs(engine_config: EngineConfig) -> list[EngineConfig]:
-    """One EngineConfig per child, its kv_transfer parsed and checked (ConfigError otherwise)."""
-    parent = engine_config.kv_transfer
+def child_transfer_configs(parent: KVTransferConfig) -> list[KVTransferConfig]:
+    """Each child's kv-transfer config, parsed and checked (ConfigError otherwise)."""
     extra = parent.kv_connector_extra_config
     unknown = set(extra) - {"connectors"}
     if unknown:
@@ -65,11 +68,15 @@ def child_engine_configs(engine_config: EngineConfig) -> list[EngineConfig]:
             raise ConfigError(f"MultiConnector: connectors[{i}] must be an object naming kv_connector")
         defaults = {"kv_role": parent.kv_role, "kv_load_failure_policy": parent.kv_load_failure_policy}
         try:
-            child = KVTransferConfig.from_dict({**defaults, **item})
+            configs.append(KVTransferConfig.from_dict({**defaults, **item}))
         except ConfigError as exc:
             raise ConfigError(f"MultiConnector: connectors[{i}]: {exc}") from exc
-        configs.append(dataclasses.replace(engine_config, kv_transfer=child))
     return configs
+
+
+def child_engine_config(engine_config: EngineConfig, child: ConnectorSpec) -> EngineConfig:
+    """The engine config a child sees: its own connector and settings."""
+    return dataclasses.replace(engine_config, kv_transfer=child.transfer, connector=child)
 
 
 class MultiConnector(KVConnectorBase):
@@ -81,17 +88,15 @@ class MultiConnector(KVConnectorBase):
         tp_rank: int = 0,
     ):
         super().__init__(engine_config, role, kv_cache_config, tp_rank)
+        spec = engine_config.connector
+        if spec is None:
+            raise RuntimeError("MultiConnector: the engine config's connector is not resolved")
         self.children: list[KVConnectorBase] = [
-            resolve_connector_class(cfg.kv_transfer)(cfg, role, kv_cache_config, tp_rank)
-            for cfg in child_engine_configs(engine_config)
+            connector_class(child)(child_engine_config(engine_config, child), role, kv_cache_config, tp_rank)
+            for child in spec.children
         ]
         self.graph_safe = all(child.graph_safe for child in self.children)
         self.has_layer_hooks = any(child.has_layer_hooks for child in self.children)
-        self.supported_layouts = tuple(
-            layout
-            for layout in self.children[0].supported_layouts
-            if all(layout in child.supported_layouts for child in self.children)
-        )
         # scheduler half
         self._load_child: dict[str, int] = {}  # req -> child that answered its last lookup
         self._delayed: dict[str, tuple[int, ...]] = {}  # to send in the next metadata
@@ -101,44 +106,36 @@ class MultiConnector(KVConnectorBase):
         self._ready: set[str] = set()
 
     @classmethod
+    def sub_connectors(cls, transfer_config: KVTransferConfig) -> list[KVTransferConfig]:
+        return child_transfer_configs(transfer_config)
+
+    @classmethod
+    def settle(
+        cls, spec: ConnectorSpec, engine_config: EngineConfig, served: ServedInstance | None
+    ) -> ConnectorSpec:
+        """Each child's start-up decisions, in its own spec."""
+        children = tuple(
+            connector_class(child).settle(child, child_engine_config(engine_config, child), served)
+            for child in spec.children
+        )
+        return dataclasses.replace(spec, children=children)
+
+    @classmethod
     def expected_finished_count(cls, engine_config: EngineConfig) -> int:
+        spec = engine_config.connector
+        assert spec is not None, "MultiConnector: the engine config's connector is not resolved"
         counts = {
-            resolve_connector_class(cfg.kv_transfer).expected_finished_count(cfg)
-            for cfg in child_engine_configs(engine_config)
+            connector_class(child).expected_finished_count(child_engine_config(engine_config, child))
+            for child in spec.children
         }
         if len(counts) != 1:
             raise ConfigError(f"MultiConnector: children expect different worker quorums {sorted(counts)}")
         return counts.pop()
 
     @classmethod
-    def prepare_config(cls, engine_config: EngineConfig) -> EngineConfig:
-        """Each child's start-up decisions, written back into the connectors list."""
-        children = []
-        for cfg in child_engine_configs(engine_config):
-            prepared = resolve_connector_class(cfg.kv_transfer).prepare_config(cfg)
-            children.append(dataclasses.asdict(prepared.kv_transfer))
-        parent = engine_config.kv_transfer
-        extra = {**parent.kv_connector_extra_config, "connectors": children}
-        return dataclasses.replace(
-            engine_config, kv_transfer=dataclasses.replace(parent, kv_connector_extra_config=extra)
-        )
-
-    @classmethod
-    def layout_parties(cls, engine_config: EngineConfig) -> list[LayoutParty]:
-        """Every child's parties: the engine's layout must suit all of them."""
-        return [
-            party
-            for cfg in child_engine_configs(engine_config)
-            for party in resolve_connector_class(cfg.kv_transfer).layout_parties(cfg)
-        ]
-
-    @classmethod
-    def validate_kv_transfer_params(
-        cls, transfer_config: KVTransferConfig, params: KVTransferParams | None
-    ) -> None:
-        engine_like = _TransferOnly(transfer_config)
-        for cfg in child_engine_configs(engine_like):  # type: ignore[arg-type]
-            resolve_connector_class(cfg.kv_transfer).validate_kv_transfer_params(cfg.kv_transfer, params)
+    def validate_kv_transfer_params(cls, spec: ConnectorSpec, params: KVTransferParams | None) -> None:
+        for child in spec.children:
+            connector_class(child).validate_kv_transfer_params(child, params)
 
     # ---- scheduler half -------------------------------------------------------------
 
@@ -270,10 +267,3 @@ class MultiConnector(KVConnectorBase):
     def shutdown(self) -> None:
         for child in self.children:
             child.shutdown()
-
-
-@dataclass(frozen=True)
-class _TransferOnly:
-    """Just enough of an EngineConfig for child_engine_configs in a classmethod check."""
-
-    kv_transfer: KVTransferConfig

@@ -22,8 +22,8 @@ from kvferry.messages.kv_connector import KVConnectorOutput, KVTransferParams
 
 if TYPE_CHECKING:
     from kvferry.config import EngineConfig
+    from kvferry.messages.scheduler_output import BlockIds, SchedulerOutput
     from kvferry.model.forward_context import AttentionMetadata
-    from kvferry.scheduler.output import BlockIds, SchedulerOutput
     from kvferry.scheduler.request import Request
 
 

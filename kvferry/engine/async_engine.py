@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvferry.config import EngineConfig, ModelConfig
-from kvferry.connector.factory import kv_params_validator
+from kvferry.connector.factory import kv_params_validator, resolve_connector
 from kvferry.engine.core import EngineStats
 from kvferry.engine.core_client import CoreClient
 from kvferry.engine.core_proc import CoreFactory, make_engine_core
@@ -147,6 +147,7 @@ class AsyncEngine:
         """Load the tokenizer, start the core process and wait until it is ready."""
         from kvferry.model.tokenizer import load_tokenizer
 
+        config = resolve_connector(config)  # once: the core process gets it resolved
         client = CoreClient(config, core_factory, wait=False)
         try:
             tokenizer = load_tokenizer(config.model)  # while the core loads the model

@@ -23,9 +23,9 @@ from collections.abc import Callable
 from kvferry.config import CaptureMode, EngineConfig
 from kvferry.engine.warmup import decode_blocks_per_request, decode_timing_steps
 from kvferry.executor.base import Executor
+from kvferry.kv.null_block import usable_block_ids
 from kvferry.kv.spec import KVCacheConfig
-from kvferry.scheduler.block_pool import usable_block_ids
-from kvferry.scheduler.output import SchedulerOutput
+from kvferry.messages.scheduler_output import SchedulerOutput
 from kvferry.worker.capture import CaptureDecision, StepTiming
 
 logger = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from kvferry.config import EngineConfig, ExecutorKind, SchedulerConfig
 from kvferry.connector.base import KVConnectorRole
-from kvferry.connector.factory import create_connector, prepare_engine_config
+from kvferry.connector.factory import create_connector, resolve_connector
 from kvferry.engine.capture_choice import decide_capture
 from kvferry.engine.profile_run import size_kv_cache
 from kvferry.engine.warmup import warmup_steps
@@ -17,7 +17,7 @@ from kvferry.kv.spec import KVCacheConfig
 from kvferry.kv.usage import KVGroupStats, KVMemoryStats
 from kvferry.messages.engine_core import EngineCoreOutput, EngineCoreRequest
 from kvferry.messages.kv_connector import KVConnectorOutput
-from kvferry.scheduler.output import SchedulerOutput
+from kvferry.messages.scheduler_output import SchedulerOutput
 from kvferry.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def make_executor(config: EngineConfig) -> Executor:
 
 class EngineCore:
     def __init__(self, config: EngineConfig):
-        config = prepare_engine_config(config)  # connector decisions every half and rank shares
+        config = resolve_connector(config)  # once: its class and the settings every half and rank shares
         self.config = config
         self._connector_totals: dict[str, float] = {}
         start = time.perf_counter()

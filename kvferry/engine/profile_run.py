@@ -17,8 +17,8 @@ from kvferry.engine.warmup import dummy_block_tables
 from kvferry.executor.base import Executor
 from kvferry.kv.budget import KVBudget, plan_kv_budget
 from kvferry.kv.spec import KVCacheConfig
+from kvferry.messages.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvferry.sampling_params import SamplingParams
-from kvferry.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

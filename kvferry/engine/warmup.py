@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvferry.config import EngineConfig
+from kvferry.kv.null_block import usable_block_ids
 from kvferry.kv.spec import KVCacheConfig
+from kvferry.messages.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvferry.sampling_params import SamplingParams
-from kvferry.scheduler.block_pool import usable_block_ids
-from kvferry.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 
 WARMUP_REQ_ID = "__kvferry_warmup__"
 

@@ -7,19 +7,29 @@ import importlib
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from kvferry.entrypoints.edge_options import add_edge_args
 from kvferry.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from kvferry.errors import KVFerryError
 
+if TYPE_CHECKING:
+    from kvferry.config import EngineConfig
+
+
+def serve_config(args: argparse.Namespace) -> EngineConfig:
+    """`kvferry serve`'s engine config: its connector settled for this served instance."""
+    from kvferry.connector.base import ServedInstance
+
+    served = ServedInstance(args.host, args.kv_transfer_secret_file, args.api_key is not None)
+    return engine_config_from_args(args, served)
+
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from kvferry.connector.nixl.serving import for_serving
     from kvferry.entrypoints.edge_options import limits_from_args
     from kvferry.entrypoints.openai.server import HttpOptions, run_server
 
-    config = engine_config_from_args(args)
-    config = for_serving(config, args.host, args.kv_transfer_secret_file, args.api_key is not None)
+    config = serve_config(args)
     options = HttpOptions(args.host, args.port, args.api_key, args.metrics_public, limits_from_args(args))
     run_server(config, options=options)
 
@@ -119,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--kv-transfer-secret-file",
         default=None,
-        help="NixlConnector: file holding the side channel's shared secret (or set $KVFERRY_KV_SECRET)",
+        help="file holding the KV connector's shared secret (or set $KVFERRY_KV_SECRET)",
     )
     serve.set_defaults(func=cmd_serve)
 

@@ -207,12 +207,13 @@ def check_connector(args: argparse.Namespace) -> dict[str, Any]:
     if not isinstance(extra, dict):
         raise ConfigError("--kv-connector-extra-config must be a JSON object")
     if args.kv_connector != NO_CONNECTOR:
+        from kvferry.connector.factory import resolve_spec
         from kvferry.entrypoints.engine_args import parse_kv_transfer_config
 
         for role in KV_ROLES:  # imports the connector and checks that it supports both roles
             raw = kv_transfer_json(args.kv_connector, role, extra, 0, args.kv_load_failure_policy)
             try:
-                parse_kv_transfer_config(raw)
+                resolve_spec(parse_kv_transfer_config(raw))
             except ConfigError as exc:
                 raise ConfigError(
                     f"{exc} (--kv-connector {NO_CONNECTOR} starts colocated instances)"

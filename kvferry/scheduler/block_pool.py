@@ -12,6 +12,7 @@ import logging
 from collections.abc import Iterable, Iterator, Sequence
 
 from kvferry.errors import ConfigError
+from kvferry.kv.null_block import NULL_BLOCK_ID
 from kvferry.kv.pages import PageChanges
 from kvferry.scheduler.hashing import BlockContent, BlockHash
 from kvferry.scheduler.page_tracker import PageBudget, PageTracker
@@ -20,23 +21,6 @@ logger = logging.getLogger(__name__)
 
 # A cached block is found by its hash and the KV cache group it belongs to.
 CacheKey = tuple[BlockHash, int]
-
-# The null-block rule, stated once: an engine with a sliding-window group keeps block 0
-# aside as the placeholder for table entries that need no KV; without one, every block is
-# usable. The pool, the NIXL checks and warm-up all read it from here.
-NULL_BLOCK_ID = 0
-NO_NULL_BLOCK = -1
-
-
-def null_block_id(has_sliding_window: bool) -> int:
-    """The placeholder block's id, or NO_NULL_BLOCK when the engine reserves none."""
-    return NULL_BLOCK_ID if has_sliding_window else NO_NULL_BLOCK
-
-
-def usable_block_ids(num_blocks: int, has_sliding_window: bool) -> list[int]:
-    """The ids of `num_blocks` blocks that may hold KV (never the null block)."""
-    null = null_block_id(has_sliding_window)
-    return [b for b in range(num_blocks) if b != null]
 
 
 class KVCacheBlock:
@@ -162,7 +146,7 @@ class BlockPool:
                     raise ConfigError("the shared KV memory pool has no room for this engine's first page")
                 self._credit = int(self.budget is not None)
                 self._pin(self.null_block)  # its page stays mapped: tables point at it
-        usable = [self.blocks[b] for b in usable_block_ids(num_blocks, reserve_null_block)]
+        usable = [block for block in self.blocks if not block.is_null]
         self.num_blocks = len(usable)
         # Eager: every free block, LRU. Elastic: free blocks holding a cached prefix only;
         # the spare ones (no prefix) wait in the page tracker.

@@ -12,7 +12,7 @@ from typing import Protocol, runtime_checkable
 
 from kvferry.config import LoadFailurePolicy
 from kvferry.messages.kv_connector import KVConnectorOutput, KVTransferParams
-from kvferry.scheduler.output import BlockIds, SchedulerOutput
+from kvferry.messages.scheduler_output import BlockIds, SchedulerOutput
 from kvferry.scheduler.request import Request
 
 

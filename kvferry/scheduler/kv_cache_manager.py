@@ -5,13 +5,14 @@ from __future__ import annotations
 import logging
 import weakref
 
+from kvferry.kv.null_block import reserves_null_block
 from kvferry.kv.pages import PageChanges
 from kvferry.kv.shared_pool import PoolPageBudget, SharedKVPool
 from kvferry.kv.spec import KVCacheConfig, KVCacheSpec, SlidingWindowSpec
 from kvferry.kv.usage import KVGroupStats, KVMemoryStats
+from kvferry.messages.scheduler_output import BlockIds
 from kvferry.scheduler.block_pool import BlockPool, KVCacheBlock
 from kvferry.scheduler.hashing import BlockHasher
-from kvferry.scheduler.output import BlockIds
 from kvferry.scheduler.request import Request
 from kvferry.scheduler.single_type_manager import SingleTypeManager, make_manager
 
@@ -46,7 +47,7 @@ class KVCacheManager:
         self.pool = BlockPool(
             kv_cache_config.num_blocks,
             enable_prefix_caching,
-            reserve_null_block=kv_cache_config.has_sliding_window,
+            reserve_null_block=reserves_null_block(kv_cache_config.has_sliding_window),
             blocks_per_page=kv_cache_config.blocks_per_page if kv_cache_config.is_elastic else None,
             page_budget=self._page_budget(kv_cache_config),
         )

@@ -19,10 +19,10 @@ from kvferry.kv.spec import KVCacheConfig
 from kvferry.messages.engine_core import EngineCoreOutput, EngineCoreRequest
 from kvferry.messages.kv_connector import KVConnectorOutput, KVTransferParams, checked_output
 from kvferry.messages.model_runner import ModelRunnerOutput, SampleLogprobs
+from kvferry.messages.scheduler_output import SchedulerOutput
 from kvferry.scheduler.hashing import BlockHasher
 from kvferry.scheduler.interfaces import SchedulerConnector
 from kvferry.scheduler.kv_cache_manager import KVCacheManager
-from kvferry.scheduler.output import SchedulerOutput
 from kvferry.scheduler.request import Request, RequestStatus
 from kvferry.scheduler.step_plan import StepPlan
 from kvferry.scheduler.stop import append_sampled

@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from kvferry.messages.scheduler_output import BlockIds, CachedRequestData, NewRequestData, SchedulerOutput
 from kvferry.scheduler.kv_cache_manager import KVCacheManager
-from kvferry.scheduler.output import BlockIds, CachedRequestData, NewRequestData, SchedulerOutput
 from kvferry.scheduler.request import Request
 
 logger = logging.getLogger(__name__)

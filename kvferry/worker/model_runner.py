@@ -12,8 +12,8 @@ from kvferry.connector.base import KVConnectorBase, KVConnectorMetadata
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.messages.kv_connector import KVConnectorOutput, KVConnectorStats
 from kvferry.messages.model_runner import ModelRunnerOutput, SampleLogprobs
+from kvferry.messages.scheduler_output import SchedulerOutput
 from kvferry.model.forward_context import ForwardContext, Workspace
-from kvferry.scheduler.output import SchedulerOutput
 from kvferry.worker.capture import CapturedForward, hook_placement
 from kvferry.worker.connector_guard import ConnectorGuard
 from kvferry.worker.inputs import StepInputs, build_step_inputs

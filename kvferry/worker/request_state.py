@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvferry.messages.scheduler_output import NewRequestData
 from kvferry.sampling_params import SamplingParams
-from kvferry.scheduler.output import NewRequestData
 from kvferry.worker.sampler import Penalties, SamplingBatch
 
 

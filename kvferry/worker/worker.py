@@ -16,9 +16,9 @@ from kvferry.kv.memory import KVMemory, allocate_kv_memory, page_granularity
 from kvferry.kv.spec import KVAllocator, KVCacheConfig
 from kvferry.kv.usage import KVMemoryUsage
 from kvferry.messages.model_runner import ModelRunnerOutput
+from kvferry.messages.scheduler_output import SchedulerOutput
 from kvferry.model.layers.parallel import TPGroup
 from kvferry.model.loader import load_model
-from kvferry.scheduler.output import SchedulerOutput
 from kvferry.worker.capture import CaptureDecision, CaptureStats
 from kvferry.worker.cpu_placement import place_rank
 from kvferry.worker.memory_profile import MemoryProbe, MemoryProfile, memory_probe

@@ -19,21 +19,22 @@ import uuid
 from typing import TYPE_CHECKING
 
 from kvferry.config import KVRole
-from kvferry.connector.base import KVConnectorBase, KVConnectorRole
+from kvferry.connector.base import KVConnectorBase, KVConnectorRole, ServedInstance
 from kvferry.connector.nixl.auth import PeerAuth, process_secret, warn_without_secret
 from kvferry.connector.nixl.metadata import NixlConnectorMetadata, NixlSettings
 from kvferry.connector.nixl.params import validate_params
-from kvferry.kv.spec import KVCacheConfig, Layout
+from kvferry.connector.nixl.serving import refuse_unauthenticated, served_extra
+from kvferry.kv.spec import KVCacheConfig
 from kvferry.messages.kv_connector import KVConnectorOutput, KVConnectorStats, KVTransferParams
 from kvferry.ports import free_port
 
 if TYPE_CHECKING:
     import torch
 
-    from kvferry.config import EngineConfig, KVTransferConfig
+    from kvferry.config import ConnectorSpec, EngineConfig
     from kvferry.connector.nixl.scheduler_side import NixlScheduler
     from kvferry.connector.nixl.worker_side import NixlWorker
-    from kvferry.scheduler.output import SchedulerOutput
+    from kvferry.messages.scheduler_output import SchedulerOutput
     from kvferry.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ class NixlConnector(KVConnectorBase):
     # All work happens outside the forward (loads finish before their request runs; holds
     # start after it finished): the per-layer hooks do nothing, so capturing them is safe.
     graph_safe = True
-    supported_layouts = (Layout.NHD, Layout.HND)
+    takes_secret_file = True  # the side channel's (auth.py)
 
     def __init__(
         self,
@@ -69,24 +70,28 @@ class NixlConnector(KVConnectorBase):
             self.worker = NixlWorker(engine_config, self.settings, tp_rank, auth)
 
     @classmethod
-    def prepare_config(cls, engine_config: EngineConfig) -> EngineConfig:
-        """Pick the engine id and the side-channel port once, for every half and rank."""
-        transfer = engine_config.kv_transfer
+    def settle(
+        cls, spec: ConnectorSpec, engine_config: EngineConfig, served: ServedInstance | None
+    ) -> ConnectorSpec:
+        """Pick the engine id and the side-channel port once, for every half and rank; on a
+        served instance, also where the side channel binds and its secret (serving.py)."""
+        transfer = spec.transfer
         extra = dict(transfer.kv_connector_extra_config)
+        if served is not None:
+            extra = served_extra(extra, served)
         extra.setdefault("engine_id", f"kvf-{uuid.uuid4().hex[:12]}")
         if not extra.get("side_channel_port") and transfer.kv_role is not KVRole.CONSUMER:
             extra["side_channel_port"] = free_port(extra.get("side_channel_host", "127.0.0.1"))
         settings = NixlSettings.from_extra(extra)  # a bad setting fails the start-up, clearly
         if process_secret(settings.secret_file) is None:  # an unreadable secret fails it too
+            refuse_unauthenticated(served)
             warn_without_secret(settings.engine_id)
         transfer = dataclasses.replace(transfer, kv_connector_extra_config=extra)
-        return dataclasses.replace(engine_config, kv_transfer=transfer)
+        return dataclasses.replace(spec, transfer=transfer)
 
     @classmethod
-    def validate_kv_transfer_params(
-        cls, transfer_config: KVTransferConfig, params: KVTransferParams | None
-    ) -> None:
-        validate_params(transfer_config.kv_role, params)
+    def validate_kv_transfer_params(cls, spec: ConnectorSpec, params: KVTransferParams | None) -> None:
+        validate_params(spec.transfer.kv_role, params)
 
     @property
     def _scheduler(self) -> NixlScheduler:

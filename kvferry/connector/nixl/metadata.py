@@ -36,7 +36,7 @@ class NixlConnectorMetadata(KVConnectorMetadata):
 
 
 _DEFAULTS: dict[str, object] = {
-    "engine_id": None,  # chosen at start-up (prepare_config) when not given
+    "engine_id": None,  # chosen at start-up (NixlConnector.settle) when not given
     "side_channel_host": "127.0.0.1",
     "side_channel_port": 0,  # 0: a free port (kvferry.ports), chosen at start-up; TP rank r > 0 binds any free port
     "lease_s": 30.0,  # a finished prefill's blocks are kept this long for its decoder

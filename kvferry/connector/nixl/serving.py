@@ -1,5 +1,6 @@
-"""`kvferry serve` and the NixlConnector's side channel: where it binds, which secret, and
-whether the instance may start at all (docs/security.md).
+"""A served instance's side channel (`kvferry serve`, through ServedInstance): where it
+binds and which secret it uses; and whether the instance may start at all
+(docs/security.md). NixlConnector.settle applies this where the config is resolved.
 
     side_channel_host  default: the instance's own --host (a wildcard or IPv6 --host keeps
                        127.0.0.1: the side channel's address is also what decoders dial)
@@ -10,13 +11,11 @@ whether the instance may start at all (docs/security.md).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
+from typing import Any
 
-from kvferry.config import EngineConfig
-from kvferry.connector.factory import resolve_connector_class
-from kvferry.connector.nixl.auth import SECRET_ENV, process_secret
-from kvferry.connector.nixl.connector import NixlConnector
+from kvferry.connector.base import ServedInstance
+from kvferry.connector.nixl.auth import SECRET_ENV
 from kvferry.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -24,21 +23,13 @@ logger = logging.getLogger(__name__)
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
-def _uses_side_channel(config: EngineConfig) -> bool:
-    transfer = config.kv_transfer
-    return transfer.enabled and issubclass(resolve_connector_class(transfer), NixlConnector)
-
-
-def for_serving(config: EngineConfig, host: str, secret_file: str | None, has_api_key: bool) -> EngineConfig:
-    """The engine config of a served instance, its side channel settled (ConfigError: refused)."""
-    if not _uses_side_channel(config):
-        if secret_file is not None:
-            raise ConfigError("--kv-transfer-secret-file needs the NixlConnector (--kv-transfer-config)")
-        return config
-    extra = dict(config.kv_transfer.kv_connector_extra_config)
-    if secret_file is not None:
-        extra["secret_file"] = secret_file
+def served_extra(extra: dict[str, Any], served: ServedInstance) -> dict[str, Any]:
+    """The connector's extra config on a served instance: its secret file and side-channel host."""
+    extra = dict(extra)
+    if served.kv_secret_file is not None:
+        extra["secret_file"] = served.kv_secret_file
     if "side_channel_host" not in extra:
+        host = served.host
         if host in WILDCARD_HOSTS or ":" in host:  # (IPv6: the side channel speaks IPv4 only)
             logger.warning(
                 "--host %r: the KV side channel listens on 127.0.0.1 only; give side_channel_host "
@@ -47,11 +38,14 @@ def for_serving(config: EngineConfig, host: str, secret_file: str | None, has_ap
             )
         else:
             extra["side_channel_host"] = host
-    if process_secret(extra.get("secret_file")) is None and has_api_key:
+    return extra
+
+
+def refuse_unauthenticated(served: ServedInstance | None) -> None:
+    """An instance without a side-channel secret: refused when its HTTP API has a key."""
+    if served is not None and served.has_api_key:
         raise ConfigError(
             "this instance has an API key but its KV side channel would be unauthenticated: "
             f"set ${SECRET_ENV} or --kv-transfer-secret-file (the same secret on every prefill "
             "and decode instance)"
         )
-    transfer = dataclasses.replace(config.kv_transfer, kv_connector_extra_config=extra)
-    return dataclasses.replace(config, kv_transfer=transfer)

@@ -8,8 +8,8 @@ from typing import Protocol
 
 from kvferry.connector.nixl.params import RemotePrefill
 from kvferry.connector.nixl.protocol import EngineInfo, GroupInfo, GroupKind
+from kvferry.kv.null_block import null_block_id
 from kvferry.kv.window import first_visible_block
-from kvferry.scheduler.block_pool import null_block_id
 
 logger = logging.getLogger(__name__)
 

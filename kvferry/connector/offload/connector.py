@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, ClassVar
 
-from kvferry.connector.base import KVConnectorBase, KVConnectorRole
+from kvferry.connector.base import KVConnectorBase, KVConnectorRole, ServedInstance
 from kvferry.connector.offload.config import OffloadConfig
 from kvferry.connector.offload.metadata import OffloadMetadata
 from kvferry.connector.offload.scheduler_side import OffloadScheduler
@@ -20,9 +20,9 @@ from kvferry.messages.kv_connector import KVConnectorOutput, KVConnectorStats, K
 if TYPE_CHECKING:
     import torch
 
-    from kvferry.config import EngineConfig
+    from kvferry.config import ConnectorSpec, EngineConfig
     from kvferry.kv.spec import KVCacheConfig
-    from kvferry.scheduler.output import BlockIds, SchedulerOutput
+    from kvferry.messages.scheduler_output import BlockIds, SchedulerOutput
     from kvferry.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
@@ -57,10 +57,12 @@ class OffloadConnector(KVConnectorBase):
             )
 
     @classmethod
-    def prepare_config(cls, engine_config: EngineConfig) -> EngineConfig:
+    def settle(
+        cls, spec: ConnectorSpec, engine_config: EngineConfig, served: ServedInstance | None
+    ) -> ConnectorSpec:
         """Check the extra config once, before any worker loads the model (ConfigError)."""
-        OffloadConfig.from_extra(engine_config.kv_transfer.kv_connector_extra_config)
-        return engine_config
+        OffloadConfig.from_extra(spec.transfer.kv_connector_extra_config)
+        return spec
 
     # ---- scheduler half -------------------------------------------------------------
 

@@ -33,11 +33,11 @@ from kvferry.connector.offload.config import (
 )
 from kvferry.connector.offload.index import TierIndex
 from kvferry.connector.offload.metadata import LoadOp, OffloadMetadata, SaveFailed, SaveOp, Tier
+from kvferry.kv.null_block import null_block_id
 from kvferry.kv.spec import KVCacheConfig, SlidingWindowSpec
 from kvferry.kv.window import first_allocated_block, first_visible_block
 from kvferry.messages.kv_connector import KVConnectorOutput
-from kvferry.scheduler.block_pool import null_block_id
-from kvferry.scheduler.output import BlockIds, SchedulerOutput
+from kvferry.messages.scheduler_output import BlockIds, SchedulerOutput
 from kvferry.scheduler.request import Request
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,6 @@
-"""What the scheduler hands the executor each step."""
+"""What the scheduler hands the executor each step: the scheduled requests, their block ids
+and the connector's metadata (a message: the scheduler builds it, the executor, workers and
+connectors read it)."""
 
 from __future__ import annotations
 
