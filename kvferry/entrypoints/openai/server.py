@@ -2,6 +2,9 @@
 
     /v1/completions, /v1/chat/completions   (SSE when "stream": true)
     /v1/kv_transfer/release                  free the KV kept for a remote decoder now
+
+``kv_transfer_params`` in a request and the release route are the proxy's alone: with a
+proxy secret set they need its credential (proxy_secret.py), not just the API key.
     /v1/models, /health, /metrics (Prometheus text)
 
 The engine core runs in its own process (AsyncEngine), so request handling, tokenizing
@@ -38,6 +41,8 @@ from kvferry.entrypoints.openai.protocol import ChatCompletionRequest, Completio
 from kvferry.entrypoints.openai.serving_chat import create_chat_completion
 from kvferry.entrypoints.openai.serving_common import ServerState
 from kvferry.entrypoints.openai.serving_completions import create_completion
+from kvferry.entrypoints.proxy_secret import ProxyCredential
+from kvferry.errors import UnknownRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -50,14 +55,16 @@ def build_app(
     api_key: str | None = None,
     limits: EdgeLimits | None = None,
     metrics_public: bool = False,
+    proxy: ProxyCredential | None = None,
 ) -> FastAPI:
     """A FastAPI app serving ``engine`` under ``served_model_name``.
 
     With ``api_key`` set, /v1/* needs it, and so do /metrics and /openapi.json unless
     ``metrics_public``. Request bodies are read and checked by kvferry/entrypoints/edge.py
-    within ``limits``.
+    within ``limits``. ``proxy``: the credential kv_transfer_params and releases need.
     """
     limits = limits or EdgeLimits()
+    credential = proxy or ProxyCredential()
     app = FastAPI(title="kvferry", docs_url=None, redoc_url=None)
     state = ServerState(engine, served_model_name, aliases=(engine.model_config.model,))
     created = int(time.time())
@@ -81,24 +88,37 @@ def build_app(
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
         body = parse_model(CompletionRequest, await read_json(request, limits))
+        _check_kv_params(credential, request, body.kv_transfer_params)
         return await create_completion(body, request, state)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = parse_model(ChatCompletionRequest, await read_json(request, limits))
+        _check_kv_params(credential, request, body.kv_transfer_params)
         return await create_chat_completion(body, request, state)
 
     @v1.post("/kv_transfer/release")
     async def release_kv(request: Request) -> dict:
-        """Free the KV kept for a finished prefill whose decoder will not come (404: unknown
-        id; idempotent). The proxy calls it when its client leaves between the two legs."""
+        """Free the KV kept for a finished prefill whose decoder will not come. The proxy
+        calls it when its client leaves between the two legs; only the proxy may (403
+        otherwise, whatever the id). Idempotent, and the same answer for an id that holds
+        nothing here: the answer tells nobody which requests exist."""
+        credential.require(request.headers, "releasing KV")
         body = parse_model(KVReleaseRequest, await read_json(request, limits))
-        engine.release_kv(body.request_id)
+        try:
+            engine.release_kv(body.request_id)
+        except UnknownRequestError:
+            pass
         return {"request_id": body.request_id, "released": True}
 
     app.include_router(v1)
     _add_ops_routes(app, engine, served_model_name)
     return app
+
+
+def _check_kv_params(proxy: ProxyCredential, request: Request, params: dict | None) -> None:
+    if params is not None:
+        proxy.require(request.headers, "kv_transfer_params", "kv_transfer_params")
 
 
 def _add_ops_routes(app: FastAPI, engine: AsyncEngine, served_model_name: str) -> None:
@@ -128,6 +148,7 @@ class HttpOptions:
     api_key: str | None = None
     metrics_public: bool = False
     limits: EdgeLimits = field(default_factory=EdgeLimits)
+    proxy_secret: str | None = None  # kv_transfer_params and releases need it (proxy_secret.py)
 
 
 def run_server(
@@ -157,7 +178,8 @@ def _serve(engine_config: EngineConfig, options: HttpOptions, log_level: str) ->
     name = engine_config.model.served_model_name
     host, port = options.host, options.port
     try:
-        app = build_app(engine, name, options.api_key, options.limits, options.metrics_public)
+        proxy = ProxyCredential(options.proxy_secret)
+        app = build_app(engine, name, options.api_key, options.limits, options.metrics_public, proxy)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
         logger.info("serving %s on http://%s:%d", name, host, port)
         _Server(config, on_exit=engine.stop).run()
