@@ -39,8 +39,6 @@ logger = logging.getLogger(__name__)
 SECRET_ENV = "KVFERRY_KV_SECRET"
 NONCE_BYTES = 32
 MIN_SECRET_BYTES = 16
-
-
 EXTRACT_LABEL = b"kvferry-side-channel/v2"
 
 
@@ -127,8 +125,9 @@ class PeerAuth:
         return bool(self.secret)
 
     def session(self, client_nonce: bytes, server_nonce: bytes) -> SessionKeys:
-        """The keys of the connection that exchanged these nonces (RFC 5869 with SHA-256:
-        extract over the length-prefixed nonces, one expand block per key)."""
+        """The keys of the connection that exchanged these nonces, HKDF-style with SHA-256:
+        a pseudorandom key HMAC(secret, label | nonces) (the secret keys it: the nonces are
+        public), then one HMAC block of it per use."""
         salted = b"".join(_field(f) for f in (EXTRACT_LABEL, client_nonce, server_nonce))
         prk = hmac.new(self.secret, salted, hashlib.sha256).digest()
 
