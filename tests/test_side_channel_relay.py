@@ -112,7 +112,7 @@ def blobs(recorded: dict[str, bytes]) -> list[bytes]:
             out.append(frame)
             try:
                 decoded = msgspec.msgpack.decode(frame)
-            except msgspec.DecodeError:
+            except (msgspec.DecodeError, ValueError):  # not msgpack (a ZMTP command, a token)
                 continue
             if isinstance(decoded, dict):
                 out += [v for v in decoded.values() if isinstance(v, bytes)]
@@ -126,7 +126,7 @@ def handshakes_in(recorded: dict[str, bytes]) -> list[EngineInfo]:
         for frame in zmtp_frames(stream):
             try:
                 reply = decoder.decode(frame)
-            except (msgspec.DecodeError, msgspec.ValidationError):
+            except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
                 continue
             if reply.info is not None:
                 found.append(reply.info)
