@@ -122,7 +122,7 @@ class RawClient:
         self.sock.connect(f"tcp://{host}:{port}")
         self.codec = Codec()
 
-    def ask(self, message: msgspec.Struct, token: bytes | None = b"") -> object:
+    def ask(self, message: msgspec.Struct, token: bytes | None = None) -> object:
         payload = self.codec.encode(message)
         self.sock.send_multipart([payload] if token is None else [token, payload])
         assert self.sock.poll(5000), "the side channel did not answer"
