@@ -107,7 +107,9 @@ def _descendants(pid: int) -> dict[int, str]:
     return found
 
 
-def _wait_ready(proc: subprocess.Popen, log: Path, timeout: float = 120.0) -> re.Match:
+def _wait_ready(proc: subprocess.Popen, log: Path, timeout: float | None = None) -> re.Match:
+    """The ready line (default wait: 120 s, or $KVFERRY_TEST_STARTUP_S on a loaded host)."""
+    timeout = timeout or float(os.environ.get("KVFERRY_TEST_STARTUP_S", "120"))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         match = READY.search(log.read_text(errors="replace"))

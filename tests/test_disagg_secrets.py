@@ -1,6 +1,8 @@
-"""Secrets never on a command line: `kvferry disagg` hands the API key and the KV side
-channel's secret to its children by environment; `kvferry serve` takes the key from a file
-or $KVFERRY_API_KEY and refuses P/D with an API key but no side-channel secret."""
+"""Secrets never on a command line: `kvferry disagg` hands the API key, the KV side
+channel's secret and the proxy's credential to its children by environment, and limits its
+decoders to its prefillers (allowed_remotes); `kvferry serve` takes the key from a file or
+$KVFERRY_API_KEY and refuses P/D with an API key but no side-channel secret or no proxy
+secret. kv_transfer_params from a client holding only the API key are refused (403)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import pytest
 from kvferry.connector.nixl.auth import SECRET_ENV
 from kvferry.connector.nixl.protocol import Handshake, Refused
 from kvferry.entrypoints.http_common import API_KEY_ENV, resolve_api_key
+from kvferry.entrypoints.proxy_secret import PROXY_SECRET_ENV, load_proxy_secret
 from kvferry.errors import ConfigError
 from tests.test_disagg import _descendants, _disagg_args, _wait_ready
 from tests.test_pd_support import nixl
@@ -29,7 +32,7 @@ KEY = "sk-disagg-" + "7" * 24
 
 def _launch(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "kvferry.entrypoints.cli", *args]
-    full = {k: v for k, v in os.environ.items() if k not in (API_KEY_ENV, SECRET_ENV)}
+    full = {k: v for k, v in os.environ.items() if k not in (API_KEY_ENV, SECRET_ENV, PROXY_SECRET_ENV)}
     full.update(env, PYTHONPATH=str(ROOT))
     with open(log, "wb") as out:
         return subprocess.Popen(
@@ -64,7 +67,7 @@ def _environ(pid: int) -> dict[str, str]:
 
 
 def test_children_get_secrets_by_environment_only(launched: tuple) -> None:
-    proc, (proxy, prefill, _decode) = launched
+    proc, (proxy, prefill, decode) = launched
     family = list(_descendants(proc.pid))
     lines = {pid: _cmdline(pid) for pid in family}
     assert len(lines) >= 5, lines
@@ -77,16 +80,38 @@ def test_children_get_secrets_by_environment_only(launched: tuple) -> None:
     proxies = [pid for pid, line in lines.items() if " proxy " in line]
     assert proxies and all(SECRET_ENV not in _environ(pid) for pid in proxies)
     assert all(_environ(pid).get(API_KEY_ENV) == KEY for pid in servers + proxies)
+    proxy_secrets = {_environ(pid).get(PROXY_SECRET_ENV) for pid in servers + proxies}
+    assert len(proxy_secrets) == 1 and None not in proxy_secrets
+    proxy_secret = proxy_secrets.pop()
+    assert len(proxy_secret) >= 32 and not [line for line in lines.values() if proxy_secret in line]
     # the key is required, and the proxy has it
     body = {"model": "tiny", "prompt": "the cat sees a small bird", "max_tokens": 4, "temperature": 0}
     assert httpx.post(proxy + "/v1/completions", json=body, timeout=60).status_code == 401
     auth = {"Authorization": f"Bearer {KEY}"}
     resp = httpx.post(proxy + "/v1/completions", json=body, headers=auth, timeout=60)
     assert resp.status_code == 200, resp.text
-    # the prefill's side channel: a raw client without the secret gets nothing
-    line = next(lines[pid] for pid in servers if '"producer"' in lines[pid])
-    config = json.loads(line.split("--kv-transfer-config ", 1)[1].strip())  # the last argument
-    extra = config["kv_connector_extra_config"]
+    # kv_transfer_params straight from a client with the API key: refused, by either role
+    forged = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "e",
+        "remote_host": "127.0.0.1",
+        "remote_port": 1,
+    }
+    for url, params in ((prefill, {"do_remote_decode": True}), (decode, forged)):
+        refused = httpx.post(
+            url + "/v1/completions", json={**body, "kv_transfer_params": params}, headers=auth, timeout=60
+        )
+        assert refused.status_code == 403, refused.text
+        assert refused.json()["error"]["param"] == "kv_transfer_params"
+    # the prefill's side channel: a raw client without the secret gets nothing; the decoder
+    # dials only it
+    configs = {
+        '"producer"' in lines[pid]: json.loads(lines[pid].split("--kv-transfer-config ", 1)[1].strip())
+        for pid in servers
+    }
+    extra = configs[True]["kv_connector_extra_config"]
+    allowed = configs[False]["kv_connector_extra_config"]["allowed_remotes"]
+    assert allowed == [f"{extra['side_channel_host']}:{extra['side_channel_port']}"]
     raw = RawClient(extra["side_channel_host"], extra["side_channel_port"])
     try:
         assert isinstance(raw.ask(Handshake(1), None), Refused)
@@ -118,6 +143,43 @@ def test_serve_with_an_api_key_refuses_an_unauthenticated_side_channel(
     assert "side channel would be unauthenticated" in log and KEY not in log
 
 
+def test_serve_with_an_api_key_and_a_connector_needs_a_proxy_secret(tiny_llama: Path, tmp_path: Path) -> None:
+    kv = json.dumps(nixl("producer"))
+    args = ["serve", str(tiny_llama), "--port", str(free_port()), "--kv-transfer-config", kv]
+    proc = _launch(args, tmp_path / "serve.log", {API_KEY_ENV: KEY, SECRET_ENV: "s" * 32})
+    assert proc.wait(120) == 2
+    log = (tmp_path / "serve.log").read_text()
+    assert "no proxy secret" in log and KEY not in log
+
+
+def test_proxy_secret_sources(tmp_path: Path) -> None:
+    path = tmp_path / "proxy-secret"
+    path.write_text("from-a-file-0123456789\n")
+    env = {PROXY_SECRET_ENV: "from-the-env-0123456789"}
+    assert load_proxy_secret(str(path), env) == "from-a-file-0123456789"
+    assert load_proxy_secret(None, env) == "from-the-env-0123456789"
+    assert load_proxy_secret(None, {}) is None
+    with pytest.raises(ConfigError, match="shorter"):
+        load_proxy_secret(None, {PROXY_SECRET_ENV: "short"})
+
+
+def test_decoders_dial_only_the_prefillers_started_with_them(tmp_path: Path) -> None:
+    from kvferry.entrypoints import disagg
+    from tests.test_disagg import _parse
+
+    args = _parse(["--prefill", "2", "--decode", "2", "--cpu-split", "none"])
+    children = disagg.plan_instances(args, {}, tmp_path)
+    configs = {c.name: json.loads(c.cmd[c.cmd.index("--kv-transfer-config") + 1]) for c in children}
+    ports = [c.side_channel_port for c in children if c.name.startswith("prefill")]
+    for name in ("decode-0", "decode-1"):
+        assert configs[name]["kv_connector_extra_config"]["allowed_remotes"] == [
+            f"127.0.0.1:{p}" for p in ports
+        ]
+    assert "allowed_remotes" not in configs["prefill-0"]["kv_connector_extra_config"]
+    own = disagg.plan_instances(args, {"allowed_remotes": ["10.0.0.9"]}, tmp_path)
+    assert all("10.0.0.9" in " ".join(c.cmd) for c in own)  # an allow-list given is kept
+
+
 def test_secrets_per_child(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvferry.entrypoints import disagg
     from tests.test_disagg import _parse
@@ -131,6 +193,12 @@ def test_secrets_per_child(monkeypatch: pytest.MonkeyPatch) -> None:
     fresh = {disagg.instance_secrets(_parse([]), {})[SECRET_ENV] for _ in range(2)}
     assert len(fresh) == 2 and all(len(s) == 64 for s in fresh)
     assert SECRET_ENV not in disagg.instance_secrets(_parse(["--kv-connector", "none"]), {})
+    monkeypatch.setenv(PROXY_SECRET_ENV, "launcher-proxy-secret-0123456789")
+    shared = disagg.deployment_secrets(args)
+    assert shared == {API_KEY_ENV: KEY, PROXY_SECRET_ENV: "launcher-proxy-secret-0123456789"}
+    assert disagg.instance_secrets(args, {}, shared)[PROXY_SECRET_ENV] == shared[PROXY_SECRET_ENV]
+    monkeypatch.delenv(PROXY_SECRET_ENV)
+    assert len({disagg.deployment_secrets(args)[PROXY_SECRET_ENV] for _ in range(2)}) == 2
 
 
 def test_serving_side_channel_host_and_secret(

@@ -165,20 +165,20 @@ def test_release_and_unknown_reader():
 
 def test_a_check_status_crosses_the_wire_as_its_member_and_a_forged_one_is_dropped():
     codec = Codec()
-    reply = codec.decode_server(codec.encode(CheckReply(3, EXPIRED, "gone", 2.0)))
+    reply = codec.server_message(codec.encode(CheckReply(3, EXPIRED, "gone", 2.0)))
     assert isinstance(reply, CheckReply) and reply.status is CheckStatus.EXPIRED
     forged = codec.encode(CheckReply(4, "expired-ish", "", 0.0))  # type: ignore[arg-type]
-    assert codec.decode_server(forged) is None  # undecodable: logged and dropped
+    assert codec.server_message(forged) is None  # undecodable: logged and dropped
 
 
 def test_a_group_kind_crosses_the_wire_as_its_member_and_a_forged_one_is_dropped():
     codec = Codec()
     sliding = GroupInfo(GroupKind.SLIDING, 16, 2, 16, "float32", 10, ["l1"])
-    reply = codec.decode_server(codec.encode(HandshakeReply(1, _info(groups=[sliding]))))
+    reply = codec.server_message(codec.encode(HandshakeReply(1, _info(groups=[sliding]))))
     assert isinstance(reply, HandshakeReply) and reply.info is not None
     assert reply.info.groups[0].kind is GroupKind.SLIDING
     forged = GroupInfo("chunked", 16, 2, 16, "float32", 10, ["l1"])  # type: ignore[arg-type]
-    assert codec.decode_server(codec.encode(HandshakeReply(2, _info(groups=[forged])))) is None
+    assert codec.server_message(codec.encode(HandshakeReply(2, _info(groups=[forged])))) is None
 
 
 # ---- scheduler seam ---------------------------------------------------------------------

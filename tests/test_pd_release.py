@@ -1,7 +1,8 @@
 """Releasing a prefill nobody will read: POST /v1/kv_transfer/release and the proxy.
 
-Over the fake core: the endpoint's contract (API key, 400 for a bad body, 404 for an id
-that did not finish here with kv_transfer_params, idempotent 200). With real processes: a
+Over the fake core: the endpoint's contract (API key, then the proxy's credential: 403 for
+anyone else whatever the id; 400 for a bad body; idempotent 200, the same for an id that
+holds nothing here), and kv_transfer_params likewise the proxy's alone. With real processes: a
 `kvferry serve` prefiller (NixlConnector, 30 s leases) behind the proxy, whose decoder
 never answers; a client that leaves once the prefill is done (non-streamed: while the
 proxy waits for the decoder; streamed: after the early first token) gets the prefiller's
@@ -21,44 +22,56 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from kvferry.entrypoints.openai.server import build_app as build_server
 from kvferry.entrypoints.proxy.app import build_app as build_proxy
 from kvferry.entrypoints.proxy.config import ProxyConfig
+from kvferry.entrypoints.proxy_secret import PROXY_SECRET_HEADER, ProxyCredential
 from tests.test_pd_support import MODEL as PD_MODEL
 from tests.test_pd_support import Server, nixl, start_server, stop, wait_healthy, wait_idle
 from tests.test_proxy_fakes import serve_in_thread as serve_app
-from tests.test_server_api import KEY, MODEL, make_engine, serve_in_thread
+from tests.test_server_api import KEY, MODEL, make_engine
 
 RELEASE = "/v1/kv_transfer/release"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+PROXY_SECRET = "the-proxy-secret-0123456789"
+AS_PROXY = {**AUTH, PROXY_SECRET_HEADER: PROXY_SECRET}
 LEASE_S = 30.0
 PROMPT, FIRST_TEXT = "Count from 3 to ten.", " hungry"  # the tiny llama's greedy first token
 
 
 def test_release_endpoint_contract(tiny_llama: Path) -> None:
     engine = make_engine(tiny_llama)
-    uv, thread, url = serve_in_thread(engine)
+    app = build_server(engine, MODEL, api_key=KEY, proxy=ProxyCredential(PROXY_SECRET))
     try:
-        with httpx.Client(base_url=url, headers=AUTH, timeout=10) as http:
+        with (
+            serve_app(app) as url,
+            httpx.Client(base_url=url, headers=AS_PROXY, timeout=10) as proxy,
+            httpx.Client(base_url=url, headers=AUTH, timeout=10) as client,
+        ):
             assert httpx.post(url + RELEASE, json={"request_id": "x"}).status_code == 401
             for bad in ({}, {"request_id": 5}, {"request_id": ""}):
-                assert http.post(RELEASE, json=bad).status_code == 400, bad
-            unknown = http.post(RELEASE, json={"request_id": "cmpl-nobody-0"})
-            assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "NotFoundError"
+                assert proxy.post(RELEASE, json=bad).status_code == 400, bad
             body = {"model": MODEL, "prompt": [400], "max_tokens": 1}
-            plain = http.post("/v1/completions", json=body).json()["id"]
-            assert http.post(RELEASE, json={"request_id": f"{plain}-0"}).status_code == 404
-            kept = http.post(
-                "/v1/completions", json={**body, "kv_transfer_params": {"do_remote_decode": True}}
-            ).json()["id"]
-            for _ in range(2):  # idempotent
-                resp = http.post(RELEASE, json={"request_id": f"{kept}-0"})
-                assert resp.status_code == 200 and resp.json() == {
-                    "request_id": f"{kept}-0",
-                    "released": True,
-                }
+            asked = {**body, "kv_transfer_params": {"do_remote_decode": True}}
+            chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+            for path, request in (("/v1/completions", asked), ("/v1/chat/completions", {**chat, **asked})):
+                refused = client.post(path, json=request)  # the API key is not enough
+                assert refused.status_code == 403, refused.text
+                assert refused.json()["error"]["param"] == "kv_transfer_params"
+                wrong = client.post(path, json=request, headers={PROXY_SECRET_HEADER: "x" + PROXY_SECRET})
+                assert wrong.status_code == 403
+            kept = proxy.post("/v1/completions", json=asked).json()["id"]
+            plain = client.post("/v1/completions", json=body).json()["id"]
+            # anyone but the proxy: the same refusal for a held id and one that holds nothing
+            foreign = client.post(RELEASE, json={"request_id": f"{kept}-0"})
+            unknown = client.post(RELEASE, json={"request_id": "cmpl-nobody-0"})
+            assert foreign.status_code == unknown.status_code == 403
+            assert foreign.json() == unknown.json() and "proxy" in foreign.json()["error"]["message"]
+            # the proxy: the same answer for an id held, not held, or never seen; idempotent
+            for request_id in (f"{kept}-0", f"{kept}-0", f"{plain}-0", "cmpl-nobody-0"):
+                resp = proxy.post(RELEASE, json={"request_id": request_id})
+                assert resp.status_code == 200 and resp.json() == {"request_id": request_id, "released": True}
     finally:
-        uv.should_exit = True
-        thread.join(10)
         engine.shutdown()
 
 
@@ -89,13 +102,22 @@ def deployment(
     kv = nixl("producer", lease_s=LEASE_S)
     secret = logs / "kv-secret"  # an instance with an API key refuses an unauthenticated side channel
     secret.write_text("a-shared-side-channel-secret")
+    proxy_secret = logs / "proxy-secret"  # and one with a connector needs the proxy's credential
+    proxy_secret.write_text(PROXY_SECRET)
     args = ("--api-key", KEY, "--metrics-public", "--kv-transfer-secret-file", str(secret))
+    args += ("--proxy-secret-file", str(proxy_secret))
     prefiller = start_server(tiny_llama, logs, "prefill", kv, args=args)
     decoder = stalled_decoder()
     try:
         wait_healthy([prefiller])
         with serve_app(decoder) as decode_url:
-            config = ProxyConfig((prefiller.url,), (decode_url,), api_key=KEY, health_interval_s=60.0)
+            config = ProxyConfig(
+                (prefiller.url,),
+                (decode_url,),
+                api_key=KEY,
+                health_interval_s=60.0,
+                proxy_secret=PROXY_SECRET,
+            )
             with serve_app(build_proxy(config)) as proxy_url:
                 yield prefiller, proxy_url, decoder
     finally:

@@ -88,7 +88,10 @@ def nixl(role: str, policy: str = "fail", **extra) -> dict:
     }
 
 
-def wait_healthy(servers: list[Server], timeout: float = 180.0) -> None:
+def wait_healthy(servers: list[Server], timeout: float | None = None) -> None:
+    """Wait until every server answers /health (default: 180 s, or $KVFERRY_TEST_STARTUP_S
+    on a host too loaded for that)."""
+    timeout = timeout or float(os.environ.get("KVFERRY_TEST_STARTUP_S", "180"))
     deadline = time.monotonic() + timeout
     for server in servers:
         while True:

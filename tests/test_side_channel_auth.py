@@ -27,7 +27,7 @@ import msgspec
 import pytest
 import zmq
 
-from kvferry.connector.nixl.auth import PeerAuth, Proof, new_nonce
+from kvferry.connector.nixl.auth import PeerAuth, new_nonce
 from kvferry.connector.nixl.protocol import (
     Auth,
     Challenge,
@@ -37,7 +37,9 @@ from kvferry.connector.nixl.protocol import (
     Hello,
     Refused,
     Release,
+    Sealed,
 )
+from kvferry.connector.nixl.sealing import Sealer
 from kvferry.engine.llm import LLM
 from kvferry.sampling_params import SamplingParams
 from tests.test_pd_support import Server, decode, nixl, prefill, start_server, stop, wait_healthy, wait_idle
@@ -120,11 +122,11 @@ class RawClient:
         self.sock.connect(f"tcp://{host}:{port}")
         self.codec = Codec()
 
-    def ask(self, message: msgspec.Struct, token: bytes | None = b"") -> object:
+    def ask(self, message: msgspec.Struct, token: bytes | None = None) -> object:
         payload = self.codec.encode(message)
         self.sock.send_multipart([payload] if token is None else [token, payload])
         assert self.sock.poll(5000), "the side channel did not answer"
-        return self.codec.decode_server(self.sock.recv())
+        return self.codec.server_frame(self.sock.recv())
 
     def close(self) -> None:
         self.sock.close(linger=0)
@@ -144,23 +146,23 @@ def test_unauthenticated_peers_are_refused_and_counted(servers: dict, reference:
             reply = raw.ask(Handshake(1), token)
             assert isinstance(reply, Refused) and not isinstance(reply, HandshakeReply), reply
             assert isinstance(raw.ask(Release(2, params["remote_request_id"]), token), Refused)
-        # a guessed secret: the server's proof does not check out, nor does ours
+        # a guessed secret: the challenge names no engine, its proof does not check out, and
+        # nothing sealed with the keys the guess gives is answered
         nonce = new_nonce()
         challenge = raw.ask(Hello(3, nonce))
-        assert isinstance(challenge, Challenge) and challenge.engine_id == params["remote_engine_id"]
-        guess = PeerAuth(b"guessed-secret-guessed-secret", "intruder")
-        assert not guess.verify(Proof.SERVER, nonce, challenge.nonce, challenge.engine_id, challenge.proof)
-        proof = guess.mac(Proof.CLIENT, nonce, challenge.nonce, "intruder")
-        assert isinstance(raw.ask(Auth(4, "intruder", proof)), Refused)
-        token = guess.mac(Proof.SESSION, nonce, challenge.nonce, "intruder")
-        assert isinstance(raw.ask(Release(5, params["remote_request_id"]), token), Refused)
+        assert isinstance(challenge, Challenge) and not hasattr(challenge, "engine_id")
+        guess = PeerAuth(b"guessed-secret-guessed-secret", "intruder").session(nonce, challenge.nonce)
+        assert guess.server_proof != challenge.proof
+        sealer = Sealer(guess.to_server)
+        for message in (Auth(4, "intruder"), Release(5, params["remote_request_id"])):
+            assert isinstance(raw.ask(Sealed(*sealer.seal(raw.codec.encode(message)))), Refused)
     finally:
         raw.close()
     time.sleep(0.5)
     assert _held(pre) == held  # no Release was honoured
     assert _text(decode(dec, prompt, params, MAX_TOKENS)) == reference[prompt]
     assert dec.metrics()["kv_connector_nixl_bytes_read"] > 0  # over NIXL, after the secret was proven
-    _wait_counted(pre, refused=7, auth_failed=1)
+    _wait_counted(pre, refused=6, auth_failed=2)
     wait_idle(pre)
     wait_idle(dec)
 
@@ -203,14 +205,13 @@ class Listener:
 
 
 class Impostor:
-    """A ZMQ side channel that does not know the secret, claiming the prefiller's engine id."""
+    """A ZMQ side channel that does not know the secret."""
 
-    def __init__(self, engine_id: str) -> None:
+    def __init__(self) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.engine_id = engine_id
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -221,9 +222,9 @@ class Impostor:
             if not self.sock.poll(50):
                 continue
             frames = self.sock.recv_multipart()
-            message = codec.decode_client(frames[-1])
+            message = codec.client_frame(frames[-1])
             if isinstance(message, Hello):
-                fake = Challenge(message.seq, new_nonce(), self.engine_id, os.urandom(32))
+                fake = Challenge(message.seq, new_nonce(), os.urandom(32))
                 self.sock.send_multipart([frames[0], codec.encode(fake)])
 
     def close(self) -> None:
@@ -252,7 +253,7 @@ def test_forged_remote_addresses_fail_their_request_with_bounded_attempts(
     prompt = PROMPTS[2]
     params = prefill(pre, prompt)
     listener = Listener()
-    impostor = Impostor(params["remote_engine_id"])
+    impostor = Impostor()
     try:
         forged = _forged(params, listener.host, listener.port)
         _refused_fast(dec, prompt, forged, "cannot reach the remote engine")

@@ -8,10 +8,21 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from kvferry.connector.nixl.auth import PeerAuth, Proof, load_secret
+from kvferry.connector.nixl.auth import PeerAuth, load_secret, new_nonce
 from kvferry.connector.nixl.channel import Clients, Inbound, Server
 from kvferry.connector.nixl.metadata import NixlSettings
-from kvferry.connector.nixl.protocol import Ack, Done, Handshake, Release
+from kvferry.connector.nixl.protocol import (
+    Ack,
+    Challenge,
+    Codec,
+    Done,
+    Handshake,
+    Hello,
+    Refused,
+    Release,
+    Sealed,
+)
+from kvferry.connector.nixl.sealing import Opener, Sealer, SealError
 from kvferry.errors import ConfigError
 
 SECRET = b"s" * 32
@@ -92,14 +103,59 @@ def test_release_without_a_session_is_refused(ctx: zmq.Context) -> None:
     raw.close(linger=0)
 
 
-def test_proofs_are_bound_to_role_nonces_and_engine() -> None:
+def test_session_keys_are_bound_to_secret_nonces_and_direction() -> None:
     auth = PeerAuth(SECRET, "x")
-    mac = auth.mac(Proof.CLIENT, b"a", b"b", "x")
-    assert auth.verify(Proof.CLIENT, b"a", b"b", "x", mac)
-    assert not auth.verify(Proof.SERVER, b"a", b"b", "x", mac)
-    assert not auth.verify(Proof.CLIENT, b"b", b"a", "x", mac)
-    assert not auth.verify(Proof.CLIENT, b"a", b"b", "y", mac)
-    assert "s" * 16 not in repr(auth)
+    keys = auth.session(b"a", b"b")
+    assert keys == PeerAuth(SECRET, "another engine").session(b"a", b"b")  # no engine id in them
+    assert keys != auth.session(b"b", b"a") and keys != PeerAuth(b"t" * 32, "x").session(b"a", b"b")
+    assert auth.session(b"ab", b"") != auth.session(b"a", b"b")  # the fields are length-prefixed
+    values = [keys.server_proof, *vars(keys.to_server).values(), *vars(keys.to_client).values()]
+    assert len(set(values)) == 5
+    assert "s" * 16 not in repr(auth) and keys.server_proof.hex() not in repr(keys)
+
+
+def test_sealed_messages_open_once_in_order_and_unaltered() -> None:
+    keys = PeerAuth(SECRET, "x").session(new_nonce(), new_nonce())
+    sealer, opener = Sealer(keys.to_server), Opener(keys.to_server)
+    sealed = [sealer.seal(b"message %d" % i) for i in range(4)]
+    assert all(b"message" not in box for _, box in sealed)
+    assert opener.open(*sealed[0]) == b"message 0"
+    with pytest.raises(SealError, match="not above"):
+        opener.open(*sealed[0])  # replayed
+    assert opener.open(*sealed[2]) == b"message 2"  # a gap (a dropped message) is allowed
+    with pytest.raises(SealError, match="not above"):
+        opener.open(*sealed[1])  # reordered
+    counter, box = sealed[3]
+    for forged in (bytes([box[0] ^ 1]) + box[1:], box[:-1], b""):
+        with pytest.raises(SealError):
+            opener.open(counter, forged)
+    with pytest.raises(SealError):  # the same counter and bytes, the other direction
+        Opener(keys.to_client).open(counter, box)
+    with pytest.raises(SealError):  # another connection's keys
+        Opener(PeerAuth(SECRET, "x").session(new_nonce(), new_nonce()).to_server).open(counter, box)
+    assert opener.open(counter, box) == b"message 3"
+
+
+def test_hello_reveals_no_engine_and_clear_requests_are_refused(ctx: zmq.Context) -> None:
+    server = Server(ctx, "127.0.0.1", 0, zmq.Poller(), PeerAuth(SECRET, "prefill-engine-id"))
+    raw = ctx.socket(zmq.DEALER)
+    raw.connect(f"tcp://127.0.0.1:{server.port}")
+    codec = Codec()
+    replies = []
+    for message in (Hello(1, new_nonce()), Handshake(2), Sealed(0, b"x" * 64)):
+        raw.send(codec.encode(message))
+        deadline = time.monotonic() + 5
+        while not raw.poll(10):
+            assert time.monotonic() < deadline
+            assert server.receive() == []
+        replies.append(raw.recv())
+    assert all(b"prefill-engine-id" not in reply for reply in replies)
+    challenge, clear, forged = (codec.server_frame(r) for r in replies)
+    assert isinstance(challenge, Challenge) and set(challenge.__struct_fields__) == {"seq", "nonce", "proof"}
+    assert isinstance(clear, Refused) and clear.seq == 2
+    assert isinstance(forged, Refused)  # a sealed Auth that did not open: no session
+    assert server.gate.counts.failed == 1 and not server.gate.sessions
+    raw.close(linger=0)
 
 
 def test_secret_sources(tmp_path) -> None:

@@ -28,9 +28,12 @@ def serve_config(args: argparse.Namespace) -> EngineConfig:
 def cmd_serve(args: argparse.Namespace) -> None:
     from kvferry.entrypoints.edge_options import limits_from_args
     from kvferry.entrypoints.openai.server import HttpOptions, run_server
+    from kvferry.entrypoints.proxy_secret import for_instance
 
     config = serve_config(args)
-    options = HttpOptions(args.host, args.port, args.api_key, args.metrics_public, limits_from_args(args))
+    proxy_secret = for_instance(args.proxy_secret_file, config.kv_transfer.enabled, args.api_key is not None)
+    limits = limits_from_args(args)
+    options = HttpOptions(args.host, args.port, args.api_key, args.metrics_public, limits, proxy_secret)
     run_server(config, options=options)
 
 
@@ -130,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-transfer-secret-file",
         default=None,
         help="file holding the KV connector's shared secret (or set $KVFERRY_KV_SECRET)",
+    )
+    serve.add_argument(
+        "--proxy-secret-file",
+        default=None,
+        help="file holding the proxy's credential, which kv_transfer_params and KV releases need "
+        "(or set $KVFERRY_PROXY_SECRET)",
     )
     serve.set_defaults(func=cmd_serve)
 

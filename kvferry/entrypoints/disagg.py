@@ -15,7 +15,9 @@ recomputes the prompt and ignores the prefill's ``kv_transfer_params``.
 Secrets travel by environment, never on a command line (docs/security.md): the API key
 (``--api-key-file``, ``$KVFERRY_API_KEY`` or ``--api-key``) reaches every child as
 ``$KVFERRY_API_KEY``; the KV side channel's shared secret (``$KVFERRY_KV_SECRET`` if set,
-else a fresh random one) reaches the instances, not the proxy.
+else a fresh random one) reaches the instances, not the proxy; the proxy's credential
+(``$KVFERRY_PROXY_SECRET`` if set, else a fresh one) reaches the proxy and the instances.
+Decoders dial only the side channels of the prefillers started here (``allowed_remotes``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from kvferry.connector.nixl.auth import SECRET_ENV
 from kvferry.entrypoints.disagg_supervisor import add_restart_args, restart_policy, supervise
 from kvferry.entrypoints.edge_options import add_edge_args
 from kvferry.entrypoints.http_common import API_KEY_ENV
+from kvferry.entrypoints.proxy_secret import PROXY_SECRET_ENV
 from kvferry.errors import ConfigError, KVFerryError
 from kvferry.ports import bindable, free_port
 from kvferry.worker.cpu_placement import available_cores, format_core_list
@@ -241,12 +244,29 @@ def child_environment(own: dict[str, str]) -> dict[str, str]:
     return {**env, **own}
 
 
-def instance_secrets(args: argparse.Namespace, extra: dict[str, Any]) -> dict[str, str]:
-    """The secrets every instance gets by environment: API key, KV side-channel secret."""
+def deployment_secrets(args: argparse.Namespace) -> dict[str, str]:
+    """The secrets the proxy and every instance get by environment: API key, proxy credential."""
     env = {API_KEY_ENV: args.api_key} if args.api_key else {}
+    env[PROXY_SECRET_ENV] = os.environ.get(PROXY_SECRET_ENV) or secrets.token_hex(32)
+    return env
+
+
+def instance_secrets(
+    args: argparse.Namespace, extra: dict[str, Any], shared: dict[str, str] | None = None
+) -> dict[str, str]:
+    """The secrets every instance gets by environment: ``shared`` (default: the API key),
+    the KV side-channel secret."""
+    env = dict(shared) if shared is not None else ({API_KEY_ENV: args.api_key} if args.api_key else {})
     if args.kv_connector != NO_CONNECTOR and not extra.get("secret_file"):
         env[SECRET_ENV] = os.environ.get(SECRET_ENV) or secrets.token_hex(32)
     return env
+
+
+def decoder_extra(extra: dict[str, Any], prefill_side_ports: list[int]) -> dict[str, Any]:
+    """A decoder's connector settings: it dials only the prefillers started here (their TP
+    rank 0 side channels), unless the extra config names its own allow-list."""
+    allowed = [f"127.0.0.1:{port}" for port in prefill_side_ports]
+    return {"allowed_remotes": allowed, **extra}
 
 
 def spawn(child: Child, append: bool = False) -> None:
@@ -392,9 +412,13 @@ def split_cores(rank_counts: list[int], cores: tuple[int, ...]) -> list[tuple[in
     return shares
 
 
-def plan_instances(args: argparse.Namespace, extra: dict[str, Any], log_dir: Path) -> list[Child]:
+def plan_instances(
+    args: argparse.Namespace, extra: dict[str, Any], log_dir: Path, shared: dict[str, str] | None = None
+) -> list[Child]:
     passthrough = engine_argv(args)
-    env = instance_secrets(args, extra)
+    env = instance_secrets(args, extra, deployment_secrets(args) if shared is None else shared)
+    with_channel = args.kv_connector != NO_CONNECTOR
+    side_ports = [free_port() for _ in range(args.prefill)] if with_channel else []
     roles = [("prefill", i, args.prefill_tp) for i in range(args.prefill)]
     roles += [("decode", i, args.decode_tp) for i in range(args.decode)]
     if args.cpu_split == "even":
@@ -404,12 +428,13 @@ def plan_instances(args: argparse.Namespace, extra: dict[str, Any], log_dir: Pat
     children = []
     for (role, i, tp), cores in zip(roles, shares, strict=True):
         port = free_port()
-        side_port = free_port() if role == "prefill" and args.kv_connector != NO_CONNECTOR else None
+        side_port = side_ports[i] if role == "prefill" and with_channel else None
+        own_extra = decoder_extra(extra, side_ports) if role == "decode" else extra
         cmd = _cli(args, "serve") + [args.model, "--host", "127.0.0.1", "--port", str(port)]
         cmd += ["--tensor-parallel-size", str(tp)] if tp > 1 else []
         cmd += ["--cpu-cores", format_core_list(cores)] if cores else []
         cmd += passthrough
-        kv = kv_transfer_json(args.kv_connector, role, extra, side_port, args.kv_load_failure_policy)
+        kv = kv_transfer_json(args.kv_connector, role, own_extra, side_port, args.kv_load_failure_policy)
         cmd += ["--kv-transfer-config", kv] if kv else []
         name = f"{role}-{i}"
         url = f"http://127.0.0.1:{port}"
@@ -417,14 +442,16 @@ def plan_instances(args: argparse.Namespace, extra: dict[str, Any], log_dir: Pat
     return children
 
 
-def plan_proxy(args: argparse.Namespace, instances: list[Child], log_dir: Path) -> Child:
+def plan_proxy(
+    args: argparse.Namespace, instances: list[Child], log_dir: Path, shared: dict[str, str]
+) -> Child:
     cmd = _cli(args, "proxy")
     cmd += ["--prefill"] + [c.url for c in instances if c.name.startswith("prefill")]
     cmd += ["--decode"] + [c.url for c in instances if c.name.startswith("decode")]
     cmd += ["--host", args.host, "--port", str(args.port), "--policy", args.policy]
     cmd += ["--health-interval", str(args.health_interval)] if args.health_interval else []
     cmd += edge_argv(args)
-    env = {API_KEY_ENV: args.api_key} if args.api_key else {}
+    env = dict(shared)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     return Child("proxy", cmd, f"http://{host}:{args.port}", log_dir / "proxy.log", env)
 
@@ -464,8 +491,9 @@ def run(args: argparse.Namespace) -> None:
     extra = check_connector(args)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvferry-disagg-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    instances = plan_instances(args, extra, log_dir)
-    proxy = plan_proxy(args, instances, log_dir)
+    shared = deployment_secrets(args)
+    instances = plan_instances(args, extra, log_dir, shared)
+    proxy = plan_proxy(args, instances, log_dir, shared)
     stop = threading.Event()
     _install_signal_handlers(stop)
     policy = restart_policy(args)

@@ -1,21 +1,23 @@
-"""Side-channel authentication: a shared secret, proven by HMAC challenge-response.
+"""Side-channel authentication: a shared secret, proven per connection, keying the session.
 
-Every connection to a prefiller's side channel starts with a mutual proof of the secret
-(docs/security.md):
+Every connection to a prefiller's side channel starts with (docs/security.md):
 
-    client -> Hello(client nonce)
-    server -> Challenge(server nonce, server engine id, HMAC(secret, "server" | nonces | id))
-    client -> Auth(client engine id, HMAC(secret, "client" | nonces | id))   (checks the proof first)
+    client -> Hello(nonce_c)
+    server -> Challenge(nonce_s, server_proof)            names no engine
+    client -> Sealed(Auth(client engine id))               (checks server_proof first)
+    server -> Sealed(Welcome(server engine id))
 
-Both sides then know the session token HMAC(secret, "session" | nonces | client id); the
-client sends it with every later message on that connection, and the server answers only
-messages whose connection proved the secret and whose token matches. Nothing else (engine
-info, lease answers, releases) is answered before that.
+Both sides derive the connection's keys from the secret and both nonces (HMAC-SHA256 as
+HKDF's extract and expand): a proof the server sends, and for each direction an
+encryption key and a MAC key (sealing.py). Sealing Auth needs the client's key, so it
+proves the secret; every later message is sealed the same way. A relay that forwards the
+bytes of a connection sees nonces and a proof, never a key: it can read nothing and
+inject nothing.
 
 The secret comes from the environment (``KVFERRY_KV_SECRET``) or a file (the extra config's
 ``secret_file``, set by ``kvferry serve --kv-transfer-secret-file``), never from the
-command line. Without one the proofs use an empty key: anyone can answer them, and the
-engine says so loudly at start-up.
+command line. Without one the keys derive from an empty secret: anyone can compute them,
+and the engine says so loudly at start-up.
 """
 
 from __future__ import annotations
@@ -37,14 +39,40 @@ logger = logging.getLogger(__name__)
 SECRET_ENV = "KVFERRY_KV_SECRET"
 NONCE_BYTES = 32
 MIN_SECRET_BYTES = 16
+EXTRACT_LABEL = b"kvferry-side-channel/v2"
 
 
-class Proof(Enum):
-    """What a MAC proves: the roles are domain-separated, so one cannot stand for another."""
+class KeyUse(Enum):
+    """What a derived key is for: domain-separated, so one cannot stand for another."""
 
-    SERVER = b"kvferry-side-channel/server"
-    CLIENT = b"kvferry-side-channel/client"
-    SESSION = b"kvferry-side-channel/session"
+    SERVER_PROOF = b"server-proof"
+    TO_SERVER_ENC = b"client-to-server/encrypt"
+    TO_SERVER_MAC = b"client-to-server/mac"
+    TO_CLIENT_ENC = b"server-to-client/encrypt"
+    TO_CLIENT_MAC = b"server-to-client/mac"
+
+
+@dataclass(frozen=True)
+class DirectionKeys:
+    """The keys of one direction of one connection."""
+
+    encrypt: bytes
+    mac: bytes
+
+    def __repr__(self) -> str:  # never print a key
+        return "DirectionKeys(...)"
+
+
+@dataclass(frozen=True)
+class SessionKeys:
+    """One connection's keys, from the secret and both nonces."""
+
+    server_proof: bytes
+    to_server: DirectionKeys
+    to_client: DirectionKeys
+
+    def __repr__(self) -> str:
+        return "SessionKeys(...)"
 
 
 def new_nonce() -> bytes:
@@ -84,7 +112,7 @@ def process_secret(secret_file: str | None) -> bytes | None:
 
 @dataclass(frozen=True)
 class PeerAuth:
-    """This engine's side of the proofs: the shared secret and its own engine id."""
+    """This engine's side of the handshake: the shared secret and its own engine id."""
 
     secret: bytes = b""
     engine_id: str = ""
@@ -96,14 +124,21 @@ class PeerAuth:
     def enabled(self) -> bool:
         return bool(self.secret)
 
-    def mac(self, proof: Proof, client_nonce: bytes, server_nonce: bytes, engine_id: str) -> bytes:
-        message = b"".join(_field(f) for f in (proof.value, client_nonce, server_nonce, engine_id.encode()))
-        return hmac.new(self.secret, message, hashlib.sha256).digest()
+    def session(self, client_nonce: bytes, server_nonce: bytes) -> SessionKeys:
+        """The keys of the connection that exchanged these nonces, HKDF-style with SHA-256:
+        a pseudorandom key HMAC(secret, label | nonces) (the secret keys it: the nonces are
+        public), then one HMAC block of it per use."""
+        salted = b"".join(_field(f) for f in (EXTRACT_LABEL, client_nonce, server_nonce))
+        prk = hmac.new(self.secret, salted, hashlib.sha256).digest()
 
-    def verify(
-        self, proof: Proof, client_nonce: bytes, server_nonce: bytes, engine_id: str, mac: bytes
-    ) -> bool:
-        return hmac.compare_digest(self.mac(proof, client_nonce, server_nonce, engine_id), mac)
+        def expand(use: KeyUse) -> bytes:
+            return hmac.new(prk, use.value + b"\x01", hashlib.sha256).digest()
+
+        return SessionKeys(
+            server_proof=expand(KeyUse.SERVER_PROOF),
+            to_server=DirectionKeys(expand(KeyUse.TO_SERVER_ENC), expand(KeyUse.TO_SERVER_MAC)),
+            to_client=DirectionKeys(expand(KeyUse.TO_CLIENT_ENC), expand(KeyUse.TO_CLIENT_MAC)),
+        )
 
 
 def warn_without_secret(engine_id: str) -> None:

@@ -3,33 +3,38 @@
 Both are non-blocking and owned by one thread: the owner calls `poll` (or polls the shared
 zmq.Poller itself) and reads results off `Pending` objects. Every connection proves the
 shared secret first (auth.py, gate.py): the server hands only authenticated messages to its
-owner, and a client queues its messages until its connection is authenticated. A client
+owner, and a client queues its messages until its connection is authenticated. After
+the clear Hello and Challenge every message is sealed (sealing.py), one frame each. A client
 socket makes one TCP connection attempt (no ZMQ reconnects): a peer that is gone, or
 never spoke the protocol, fails the requests sent to it and is connected afresh next time.
 """
 
 from __future__ import annotations
 
+import hmac
 import itertools
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import overload
 
-import msgspec
 import zmq
 
-from kvferry.connector.nixl.auth import PeerAuth, Proof, new_nonce
-from kvferry.connector.nixl.gate import Gate
+from kvferry.connector.nixl.auth import PeerAuth, new_nonce
+from kvferry.connector.nixl.gate import Gate, Opened
 from kvferry.connector.nixl.protocol import (
     Auth,
     Challenge,
+    ClientFrame,
     ClientMessage,
     Codec,
     Hello,
     Refused,
+    Sealed,
     ServerMessage,
+    Welcome,
 )
+from kvferry.connector.nixl.sealing import Opener, Sealer, SealError
 
 logger = logging.getLogger(__name__)
 
@@ -89,34 +94,44 @@ class Server:
                 frames = self.socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return out
-            if len(frames) not in (2, 3):
-                self.gate.refuse(f"malformed request ({len(frames)} frames)")
+            frame = self.codec.client_frame(frames[-1]) if len(frames) == 2 else None
+            if frame is None:
+                self.gate.refuse(f"malformed or undecodable request ({len(frames)} frames)")
+                self._send(frames[0], Refused(0, "not a side-channel request (one frame, Hello or sealed)"))
                 continue
-            message = self.codec.decode_client(frames[-1])
-            if message is None:
-                self.gate.refuse("undecodable request")
-                continue
-            token = frames[1] if len(frames) == 3 else b""
-            inbound = self._admit(frames[0], token, message)
+            identity = frames[0]
+            inbound = self._admit(identity, frame)
             if inbound is not None:
                 out.append(inbound)
 
-    def _admit(self, identity: bytes, token: bytes, message: ClientMessage) -> Inbound | None:
-        if isinstance(message, Hello):
-            self.reply(identity, self.gate.hello(identity, message))
-        elif isinstance(message, Auth):
-            if not self.gate.authenticate(identity, message):
-                self.reply(identity, Refused(message.seq, "wrong proof of the shared secret"))
+    def _admit(self, identity: bytes, frame: ClientFrame) -> Inbound | None:
+        if isinstance(frame, Hello):
+            self._send(identity, self.gate.hello(identity, frame))
+            return None
+        if not isinstance(frame, Sealed):  # a request in the clear: an old or foreign client
+            self.gate.refuse("request that was not sealed in a session")
+            self._send(identity, Refused(frame.seq, "not authenticated: prove the shared secret first"))
+            return None
+        opened = self.gate.open(identity, frame)
+        if isinstance(opened, Opened):
+            return Inbound(identity, opened.message, opened.session.engine_id)
+        if isinstance(opened, Welcome):
+            self.reply(identity, opened)
         else:
-            session = self.gate.admit(identity, token)
-            if session is not None:
-                return Inbound(identity, message, session.engine_id)
-            self.reply(identity, Refused(message.seq, "not authenticated: prove the shared secret first"))
+            self._send(identity, Refused(0, "not authenticated: prove the shared secret first"))
         return None
 
-    def reply(self, identity: bytes, message: msgspec.Struct) -> None:
+    def reply(self, identity: bytes, message: ServerMessage) -> None:
+        """Answer an authenticated request: sealed for its connection's session."""
+        sealed = self.gate.seal(identity, message)
+        if sealed is None:
+            logger.warning("side channel: reply dropped: its connection's session ended")
+            return
+        self._send(identity, sealed)
+
+    def _send(self, identity: bytes, frame: Challenge | Refused | Sealed) -> None:
         try:
-            self.socket.send_multipart([identity, self.codec.encode(message)], zmq.NOBLOCK)
+            self.socket.send_multipart([identity, self.codec.encode(frame)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             logger.warning("side channel: reply dropped: %s", exc)
 
@@ -126,14 +141,15 @@ class Server:
 
 @dataclass
 class Link:
-    """One client connection: authenticating until it has a session token."""
+    """One client connection: authenticating until it has its session's keys."""
 
     socket: zmq.Socket[bytes]
     nonce: bytes
     hello_seq: int
     deadline: float  # monotonic: authenticated by then, or failed
-    token: bytes | None = None
-    peer: str | None = None  # the remote engine id, proven with the secret
+    sealer: Sealer | None = None  # ours to the server, once it proved the secret
+    opener: Opener | None = None  # its messages to us
+    peer: str | None = None  # the remote engine id, from its sealed Welcome
     waiting: list[bytes] = field(default_factory=list)  # encoded requests for after Auth
 
 
@@ -174,12 +190,12 @@ class Clients:
         self.poller.register(sock, zmq.POLLIN)
         link = Link(sock, new_nonce(), self.next_seq(), time.monotonic() + self.auth_timeout_s)
         self.links[address] = link
-        self._put(link, b"", self.codec.encode(Hello(link.hello_seq, link.nonce)))
+        link.socket.send(self.codec.encode(Hello(link.hello_seq, link.nonce)), zmq.NOBLOCK)
         return link
 
-    @staticmethod
-    def _put(link: Link, token: bytes, payload: bytes) -> None:
-        link.socket.send_multipart([token, payload], zmq.NOBLOCK)
+    def _put(self, link: Link, sealer: Sealer, payload: bytes) -> None:
+        counter, box = sealer.seal(payload)
+        link.socket.send(self.codec.encode(Sealed(counter, box)), zmq.NOBLOCK)
 
     def next_seq(self) -> int:
         return next(self._seq)
@@ -210,10 +226,10 @@ class Clients:
 
     def _deliver(self, address: Address, payload: bytes) -> None:
         link = self._link(address)
-        if link.token is None:
+        if link.sealer is None:
             link.waiting.append(payload)
         else:
-            self._put(link, link.token, payload)
+            self._put(link, link.sealer, payload)
 
     def receive(self) -> None:
         """Take every reply waiting on any socket; fail requests past their deadline."""
@@ -221,7 +237,7 @@ class Clients:
             self._receive(address, link)
         now = time.monotonic()
         for address, link in list(self.links.items()):
-            if link.token is None and link.deadline <= now:
+            if link.peer is None and link.deadline <= now:
                 self._fail(address, f"no authenticated answer from the side channel at {_where(address)}")
         # A request past its deadline fails; its connection stays: what the owner sends next
         # (a Release after giving up) must reach the peer after what it sent before (a
@@ -236,37 +252,50 @@ class Clients:
                 payload = link.socket.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            reply = self.codec.decode_server(payload)
-            if isinstance(reply, Challenge):
-                self._answer(address, link, reply)
-            elif isinstance(reply, Refused):
-                self._fail(address, f"the side channel at {_where(address)} refused: {reply.reason}")
-            elif reply is not None:
-                pending = self.pending.pop(reply.seq, None)
-                if pending is not None:
-                    pending.reply, pending.peer = reply, link.peer
+            frame = self.codec.server_frame(payload)
+            if isinstance(frame, Challenge):
+                self._answer(address, link, frame)
+            elif isinstance(frame, Refused):
+                self._fail(address, f"the side channel at {_where(address)} refused: {frame.reason}")
+            elif isinstance(frame, Sealed):
+                self._open(address, link, frame)
+
+    def _open(self, address: Address, link: Link, sealed: Sealed) -> None:
+        """A sealed reply: it must open with the session's keys, in order, or the
+        connection is failed (someone between us and the server made it up)."""
+        if link.opener is None:
+            self._fail(address, f"the side channel at {_where(address)} sent a sealed reply before its proof")
+            return
+        try:
+            reply = self.codec.server_message(link.opener.open(sealed.counter, bytes(sealed.box)))
+        except SealError as exc:
+            self._fail(address, f"a reply from the side channel at {_where(address)} did not open: {exc}")
+            return
+        if isinstance(reply, Welcome):
+            link.peer = reply.engine_id
+        elif reply is not None:
+            pending = self.pending.pop(reply.seq, None)
+            if pending is not None:
+                pending.reply, pending.peer = reply, link.peer
 
     def _answer(self, address: Address, link: Link, challenge: Challenge) -> None:
-        """The server proved the secret: prove it back, then send what waited."""
-        if link.token is not None or challenge.seq != link.hello_seq:
+        """The server proved the secret: seal Auth with the session's keys (which proves it
+        back), then what waited."""
+        if link.sealer is not None or challenge.seq != link.hello_seq:
             return
-        if not self.auth.verify(
-            Proof.SERVER, link.nonce, challenge.nonce, challenge.engine_id, challenge.proof
-        ):
+        keys = self.auth.session(link.nonce, bytes(challenge.nonce))
+        if not hmac.compare_digest(keys.server_proof, bytes(challenge.proof)):
             self._fail(
                 address,
                 f"the side channel at {_where(address)} did not prove the shared secret "
                 "(every prefill and decode instance needs the same $KVFERRY_KV_SECRET or secret file)",
             )
             return
-        engine_id = self.auth.engine_id
-        proof = self.auth.mac(Proof.CLIENT, link.nonce, challenge.nonce, engine_id)
-        link.token = self.auth.mac(Proof.SESSION, link.nonce, challenge.nonce, engine_id)
-        link.peer = challenge.engine_id
+        link.sealer, link.opener = Sealer(keys.to_server), Opener(keys.to_client)
         try:
-            self._put(link, b"", self.codec.encode(Auth(self.next_seq(), engine_id, proof)))
+            self._put(link, link.sealer, self.codec.encode(Auth(self.next_seq(), self.auth.engine_id)))
             for payload in link.waiting:
-                self._put(link, link.token, payload)
+                self._put(link, link.sealer, payload)
         except zmq.ZMQError as exc:
             self._fail(address, f"cannot send to {_where(address)}: {exc}")
         link.waiting = []

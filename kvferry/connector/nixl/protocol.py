@@ -10,19 +10,23 @@ or a decoder's scheduler half) talks to it over a DEALER socket; every request c
     Done       -> Ack          "rank r finished reading": ACK iff the blocks were still held
     Release                    the decoder will not read: free the blocks now (no reply)
 
-Before any of these, each connection proves the shared secret (auth.py):
+Before any of these, each connection proves the shared secret and agrees on session keys
+(auth.py, sealing.py); only Hello, Challenge and Refused travel in the clear, and they
+name no engine:
 
-    Hello      -> Challenge    the server's nonce and its proof of the secret
-    Auth                       the client's proof (no reply; its messages follow at once)
-    (anything unauthenticated) -> Refused
+    Hello      -> Challenge    both nonces, and the server's proof of the secret
+    Auth       -> Welcome      sealed: the client's engine id / the server's
+    (anything not sealed in an authenticated session) -> Refused
 
-A client sends two frames, [session token, message]: the token is empty until Auth.
+Every other message travels inside a `Sealed` envelope (encrypted and authenticated with
+the connection's key for its direction, numbered): one ZMQ frame per message.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+from typing import TypeVar
 
 import msgspec
 
@@ -134,16 +138,30 @@ class Hello(msgspec.Struct, tag="hello"):
 
 
 class Auth(msgspec.Struct, tag="auth"):
+    """The client's first sealed message: sealing it proves the secret (its key needs it)."""
+
     seq: int
     engine_id: str
-    proof: bytes
 
 
 class Challenge(msgspec.Struct, tag="challenge"):
     seq: int
     nonce: bytes
+    proof: bytes  # auth.SessionKeys.server_proof: the server knows the secret
+
+
+class Welcome(msgspec.Struct, tag="welcome"):
+    """The server's answer to Auth (sealed): the session is open; who the server is."""
+
+    seq: int
     engine_id: str
-    proof: bytes
+
+
+class Sealed(msgspec.Struct, tag="sealed"):
+    """A message encrypted and authenticated with the session key of its direction."""
+
+    counter: int  # strictly increasing per direction: nothing replayed or reordered
+    box: bytes
 
 
 class Refused(msgspec.Struct, tag="refused"):
@@ -170,8 +188,15 @@ class Ack(msgspec.Struct, tag="ack"):
     message: str = ""
 
 
-ClientMessage = Hello | Auth | Handshake | Check | Heartbeat | Done | Release
-ServerMessage = Challenge | Refused | HandshakeReply | CheckReply | Ack
+# What travels sealed, each way.
+ClientMessage = Auth | Handshake | Check | Heartbeat | Done | Release
+ServerMessage = Welcome | HandshakeReply | CheckReply | Ack
+# What a frame may hold: the clear handshake, a sealed message, or (client to server) a
+# message sent in the clear by mistake (an old client): refused, with its seq.
+ClientFrame = Hello | Sealed | Auth | Handshake | Check | Heartbeat | Done | Release
+ServerFrame = Challenge | Refused | Sealed
+
+M = TypeVar("M")
 
 
 class Codec:
@@ -179,23 +204,32 @@ class Codec:
 
     def __init__(self) -> None:
         self._encoder = msgspec.msgpack.Encoder()
+        self._client_frame: msgspec.msgpack.Decoder[ClientFrame] = msgspec.msgpack.Decoder(ClientFrame)
+        self._server_frame: msgspec.msgpack.Decoder[ServerFrame] = msgspec.msgpack.Decoder(ServerFrame)
         self._client: msgspec.msgpack.Decoder[ClientMessage] = msgspec.msgpack.Decoder(ClientMessage)
         self._server: msgspec.msgpack.Decoder[ServerMessage] = msgspec.msgpack.Decoder(ServerMessage)
 
     def encode(self, message: msgspec.Struct) -> bytes:
         return self._encoder.encode(message)
 
-    def decode_client(self, payload: bytes) -> ClientMessage | None:
-        """A request to a side channel, or None (logged) when it does not decode."""
-        try:
-            return self._client.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            logger.warning("undecodable side-channel request dropped: %s", exc)
-            return None
+    def client_frame(self, payload: bytes) -> ClientFrame | None:
+        """A frame sent to a side channel, or None (logged) when it does not decode."""
+        return _decode(self._client_frame, payload, "request")
 
-    def decode_server(self, payload: bytes) -> ServerMessage | None:
-        try:
-            return self._server.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            logger.warning("undecodable side-channel reply dropped: %s", exc)
-            return None
+    def server_frame(self, payload: bytes) -> ServerFrame | None:
+        return _decode(self._server_frame, payload, "reply")
+
+    def client_message(self, plaintext: bytes) -> ClientMessage | None:
+        """A request, opened from its Sealed envelope."""
+        return _decode(self._client, plaintext, "sealed request")
+
+    def server_message(self, plaintext: bytes) -> ServerMessage | None:
+        return _decode(self._server, plaintext, "sealed reply")
+
+
+def _decode(decoder: msgspec.msgpack.Decoder[M], payload: bytes, what: str) -> M | None:
+    try:
+        return decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        logger.warning("undecodable side-channel %s dropped: %s", what, exc)
+        return None

@@ -4,6 +4,9 @@
     /v1/kv_transfer/release                  free the KV kept for a remote decoder now
     /v1/models, /health, /metrics (Prometheus text)
 
+``kv_transfer_params`` in a request and the release route are the proxy's alone: with a
+proxy secret set they need its credential (proxy_secret.py), not just the API key.
+
 The engine core runs in its own process (AsyncEngine), so request handling, tokenizing
 and detokenizing here never stall the engine loop.
 """
@@ -43,6 +46,8 @@ from kvferry.entrypoints.openai.protocol import ChatCompletionRequest, Completio
 from kvferry.entrypoints.openai.serving_chat import create_chat_completion
 from kvferry.entrypoints.openai.serving_common import ServerState
 from kvferry.entrypoints.openai.serving_completions import create_completion
+from kvferry.entrypoints.proxy_secret import ProxyCredential
+from kvferry.errors import UnknownRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -56,15 +61,17 @@ def build_app(
     api_key: str | None = None,
     limits: EdgeLimits | None = None,
     metrics_public: bool = False,
+    proxy: ProxyCredential | None = None,
 ) -> FastAPI:
     """A FastAPI app serving ``engine`` under ``served_model_name``.
 
     With ``api_key`` set, /v1/* needs it, and so do /metrics and /openapi.json unless
     ``metrics_public``. Request bodies are read and checked by kvferry/entrypoints/edge.py
-    within ``limits``.
+    within ``limits``. ``proxy``: the credential kv_transfer_params and releases need.
     """
     decoder = BodyDecoder(limits)
     max_model_len = engine.model_config.max_model_len
+    credential = proxy or ProxyCredential()
     app = FastAPI(title="kvferry", docs_url=None, redoc_url=None)
     state = ServerState(engine, served_model_name, aliases=(engine.model_config.model,))
     created = int(time.time())
@@ -88,19 +95,27 @@ def build_app(
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
         body = await decoder.read(request, partial(_checked, CompletionRequest, max_model_len))
+        _check_kv_params(credential, request, body.kv_transfer_params)
         return await create_completion(body, request, state)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await decoder.read(request, partial(_checked, ChatCompletionRequest, max_model_len))
+        _check_kv_params(credential, request, body.kv_transfer_params)
         return await create_chat_completion(body, request, state)
 
     @v1.post("/kv_transfer/release")
     async def release_kv(request: Request) -> dict[str, object]:
-        """Free the KV kept for a finished prefill whose decoder will not come (404: unknown
-        id; idempotent). The proxy calls it when its client leaves between the two legs."""
+        """Free the KV kept for a finished prefill whose decoder will not come. The proxy
+        calls it when its client leaves between the two legs; only the proxy may (403
+        otherwise, whatever the id). Idempotent, and the same answer for an id that holds
+        nothing here: the answer tells nobody which requests exist."""
+        credential.require(request.headers, "releasing KV")
         body = await decoder.read(request, partial(parse_model, KVReleaseRequest))
-        engine.release_kv(body.request_id)
+        try:
+            engine.release_kv(body.request_id)
+        except UnknownRequestError:
+            pass
         return {"request_id": body.request_id, "released": True}
 
     app.include_router(v1)
@@ -111,6 +126,11 @@ def build_app(
 def _checked(model: type[M], max_model_len: int, value: Any) -> M:
     """A generation request's body as ``model``, a prompt too long for the context refused first."""
     return parse_model(model, check_prompt_lengths(value, max_model_len))
+
+
+def _check_kv_params(proxy: ProxyCredential, request: Request, params: dict[str, Any] | None) -> None:
+    if params is not None:
+        proxy.require(request.headers, "kv_transfer_params", "kv_transfer_params")
 
 
 def _add_ops_routes(app: FastAPI, engine: AsyncEngine, served_model_name: str) -> None:
@@ -142,6 +162,7 @@ class HttpOptions:
     api_key: str | None = None
     metrics_public: bool = False
     limits: EdgeLimits = field(default_factory=EdgeLimits)
+    proxy_secret: str | None = None  # kv_transfer_params and releases need it (proxy_secret.py)
 
 
 def run_server(
@@ -171,7 +192,8 @@ def _serve(engine_config: EngineConfig, options: HttpOptions, log_level: str) ->
     name = engine_config.model.served_model_name
     host, port = options.host, options.port
     try:
-        app = build_app(engine, name, options.api_key, options.limits, options.metrics_public)
+        proxy = ProxyCredential(options.proxy_secret)
+        app = build_app(engine, name, options.api_key, options.limits, options.metrics_public, proxy)
         config = uvicorn.Config(
             app,
             host=host,

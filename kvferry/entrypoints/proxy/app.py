@@ -39,6 +39,7 @@ from kvferry.entrypoints.proxy.pool import InstancePool, make_policy
 from kvferry.entrypoints.proxy.streaming import open_stream
 from kvferry.entrypoints.proxy.upstream import Upstream
 from kvferry.entrypoints.proxy.validate import checked_body
+from kvferry.entrypoints.proxy_secret import proxy_headers
 from kvferry.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,8 @@ def make_client(config: ProxyConfig) -> httpx.AsyncClient:
         max_keepalive_connections=256,
         keepalive_expiry=config.keepalive_expiry_s,
     )
-    return httpx.AsyncClient(timeout=timeout, limits=limits)
+    # The proxy's credential rides on every request to an instance (proxy_secret.py).
+    return httpx.AsyncClient(timeout=timeout, limits=limits, headers=proxy_headers(config.proxy_secret))
 
 
 def build_app(config: ProxyConfig) -> FastAPI:

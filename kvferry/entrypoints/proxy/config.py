@@ -33,6 +33,15 @@ class ProxyConfig:
     early_first_token: bool = True  # stream the prefill's token before the decoder answers
     limits: EdgeLimits = field(default_factory=EdgeLimits)
     metrics_public: bool = False  # /metrics and /openapi.json without the API key
+    proxy_secret: str | None = None  # sent to the instances: kv_transfer_params and releases need it
+
+    def __repr__(self) -> str:  # never print the secrets
+        shown = {
+            "api_key": "set" if self.api_key else None,
+            "proxy_secret": "set" if self.proxy_secret else None,
+        }
+        fields = {**self.__dict__, **shown}
+        return "ProxyConfig(" + ", ".join(f"{k}={v!r}" for k, v in fields.items()) + ")"
 
     def __post_init__(self) -> None:
         if not self.prefill_urls or not self.decode_urls:

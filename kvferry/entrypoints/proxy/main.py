@@ -8,6 +8,7 @@ import signal
 
 from kvferry.entrypoints.edge_options import add_edge_args, limits_from_args
 from kvferry.entrypoints.proxy.config import DEFAULT_READ_TIMEOUT_S, POLICIES, ProxyConfig
+from kvferry.entrypoints.proxy_secret import process_proxy_secret
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +29,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_READ_TIMEOUT_S,
         help="seconds an instance may stay silent on a leg (a whole non-streamed answer, or "
         f"between stream events) before the client gets a 504; 0: no limit (default {DEFAULT_READ_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--proxy-secret-file",
+        default=None,
+        help="file holding the proxy's credential for the instances (or set $KVFERRY_PROXY_SECRET)",
     )
     add_edge_args(parser)
     parser.add_argument(
@@ -51,6 +57,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         early_first_token=args.early_first_token,
         limits=limits_from_args(args),
         metrics_public=args.metrics_public,
+        proxy_secret=process_proxy_secret(args.proxy_secret_file),
     )
 
 
