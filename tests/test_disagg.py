@@ -25,7 +25,7 @@ from kvferry.engine.llm import LLM
 from kvferry.entrypoints import disagg
 from kvferry.errors import ConfigError
 from kvferry.sampling_params import SamplingParams
-from tests.test_proxy_fakes import free_port, start_cli
+from tests.proxy_fakes import free_port, start_cli
 
 MODEL = "tiny"
 MAX_TOKENS = 12

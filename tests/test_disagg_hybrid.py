@@ -29,8 +29,8 @@ from transformers import AutoTokenizer
 from kvferry.engine.llm import LLM
 from kvferry.sampling_params import SamplingParams
 from tests.fixtures.tiny_hybrid import WINDOW, build_hybrid_model
-from tests.test_pd_support import prompt_set
-from tests.test_proxy_fakes import free_port, start_cli
+from tests.pd_support import prompt_set
+from tests.proxy_fakes import free_port, start_cli
 
 MODEL = "tiny"
 MAX_TOKENS = 12

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.edge_inputs import JSON, Bad, bad_beside_good, bad_inputs, check_refusal
-from tests.test_proxy_fakes import free_port, start_cli, stop, wait_healthy
+from tests.proxy_fakes import free_port, start_cli, stop, wait_healthy
 
 KEY = "sk-edge"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.test_pd_support import (
+from tests.pd_support import (
     MODEL,
     Server,
     colocated_greedy,
@@ -30,9 +30,9 @@ from tests.test_pd_support import (
     wait_healthy,
     wait_idle,
 )
-from tests.test_proxy_fakes import free_port, start_cli
-from tests.test_proxy_fakes import stop as stop_procs
-from tests.test_proxy_fakes import wait_healthy as wait_proc_healthy
+from tests.proxy_fakes import free_port, start_cli
+from tests.proxy_fakes import stop as stop_procs
+from tests.proxy_fakes import wait_healthy as wait_proc_healthy
 
 MAX_TOKENS = 12
 # fp32: TP sums agree; no prefix caching: an idle engine keeps no block, so every page goes back

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from tests.test_pd_support import (
+from tests.pd_support import (
     Server,
     colocated_greedy,
     decode,

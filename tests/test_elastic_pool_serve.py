@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvferry.kv.shared_pool import KVPoolSpec
-from tests.test_pd_support import Server, start_server, stop, wait_healthy, wait_idle
+from tests.pd_support import Server, start_server, stop, wait_healthy, wait_idle
 
 POOL = "4MiB"  # one burst of either model fits; both bursts at once would not
 HALF = "2MiB"

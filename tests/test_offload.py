@@ -9,7 +9,7 @@ from kvferry.connector.offload.metadata import Tier
 from kvferry.sampling_params import SamplingParams
 from tests.engine_helpers import PROMPT_TEXTS, assert_pool_full, make_llm, tokenize_all
 from tests.fixtures.tiny_models import build_tiny_model
-from tests.test_offload_support import (
+from tests.offload_support import (
     GREEDY,
     LONG,
     LONG2,

@@ -18,14 +18,14 @@ from kvferry.connector.offload.blocks import SKIP
 from kvferry.sampling_params import SamplingParams
 from tests.engine_helpers import assert_pool_full, make_llm
 from tests.fixtures.tiny_hybrid import WINDOW, build_hybrid_model
-from tests.test_offload_support import (
+from tests.offload_support import (
     evict_device_cache,
     fill_with_noise,
     offload_config,
     sched_half,
     worker_half,
 )
-from tests.test_pd_support import prompt_set
+from tests.pd_support import prompt_set
 
 BLOCK = 4
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

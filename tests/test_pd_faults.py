@@ -23,7 +23,7 @@ import pytest
 
 from kvferry.engine.llm import LLM
 from kvferry.sampling_params import SamplingParams
-from tests.test_pd_support import (
+from tests.pd_support import (
     Server,
     decode,
     kill,

@@ -21,7 +21,7 @@ from kvferry.engine.llm import LLM
 from kvferry.sampling_params import SamplingParams
 from tests.engine_helpers import make_llm
 from tests.fixtures.tiny_hybrid import build_hybrid_model
-from tests.test_pd_support import (
+from tests.pd_support import (
     Server,
     decode,
     nixl,

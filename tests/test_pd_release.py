@@ -23,9 +23,9 @@ from fastapi.responses import JSONResponse
 
 from kvferry.entrypoints.proxy.app import build_app as build_proxy
 from kvferry.entrypoints.proxy.config import ProxyConfig
-from tests.test_pd_support import MODEL as PD_MODEL
-from tests.test_pd_support import Server, nixl, start_server, stop, wait_healthy, wait_idle
-from tests.test_proxy_fakes import serve_in_thread as serve_app
+from tests.pd_support import MODEL as PD_MODEL
+from tests.pd_support import Server, nixl, start_server, stop, wait_healthy, wait_idle
+from tests.proxy_fakes import serve_in_thread as serve_app
 from tests.test_server_api import KEY, MODEL, make_engine, serve_in_thread
 
 RELEASE = "/v1/kv_transfer/release"

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from kvferry.engine.llm import LLM
 from kvferry.sampling_params import SamplingParams
-from tests.test_pd_support import (
+from tests.pd_support import (
     Server,
     decode,
     nixl,

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.test_proxy_fakes import free_port, start_cli, stop, wait_healthy
+from tests.proxy_fakes import free_port, start_cli, stop, wait_healthy
 
 MODEL = "tiny"
 KEY = "sk-pd"

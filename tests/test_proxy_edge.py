@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kvferry.entrypoints.proxy.app import build_app
 from kvferry.entrypoints.proxy.config import ProxyConfig
 from tests.edge_inputs import bad_beside_good, bad_inputs
-from tests.test_proxy_fakes import FakeInstance, free_port, serve_in_thread, start_cli, stop, wait_healthy
+from tests.proxy_fakes import FakeInstance, free_port, serve_in_thread, start_cli, stop, wait_healthy
 
 SEPARATORS = ["Hello", " line\u2028sep", " para\u2029sep", " next\x85line", " end"]
 

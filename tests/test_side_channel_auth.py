@@ -40,7 +40,7 @@ from kvferry.connector.nixl.protocol import (
 )
 from kvferry.engine.llm import LLM
 from kvferry.sampling_params import SamplingParams
-from tests.test_pd_support import Server, decode, nixl, prefill, start_server, stop, wait_healthy, wait_idle
+from tests.pd_support import Server, decode, nixl, prefill, start_server, stop, wait_healthy, wait_idle
 
 MAX_TOKENS = 12
 PROMPTS = [

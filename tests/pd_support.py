@@ -202,7 +202,7 @@ def prompt_set(tokenizer, block_size: int = 16) -> list[str | list[int]]:
 class Relay:
     """An HTTP relay in front of one instance that keeps every POST's answer: the JSON
     object, or the list of a stream's SSE data objects. Serve ``app`` (e.g. with
-    tests.test_proxy_fakes.serve_in_thread) and point a proxy at it."""
+    tests.proxy_fakes.serve_in_thread) and point a proxy at it."""
 
     def __init__(self, target: str) -> None:
         self.target = target
