@@ -22,12 +22,11 @@ from transformers import AutoTokenizer
 from tests.pd_support import (
     MODEL,
     Server,
+    ServerSpec,
     colocated_greedy,
     nixl,
     prompt_set,
-    start_server,
-    stop,
-    wait_healthy,
+    serving,
     wait_idle,
 )
 from tests.proxy_fakes import free_port, start_cli
@@ -63,17 +62,12 @@ class Answer:
 
 @pytest.fixture(scope="module")
 def servers(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
-    logs = tmp_path_factory.mktemp("elastic_disagg")
-    started = {
-        name: start_server(tiny_llama, logs, name, nixl(role), tp=tp, args=ELASTIC if elastic else COMMON)
+    specs = {
+        name: ServerSpec(nixl(role), tp=tp, args=ELASTIC if elastic else COMMON)
         for name, (role, tp, elastic) in SERVERS.items()
     }
-    try:
-        wait_healthy(list(started.values()))
+    with serving(tiny_llama, tmp_path_factory.mktemp("elastic_disagg"), specs) as started:
         yield started
-    finally:
-        codes = stop(list(started.values()))
-    assert codes == [0] * len(started), {s.name: s.tail() for s in started.values()}
 
 
 @pytest.fixture(scope="module")

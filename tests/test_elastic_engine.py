@@ -22,7 +22,6 @@ from kvferry.kv.spec import KVAllocator
 from kvferry.model.resolve import resolve_model_config
 from kvferry.sampling_params import SamplingParams
 from tests.engine_helpers import PROMPT_TEXTS, assert_pool_full
-from tests.fixtures.tiny_hybrid import build_hybrid_model
 from tests.test_elastic_memory import smaps_rss
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -154,8 +153,8 @@ def test_cached_prefixes_stay_resident_until_evicted(tiny_llama):
     assert_all_returned(llm)
 
 
-def test_sliding_window_model_identical_and_pages_returned(tmp_path):
-    model_dir = build_hybrid_model("gemma3", tmp_path / "gemma3")
+def test_sliding_window_model_identical_and_pages_returned(tiny_gemma3):
+    model_dir = tiny_gemma3
     long_prompts = [" ".join([text] * 3) for text in PROMPT_TEXTS[:6]]
     eager = build_llm(model_dir, KVAllocator.EAGER, num_blocks=40, budget=64)
     expected = run_twice(eager, long_prompts)

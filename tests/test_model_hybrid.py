@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from kvferry.errors import ModelLoadError
 from kvferry.kv.spec import Layout
 from kvferry.sampling_params import SamplingParams
 from tests.engine_helpers import PROMPT_TEXTS, assert_pool_full, make_llm, tokenize_all
-from tests.fixtures.tiny_hybrid import GEMMA3_LAYER_TYPES, WINDOW, build_hybrid_model
+from tests.fixtures.tiny_hybrid import GEMMA3_LAYER_TYPES, WINDOW
 
 MAX_NEW = 12
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
@@ -28,13 +29,13 @@ CACHED_ARCHS = ("gemma3", "mistral", "qwen3_swa")  # a prefix-cache second pass
 
 
 @pytest.fixture(scope="module")
-def hybrid(tmp_path_factory: pytest.TempPathFactory):
-    """arch -> (model dir, prompts, HF greedy tokens), built once per module."""
+def hybrid(tiny_hybrid: Callable[[str], Path]):
+    """arch -> (model dir, prompts, HF greedy tokens), the references computed once per module."""
     cache: dict[str, tuple[Path, list[list[int]], list[list[int]]]] = {}
 
     def get(arch: str) -> tuple[Path, list[list[int]], list[list[int]]]:
         if arch not in cache:
-            model_dir = build_hybrid_model(arch, tmp_path_factory.mktemp(f"tiny_{arch}"))
+            model_dir = tiny_hybrid(arch)
             prompts = tokenize_all(model_dir, PROMPT_TEXTS)
             cache[arch] = (model_dir, prompts, hf_greedy(model_dir, prompts))
         return cache[arch]
@@ -113,10 +114,10 @@ def test_preemption_with_tiny_kv_budget_matches_hf(hybrid, arch: str, num_blocks
     assert_pool_full(llm)
 
 
-def test_gemma3_final_logit_softcapping_matches_hf_logprobs(tmp_path: Path) -> None:
+def test_gemma3_final_logit_softcapping_matches_hf_logprobs(tiny_hybrid: Callable[[str], Path]) -> None:
     """The final cap changes logprobs, not greedy tokens; the attention cap transformers'
     Gemma 3 never applies stays unapplied here too."""
-    model_dir = build_hybrid_model("gemma3_softcap", tmp_path / "gemma3_softcap")
+    model_dir = tiny_hybrid("gemma3_softcap")
     prompt = tokenize_all(model_dir, PROMPT_TEXTS[5:6])[0][:24]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.inference_mode():

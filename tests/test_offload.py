@@ -8,7 +8,6 @@ from kvferry.connector.offload.config import GIB
 from kvferry.connector.offload.metadata import Tier
 from kvferry.sampling_params import SamplingParams
 from tests.engine_helpers import PROMPT_TEXTS, assert_pool_full, make_llm, tokenize_all
-from tests.fixtures.tiny_models import build_tiny_model
 from tests.offload_support import (
     GREEDY,
     LONG,
@@ -163,12 +162,6 @@ def test_preempted_requests_resume_from_the_tier(tiny_llama, reference):
     assert llm.stats().num_preemptions > 0
     assert sched_half(llm).totals["offload_loaded_blocks_dram"] > 0
     assert_pool_full(llm)
-
-
-@pytest.fixture(scope="module")
-def tiny_llama_kv3(tmp_path_factory):
-    """SmolLM2's head shape: 3 KV heads, split 2 + 1 over two ranks."""
-    return build_tiny_model("llama_kv3", tmp_path_factory.mktemp("tiny_llama_kv3"))
 
 
 def test_tp2_uneven_heads_outputs_identical_and_each_rank_stores_its_heads(
