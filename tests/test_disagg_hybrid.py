@@ -32,6 +32,9 @@ from tests.fixtures.tiny_hybrid import WINDOW
 from tests.pd_support import prompt_set
 from tests.proxy_fakes import free_port, start_cli
 
+# slow: `kvferry disagg` deployments for two hybrid models (make test-all only)
+pytestmark = pytest.mark.slow
+
 MODEL = "tiny"
 MAX_TOKENS = 12
 BLOCK = 16  # kvferry's default block size

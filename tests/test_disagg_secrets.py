@@ -24,6 +24,9 @@ from tests.proxy_fakes import ROOT, free_port
 from tests.test_disagg import _descendants, _disagg_args, _wait_ready
 from tests.test_side_channel_auth import RawClient
 
+# slow: starts `kvferry disagg` and `kvferry serve` several times (make test-all only)
+pytestmark = pytest.mark.slow
+
 KEY = "sk-disagg-" + "7" * 24
 
 

@@ -19,6 +19,9 @@ import pytest
 from tests.edge_inputs import JSON, Bad, bad_beside_good, bad_inputs, check_refusal
 from tests.proxy_fakes import free_port, start_cli, stop, wait_healthy
 
+# slow: `kvferry serve` processes driven with hostile input (make test-all only)
+pytestmark = pytest.mark.slow
+
 KEY = "sk-edge"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_BODY = 12_000_000

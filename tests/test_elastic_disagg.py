@@ -33,6 +33,9 @@ from tests.proxy_fakes import free_port, start_cli
 from tests.proxy_fakes import stop as stop_procs
 from tests.proxy_fakes import wait_healthy as wait_proc_healthy
 
+# slow: five `kvferry serve` processes (TP=2 among them) and three proxies (make test-all only)
+pytestmark = pytest.mark.slow
+
 MAX_TOKENS = 12
 # fp32: TP sums agree; no prefix caching: an idle engine keeps no block, so every page goes back
 COMMON = ("--max-num-batched-tokens", "64", "--dtype", "float32", "--enforce-eager", "--no-prefix-caching")

@@ -23,6 +23,9 @@ from tests.pd_support import (
     wait_idle,
 )
 
+# slow: four `kvferry serve` processes, two of them TP=2 (make test-all only)
+pytestmark = pytest.mark.slow
+
 MAX_TOKENS = 12
 CHUNK = ("--max-num-batched-tokens", "64", "--dtype", "float32")  # fp32: TP sums agree
 ELASTIC = (*CHUNK, "--kv-allocator", "elastic")

@@ -15,6 +15,9 @@ import pytest
 from kvferry.kv.shared_pool import KVPoolSpec
 from tests.pd_support import Server, start_server, stop, wait_healthy, wait_idle
 
+# slow: four `kvferry serve` processes on shared pools (make test-all only)
+pytestmark = pytest.mark.slow
+
 POOL = "4MiB"  # one burst of either model fits; both bursts at once would not
 HALF = "2MiB"
 PROMPTS = [f"the cat {i} sees a dog and the red ball in the morning " * 4 for i in range(24)]

@@ -26,6 +26,9 @@ from tests.proxy_fakes import free_port, start_cli
 from tests.proxy_fakes import stop as stop_procs
 from tests.proxy_fakes import wait_healthy as wait_proc_healthy
 
+# slow: three `kvferry serve` processes and a proxy, a decoder killed and restarted (make test-all only)
+pytestmark = pytest.mark.slow
+
 COMPLETION = {
     "model": "tiny",
     "prompt": "The cat sees a small bird and",

@@ -27,6 +27,9 @@ from tests.fixtures.tiny_hybrid import (
 )
 from tests.test_model_hybrid import hf_greedy
 
+# slow: HF transformers references and engines for three Gemma 4 variants, TP=2 (make test-all only)
+pytestmark = pytest.mark.slow
+
 MAX_NEW = 12
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
 NUM_LAYERS = len(GEMMA4_LAYER_TYPES)

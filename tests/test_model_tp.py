@@ -19,6 +19,9 @@ from kvferry.sampling_params import SamplingParams
 from tests.engine_helpers import PROMPT_TEXTS, assert_pool_full, hf_greedy_each, make_llm, tokenize_all
 from tests.fixtures.tp_worker import run_rank, run_steps
 
+# slow: TP=2 gloo ranks in their own processes (make test-all only)
+pytestmark = pytest.mark.slow
+
 PROMPTS = [[5, 9, 13, 200, 31, 77, 8], [40, 41, 42]]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 

@@ -17,6 +17,9 @@ from kvferry.engine.core import EngineCore
 from tests.engine_helpers import PROMPT_TEXTS, tokenize_all
 from tests.test_nixl_engine import _config, _drain, _pd_round
 
+# slow: TP=2 and TP=1 engine cores with NIXL agents, compiled (make test-all only)
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def engines(tiny_llama_kv3: Path) -> Iterator[dict[str, EngineCore]]:

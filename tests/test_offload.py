@@ -22,6 +22,7 @@ from tests.offload_support import (
     tokens,
     worker_half,
 )
+from tests.tiers import LLAMA_FAST
 
 PROMPTS = [*PROMPT_TEXTS, LONG]
 
@@ -40,6 +41,7 @@ def reference():
     return get
 
 
+@pytest.mark.parametrize("tiny_model", LLAMA_FAST, indirect=True)
 def test_outputs_identical_with_offload_on_and_off(tiny_model, reference):
     expected = reference(tiny_model)
     llm = make_llm(tiny_model, kv_transfer=offload_config(dram_blocks=256), capture=CaptureMode.ALWAYS)
@@ -164,6 +166,7 @@ def test_preempted_requests_resume_from_the_tier(tiny_llama, reference):
     assert_pool_full(llm)
 
 
+@pytest.mark.slow
 def test_tp2_uneven_heads_outputs_identical_and_each_rank_stores_its_heads(
     tiny_llama_kv3, reference, tmp_path
 ):

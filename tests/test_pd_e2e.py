@@ -41,6 +41,9 @@ from tests.proxy_fakes import serve_in_thread, start_cli
 from tests.proxy_fakes import stop as stop_procs
 from tests.proxy_fakes import wait_healthy as wait_proc_healthy
 
+# slow: three compiled `kvferry serve` processes and a proxy (make test-all only)
+pytestmark = pytest.mark.slow
+
 MAX_TOKENS = 12
 # Long prompts take several prefill steps; decode steps run compiled (not left to the
 # start-up measurement, which could choose eager on a noisy host).

@@ -35,6 +35,9 @@ from tests.pd_support import (
     wait_idle,
 )
 
+# slow: five `kvferry serve` processes, kills and lease timeouts (make test-all only)
+pytestmark = pytest.mark.slow
+
 MAX_TOKENS = 12
 LEASE_S = 2.0
 PROMPTS = [

@@ -30,6 +30,9 @@ from tests.pd_support import (
     wait_idle,
 )
 
+# slow: seven `kvferry serve` processes (four TP=2) (make test-all only)
+pytestmark = pytest.mark.slow
+
 MAX_TOKENS = 12
 # Chunked prefill; eager servers like the colocated reference (compiling seven servers'
 # decode steps took ~5 of this file's 6 minutes; test_capture proves compiled = eager).

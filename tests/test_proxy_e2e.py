@@ -15,6 +15,9 @@ import pytest
 
 from tests.proxy_fakes import free_port, start_cli, stop, wait_healthy
 
+# slow: a `kvferry serve` process and a proxy process (make test-all only)
+pytestmark = pytest.mark.slow
+
 MODEL = "tiny"
 KEY = "sk-pd"
 PROMPTS = ["The cat sees a small bird", "Count from 3 to ten."]

@@ -26,6 +26,9 @@ from kvferry.entrypoints.proxy.config import ProxyConfig
 from tests.edge_inputs import bad_beside_good, bad_inputs
 from tests.proxy_fakes import FakeInstance, free_port, serve_in_thread, start_cli, stop, wait_healthy
 
+# slow: a `kvferry serve` process and a proxy process (make test-all only)
+pytestmark = pytest.mark.slow
+
 SEPARATORS = ["Hello", " line\u2028sep", " para\u2029sep", " next\x85line", " end"]
 
 

@@ -42,6 +42,9 @@ from kvferry.engine.llm import LLM
 from kvferry.sampling_params import SamplingParams
 from tests.pd_support import Server, decode, nixl, prefill, start_server, stop, wait_healthy, wait_idle
 
+# slow: several `kvferry serve` processes with NIXL side channels (make test-all only)
+pytestmark = pytest.mark.slow
+
 MAX_TOKENS = 12
 PROMPTS = [
     "the cat sees a small bird",
