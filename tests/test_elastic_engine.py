@@ -107,7 +107,7 @@ def test_greedy_identical_with_prefix_caching_chunked_prefill_and_preemption(tin
     assert_all_returned(llm)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the 135M SmolLM2, twice
 def test_smollm2_greedy_identical_with_preemption(smollm2_gguf):
     eager = build_llm(smollm2_gguf, KVAllocator.EAGER, num_blocks=20, budget=48)
     expected = run_twice(eager, PROMPT_TEXTS)
@@ -165,7 +165,7 @@ def test_sliding_window_model_identical_and_pages_returned(tiny_gemma3):
     assert_all_returned(llm, kept_pages=1)  # the null block's page
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # TP=2 ranks
 def test_tp2_elastic_identical_and_every_rank_returns_its_pages(tiny_llama, tight_eager):
     expected, _ = tight_eager
     llm = build_llm(tiny_llama, KVAllocator.ELASTIC, num_blocks=24, budget=48, tp=2)

@@ -84,7 +84,7 @@ def test_batched_greedy_matches_hf(hybrid, arch: str) -> None:
     assert_pool_full(llm)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # engines against HF references, several models
 @pytest.mark.parametrize("arch", [*ARCHS, "gemma3_multimodal"])  # its text model, vision not loaded
 def test_chunked_prefill_matches_hf(hybrid, arch: str) -> None:
     model_dir, prompts, expected = hybrid(arch)
@@ -94,7 +94,7 @@ def test_chunked_prefill_matches_hf(hybrid, arch: str) -> None:
     assert_pool_full(llm)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # engines against HF references, several models
 @pytest.mark.parametrize("arch", CACHED_ARCHS)
 def test_prefix_cache_second_pass_matches_hf(hybrid, arch: str) -> None:
     model_dir, prompts, expected = hybrid(arch)
@@ -108,7 +108,7 @@ def test_prefix_cache_second_pass_matches_hf(hybrid, arch: str) -> None:
 
 
 # Mistral's layers all slide: a request holds about 4 blocks of 4, so preemption takes a smaller pool.
-@pytest.mark.slow
+@pytest.mark.slow  # engines against HF references, several models
 @pytest.mark.parametrize(("arch", "num_blocks"), [("gemma3", 40), ("mistral", 14), ("qwen3_swa", 40)])
 def test_preemption_with_tiny_kv_budget_matches_hf(hybrid, arch: str, num_blocks: int) -> None:
     model_dir, prompts, expected = hybrid(arch)
@@ -118,7 +118,7 @@ def test_preemption_with_tiny_kv_budget_matches_hf(hybrid, arch: str, num_blocks
     assert_pool_full(llm)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # engines against HF references, several models
 def test_gemma3_final_logit_softcapping_matches_hf_logprobs(tiny_hybrid: Callable[[str], Path]) -> None:
     """The final cap changes logprobs, not greedy tokens; the attention cap transformers'
     Gemma 3 never applies stays unapplied here too."""
@@ -135,7 +135,7 @@ def test_gemma3_final_logit_softcapping_matches_hf_logprobs(tiny_hybrid: Callabl
             assert logprob == pytest.approx(reference[n, token].item(), abs=1e-4)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # TP=2 ranks
 def test_tensor_parallel_and_hnd_layout_match_hf(hybrid) -> None:
     """Two ranks with one KV head each (their own specs, one agreed block count), chunked;
     then the HND layout on one rank."""

@@ -166,7 +166,7 @@ def test_preempted_requests_resume_from_the_tier(tiny_llama, reference):
     assert_pool_full(llm)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # TP=2 ranks, compiled
 def test_tp2_uneven_heads_outputs_identical_and_each_rank_stores_its_heads(
     tiny_llama_kv3, reference, tmp_path
 ):

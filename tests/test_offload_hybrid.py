@@ -165,7 +165,7 @@ def _second_pass(llm, prompts: list, expected: list[list[int]]) -> list:  # noqa
     return second
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # TP=2 ranks
 def test_tp2_each_rank_stores_its_heads_of_every_group(tiny_gemma3, prompts, reference) -> None:
     """Two ranks, one KV head each: both load their half of the window-visible blocks."""
     subset = prompts[4:9]
@@ -187,7 +187,7 @@ def test_tp2_each_rank_stores_its_heads_of_every_group(tiny_gemma3, prompts, ref
         llm.engine.shutdown()
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a second model and its references
 def test_gemma4_padded_pages_and_kv_shared_layers(tiny_gemma4: Path, reference) -> None:  # noqa: ARG001
     """Tiny Gemma 4: 4 sliding groups and a full one of 1 layer each in one tensor (pages of
     2 x 32 floats; the sliding layers' 16-float heads padded); the 3 KV-shared layers own no

@@ -139,7 +139,7 @@ async def leave_after_the_prefill(
         await asyncio.gather(task, return_exceptions=True)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a prefill server and a proxy
 @pytest.mark.parametrize("stream", [False, True])
 def test_client_leaving_between_prefill_and_decode_frees_the_prefill(deployment, stream: bool) -> None:
     prefiller, proxy_url, decoder = deployment

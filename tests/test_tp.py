@@ -47,7 +47,7 @@ def _staggered(tmp_path):
     return config, log
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # TP=2 ranks, compiled
 @pytest.mark.parametrize("tp", [1, 2])
 def test_blocks_freed_only_when_every_rank_reported(tiny_llama, tmp_path, tp, tp1_outputs):
     """Out-of-tree connector by module path; the aggregator waits for every rank's report."""
@@ -90,7 +90,7 @@ def test_connector_counters_are_exported_to_prometheus():
     assert 'kvferry:kv_connector_nixl_bytes_read_total{model_name="m"} 4096.0' in text
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a local Ray cluster
 @pytest.mark.ray
 def test_ray_executor_same_outputs_and_aggregation(tiny_llama, tmp_path, tp1_outputs):
     pytest.importorskip("ray")
