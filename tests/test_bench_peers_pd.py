@@ -348,6 +348,7 @@ def _png_size(path: Path) -> tuple[int, int]:
 # ---- kvferry disagg as the bench starts it ---------------------------------------------------
 
 
+@pytest.mark.slow  # starts `kvferry disagg`: a prefill, a decode and a proxy process
 def test_the_bench_runs_kvferry_disagg_and_stops_it(tiny_llama: Path, tmp_path: Path, monkeypatch) -> None:
     cores = ",".join(map(str, sorted(os.sched_getaffinity(0))))
     setup = replace(
