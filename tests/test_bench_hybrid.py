@@ -16,6 +16,9 @@ from kvferry.entrypoints.cli import build_parser
 from kvferry.errors import ConfigError
 from tests.fixtures.tiny_hybrid import WINDOW, build_hybrid_model
 
+# slow: runs the hybrid bench: real NIXL engines for two model variants (make test-all only)
+pytestmark = pytest.mark.slow
+
 PAGE = 16 * 2 * 16 * 4 * 2  # a layer's block: 16 tokens, 2 KV heads of 16 floats, K and V
 
 

@@ -7,7 +7,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from kvferry.entrypoints.cli import build_parser
+
+# slow: starts a colocated server, then prefill + decode + proxy (make test-all only)
+pytestmark = pytest.mark.slow
 
 
 def test_bench_pd_compares_colocated_and_pd_in_one_file(tiny_llama: Path, tmp_path: Path) -> None:

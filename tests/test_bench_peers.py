@@ -104,6 +104,7 @@ def test_workloads_are_exact_lengths_and_warmups_differ(tiny_llama: Path) -> Non
     assert make_workloads(tokenizer, OfflineShape(5, 12, 7, 9, 60)) == list(workloads.values())
 
 
+@pytest.mark.slow  # converts and runs the 135M SmolLM2
 def test_embedded_model_converts_to_an_hf_dir_with_kvferrys_weights(
     smollm2_gguf: Path, tmp_path: Path
 ) -> None:
@@ -251,6 +252,7 @@ def test_vllm_metadata_record_makes_the_vllm_distribution_visible(tmp_path: Path
     assert vllm_env({"X": "1"})["VLLM_TARGET_DEVICE"] == "cpu"
 
 
+@pytest.mark.slow  # converts and runs the 135M SmolLM2
 def test_kvferry_side_of_offline_runs_end_to_end(tiny_llama: Path, tmp_path: Path) -> None:
     out = tmp_path / "peers.json"
     argv = [str(tiny_llama), "--parts", "offline", "--engines", "kvferry", "--dtype", "float32"]

@@ -27,8 +27,8 @@ from kvferry.bench.peers.setup import Setup
 from kvferry.entrypoints import disagg
 from kvferry.entrypoints.cli import build_parser
 from kvferry.ports import LOWEST_PORT, ephemeral_start
+from tests.proxy_fakes import serve_in_thread
 from tests.test_bench_peers import peers_setup
-from tests.test_proxy_fakes import serve_in_thread
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_VENV = Path(os.environ.get("KVFERRY_VLLM_VENV", REPO / ".venv-vllm"))
@@ -348,6 +348,7 @@ def _png_size(path: Path) -> tuple[int, int]:
 # ---- kvferry disagg as the bench starts it ---------------------------------------------------
 
 
+@pytest.mark.slow  # starts `kvferry disagg`: a prefill, a decode and a proxy process
 def test_the_bench_runs_kvferry_disagg_and_stops_it(tiny_llama: Path, tmp_path: Path, monkeypatch) -> None:
     cores = ",".join(map(str, sorted(os.sched_getaffinity(0))))
     setup = replace(

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from kvferry.entrypoints.cli import build_parser
-from tests.test_proxy_fakes import ANSWER_CHUNKS, FakeInstance, serve_in_thread
+from tests.proxy_fakes import ANSWER_CHUNKS, FakeInstance, serve_in_thread
 
 METRICS = ("ttft_ms", "itl_ms", "tpot_ms", "e2el_ms")
 

@@ -10,7 +10,12 @@ import argparse
 import json
 from pathlib import Path
 
+import pytest
+
 from kvferry.bench import soak
+
+# slow: a 20 s soak against `kvferry disagg` (make test-all only)
+pytestmark = pytest.mark.slow
 
 
 def test_short_soak_is_clean(tiny_llama: Path, tmp_path: Path) -> None:

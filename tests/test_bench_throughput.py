@@ -10,6 +10,9 @@ import pytest
 
 from kvferry.entrypoints.cli import build_parser
 
+# slow: generates with kvferry and HF transformers, writes a PNG (make test-all only)
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("sampling", [[], ["--temperature", "0.8", "--top-p", "0.9"]])
 def test_bench_throughput_counts_every_generated_token(tiny_llama: Path, tmp_path: Path, sampling) -> None:

@@ -11,6 +11,9 @@ import pytest
 from kvferry.bench.transfer import Setting, TransferBenchError, settings_of, touched_buffer, verify
 from kvferry.entrypoints.cli import build_parser
 
+# slow: two NIXL agents in two processes (make test-all only)
+pytestmark = pytest.mark.slow
+
 
 def test_bench_transfer_writes_json_and_png(tmp_path: Path) -> None:
     pytest.importorskip("nixl._api")

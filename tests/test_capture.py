@@ -27,6 +27,8 @@ from kvferry.model.forward_context import HookPlacement
 from kvferry.sampling_params import SamplingParams
 from kvferry.worker.capture import CapturedForward, CaptureStats, StepTiming, cuda_graph_size, hook_placement
 from tests.engine_helpers import PROMPT_TEXTS, assert_pool_full, make_llm, tokenize_all
+from tests.fixtures.tiny_models import ARCHS
+from tests.tiers import SLOW
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 ALWAYS = CaptureMode.ALWAYS
@@ -41,7 +43,15 @@ def _stats(llm) -> CaptureStats:
     return stats
 
 
-@pytest.mark.parametrize("batch", [1, 3, 10])
+# The fast tier compiles one model (the tiny llama, a batch of 3); make test-all every pair.
+ARCH_BATCHES = [
+    pytest.param(arch, batch, id=f"{arch}-{batch}", marks=() if (arch, batch) == ("llama", 3) else SLOW)
+    for arch in ARCHS
+    for batch in (1, 3, 10)
+]
+
+
+@pytest.mark.parametrize(("tiny_model", "batch"), ARCH_BATCHES, indirect=["tiny_model"])
 def test_captured_greedy_equals_eager(tiny_model: Path, batch: int) -> None:
     """Batches of 1 (padded to 2), 3 and 10 decodes; prompts of different lengths."""
     prompts = tokenize_all(tiny_model, PROMPT_TEXTS[:batch])
@@ -60,6 +70,7 @@ def test_enforce_eager_compiles_nothing(tiny_llama: Path) -> None:
     assert _stats(llm).compiled_steps == 0 and _stats(llm).eager_steps > 0
 
 
+@pytest.mark.slow  # compiles a forward
 def test_captured_equals_eager_with_chunked_prefill_and_preemption(tiny_llama: Path) -> None:
     """A 24-token budget chunks prompts into mixed prefill/decode steps (eager) between
     decode-only steps (compiled); 24 blocks of 4 tokens force preemptions."""
@@ -75,6 +86,7 @@ def test_captured_equals_eager_with_chunked_prefill_and_preemption(tiny_llama: P
     assert_pool_full(llm)
 
 
+@pytest.mark.slow  # compiles a forward
 def test_captured_sampling_and_logprobs_match_eager(tiny_qwen2: Path) -> None:
     """Seeded sampling, penalties and logprobs through the compiled decode steps."""
     prompts = tokenize_all(tiny_qwen2, PROMPT_TEXTS[:6])
@@ -92,6 +104,7 @@ def test_captured_sampling_and_logprobs_match_eager(tiny_qwen2: Path) -> None:
             assert [p for _, p in la.top] == pytest.approx([p for _, p in lb.top], abs=1e-4)
 
 
+@pytest.mark.slow  # TP=2 ranks, each compiling
 def test_tensor_parallel_captured_equals_eager(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """TP=2 (one process per rank): the all-reduces run inside each rank's compiled graph;
     --capture auto's decision (compiled made to win) is the engine's, the same on both ranks."""
@@ -122,6 +135,7 @@ def _make_win(monkeypatch: pytest.MonkeyPatch, compiled: bool) -> None:
     monkeypatch.setattr(capture_choice, "time_step", timed)
 
 
+@pytest.mark.slow  # compiles a forward
 @pytest.mark.parametrize("compiled_wins", [True, False], ids=["compiled-wins", "eager-wins"])
 def test_auto_keeps_the_faster_forward_and_logs_both_numbers(
     tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, compiled_wins: bool
@@ -225,6 +239,7 @@ def _decode_steps_saw_every_layer(records: list[dict], num_layers: int) -> int:
     return decodes
 
 
+@pytest.mark.slow  # compiles a forward
 @pytest.mark.parametrize(
     ("connector", "placement"),
     [("RecordingConnector", HookPlacement.IN_GRAPH), ("SplitRecordingConnector", HookPlacement.SPLIT)],
@@ -274,6 +289,7 @@ def _generate(model: Path, tmp_path: Path, *extra: str, env: dict[str, str] | No
     )
 
 
+@pytest.mark.slow  # two engines in subprocesses
 def test_a_missing_compiler_falls_back_to_eager_with_one_warning(tiny_llama: Path, tmp_path: Path) -> None:
     """No C++ compiler for inductor: the engine starts, warns once naming the cause, and
     answers exactly as --enforce-eager does."""
@@ -312,6 +328,7 @@ class _Stack(torch.nn.Module):
         return x
 
 
+@pytest.mark.slow  # compiles a forward
 def test_each_engine_compiles_its_own_program_past_the_recompile_limit() -> None:
     """A process that builds engines for more differently shaped models than the compiler's
     recompile limit still gets a full graph for each (it had run them eagerly after 8)."""

@@ -70,6 +70,7 @@ def _faulty(policy, fail_forwards):
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
+@pytest.mark.slow  # compiles a forward
 def test_raising_connector_with_fail_policy_fails_only_that_steps_requests(tiny_llama):
     expected = [o.outputs[0].token_ids for o in make_llm(tiny_llama).generate(PROMPT_TEXTS[:2], GREEDY)]
     llm = make_llm(tiny_llama, kv_transfer=_faulty("fail", [1]), capture=ALWAYS)
@@ -80,6 +81,7 @@ def test_raising_connector_with_fail_policy_fails_only_that_steps_requests(tiny_
     assert_pool_full(llm)
 
 
+@pytest.mark.slow  # compiles a forward
 def test_raising_connector_with_recompute_policy_gives_correct_output(tiny_llama):
     expected = [o.outputs[0].token_ids for o in make_llm(tiny_llama).generate(PROMPT_TEXTS[:4], GREEDY)]
     llm = make_llm(tiny_llama, kv_transfer=_faulty("recompute", [1, 3]), capture=ALWAYS)

@@ -25,7 +25,7 @@ from kvferry.engine.llm import LLM
 from kvferry.entrypoints import disagg
 from kvferry.errors import ConfigError
 from kvferry.sampling_params import SamplingParams
-from tests.test_proxy_fakes import free_port, start_cli
+from tests.proxy_fakes import free_port, start_cli
 
 MODEL = "tiny"
 MAX_TOKENS = 12
@@ -264,6 +264,7 @@ def _child(tmp_path: Path, name: str, code: str) -> disagg.Child:
     return disagg.Child(name, [sys.executable, "-c", code], "http://127.0.0.1:9", tmp_path / f"{name}.log")
 
 
+@pytest.mark.slow  # starts `kvferry disagg` or its children again
 def test_an_instance_that_dies_while_starting_is_reported_with_its_log(tmp_path: Path) -> None:
     child = _child(tmp_path, "decode-0", "print('no model at /nowhere', flush=True); raise SystemExit(3)")
     disagg.spawn(child)
@@ -272,6 +273,7 @@ def test_an_instance_that_dies_while_starting_is_reported_with_its_log(tmp_path:
     assert "no model at /nowhere" in str(err.value)
 
 
+@pytest.mark.slow  # starts `kvferry disagg` or its children again
 def test_stop_kills_what_ignores_sigterm_and_its_whole_group(tmp_path: Path) -> None:
     stubborn = (
         "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN);"
@@ -295,6 +297,7 @@ def test_stop_kills_what_ignores_sigterm_and_its_whole_group(tmp_path: Path) -> 
     assert _proc_start_time(grandchild) is None  # killed with its group (stop_all waits), not orphaned
 
 
+@pytest.mark.slow  # starts `kvferry disagg` or its children again
 def test_children_stop_when_the_launcher_is_killed(tmp_path: Path) -> None:
     log = tmp_path / "child.log"
     launcher = (

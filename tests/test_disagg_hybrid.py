@@ -28,9 +28,12 @@ from transformers import AutoTokenizer
 
 from kvferry.engine.llm import LLM
 from kvferry.sampling_params import SamplingParams
-from tests.fixtures.tiny_hybrid import WINDOW, build_hybrid_model
-from tests.test_pd_support import prompt_set
-from tests.test_proxy_fakes import free_port, start_cli
+from tests.fixtures.tiny_hybrid import WINDOW
+from tests.pd_support import prompt_set
+from tests.proxy_fakes import free_port, start_cli
+
+# slow: `kvferry disagg` deployments for two hybrid models (make test-all only)
+pytestmark = pytest.mark.slow
 
 MODEL = "tiny"
 MAX_TOKENS = 12
@@ -73,9 +76,8 @@ EXPECTED_BYTES = {"gemma3": gemma3_bytes, "gemma4": gemma4_bytes}
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("disagg_hybrid_models")
-    return {arch: build_hybrid_model(arch, root / arch) for arch in ("gemma3", "gemma4")}
+def models(tiny_gemma3: Path, tiny_gemma4: Path) -> dict[str, Path]:
+    return {"gemma3": tiny_gemma3, "gemma4": tiny_gemma4}
 
 
 @pytest.fixture(scope="module")

@@ -22,10 +22,13 @@ from kvferry.connector.nixl.protocol import Handshake, Refused
 from kvferry.entrypoints.http_common import API_KEY_ENV, resolve_api_key
 from kvferry.entrypoints.proxy_secret import PROXY_SECRET_ENV, load_proxy_secret
 from kvferry.errors import ConfigError
+from tests.pd_support import nixl
+from tests.proxy_fakes import ROOT, free_port
 from tests.test_disagg import _descendants, _disagg_args, _wait_ready
-from tests.test_pd_support import nixl
-from tests.test_proxy_fakes import ROOT, free_port
 from tests.test_side_channel_auth import RawClient
+
+# slow: starts `kvferry disagg` and `kvferry serve` several times (make test-all only)
+pytestmark = pytest.mark.slow
 
 KEY = "sk-disagg-" + "7" * 24
 

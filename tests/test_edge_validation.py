@@ -30,7 +30,10 @@ from tests.edge_inputs import (
     leave_mid_body,
     post_while_polling_health,
 )
-from tests.test_proxy_fakes import free_port, start_cli, stop, wait_healthy
+from tests.proxy_fakes import free_port, start_cli, stop, wait_healthy
+
+# slow: `kvferry serve` processes driven with hostile input (make test-all only)
+pytestmark = pytest.mark.slow
 
 KEY = "sk-edge"
 AUTH = {"Authorization": f"Bearer {KEY}"}

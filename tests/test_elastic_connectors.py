@@ -19,10 +19,10 @@ from kvferry.messages.engine_core import EngineCoreRequest
 from kvferry.model.resolve import resolve_model_config
 from kvferry.sampling_params import SamplingParams
 from tests.engine_helpers import PROMPT_TEXTS, tokenize_all
+from tests.offload_support import LONG, full_blocks_before_last, offload_config, sched_half
 from tests.test_elastic_engine import assert_all_returned, build_llm, evict_all
 from tests.test_elastic_memory import elastic_config, smaps_rss
 from tests.test_nixl_engine import _drain, _run
-from tests.test_offload_support import LONG, full_blocks_before_last, offload_config, sched_half
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 

@@ -19,20 +19,22 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.test_pd_support import (
+from tests.pd_support import (
     MODEL,
     Server,
+    ServerSpec,
     colocated_greedy,
     nixl,
     prompt_set,
-    start_server,
-    stop,
-    wait_healthy,
+    serving,
     wait_idle,
 )
-from tests.test_proxy_fakes import free_port, start_cli
-from tests.test_proxy_fakes import stop as stop_procs
-from tests.test_proxy_fakes import wait_healthy as wait_proc_healthy
+from tests.proxy_fakes import free_port, start_cli
+from tests.proxy_fakes import stop as stop_procs
+from tests.proxy_fakes import wait_healthy as wait_proc_healthy
+
+# slow: five `kvferry serve` processes (TP=2 among them) and three proxies (make test-all only)
+pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 12
 # fp32: TP sums agree; no prefix caching: an idle engine keeps no block, so every page goes back
@@ -63,17 +65,12 @@ class Answer:
 
 @pytest.fixture(scope="module")
 def servers(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
-    logs = tmp_path_factory.mktemp("elastic_disagg")
-    started = {
-        name: start_server(tiny_llama, logs, name, nixl(role), tp=tp, args=ELASTIC if elastic else COMMON)
+    specs = {
+        name: ServerSpec(nixl(role), tp=tp, args=ELASTIC if elastic else COMMON)
         for name, (role, tp, elastic) in SERVERS.items()
     }
-    try:
-        wait_healthy(list(started.values()))
+    with serving(tiny_llama, tmp_path_factory.mktemp("elastic_disagg"), specs) as started:
         yield started
-    finally:
-        codes = stop(list(started.values()))
-    assert codes == [0] * len(started), {s.name: s.tail() for s in started.values()}
 
 
 @pytest.fixture(scope="module")

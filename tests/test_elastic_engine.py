@@ -22,7 +22,6 @@ from kvferry.kv.spec import KVAllocator
 from kvferry.model.resolve import resolve_model_config
 from kvferry.sampling_params import SamplingParams
 from tests.engine_helpers import PROMPT_TEXTS, assert_pool_full
-from tests.fixtures.tiny_hybrid import build_hybrid_model
 from tests.test_elastic_memory import smaps_rss
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -108,6 +107,7 @@ def test_greedy_identical_with_prefix_caching_chunked_prefill_and_preemption(tin
     assert_all_returned(llm)
 
 
+@pytest.mark.slow  # the 135M SmolLM2, twice
 def test_smollm2_greedy_identical_with_preemption(smollm2_gguf):
     eager = build_llm(smollm2_gguf, KVAllocator.EAGER, num_blocks=20, budget=48)
     expected = run_twice(eager, PROMPT_TEXTS)
@@ -154,8 +154,8 @@ def test_cached_prefixes_stay_resident_until_evicted(tiny_llama):
     assert_all_returned(llm)
 
 
-def test_sliding_window_model_identical_and_pages_returned(tmp_path):
-    model_dir = build_hybrid_model("gemma3", tmp_path / "gemma3")
+def test_sliding_window_model_identical_and_pages_returned(tiny_gemma3):
+    model_dir = tiny_gemma3
     long_prompts = [" ".join([text] * 3) for text in PROMPT_TEXTS[:6]]
     eager = build_llm(model_dir, KVAllocator.EAGER, num_blocks=40, budget=64)
     expected = run_twice(eager, long_prompts)
@@ -165,6 +165,7 @@ def test_sliding_window_model_identical_and_pages_returned(tmp_path):
     assert_all_returned(llm, kept_pages=1)  # the null block's page
 
 
+@pytest.mark.slow  # TP=2 ranks
 def test_tp2_elastic_identical_and_every_rank_returns_its_pages(tiny_llama, tight_eager):
     expected, _ = tight_eager
     llm = build_llm(tiny_llama, KVAllocator.ELASTIC, num_blocks=24, budget=48, tp=2)

@@ -129,6 +129,7 @@ time.sleep(120)
 """
 
 
+@pytest.mark.slow  # an engine in a subprocess, killed
 def test_a_killed_engines_pages_return_to_the_pool(tiny_llama, tiny_qwen2, pool_name):
     size = peak_bytes(tiny_qwen2, pool_name) * 5 // 4
     spec = KVPoolSpec(pool_name, size)

@@ -16,7 +16,10 @@ import pytest
 
 from kvferry.kv.pool_ledger import NUM_SLOTS, Slot, encode_slot, parse, slot_offset
 from kvferry.kv.shared_pool import KVPoolSpec
-from tests.test_pd_support import Server, start_server, stop, wait_healthy, wait_idle
+from tests.pd_support import Server, start_server, stop, wait_healthy, wait_idle
+
+# slow: four `kvferry serve` processes on shared pools (make test-all only)
+pytestmark = pytest.mark.slow
 
 POOL = "4MiB"  # one burst of either model fits; both bursts at once would not
 HALF = "2MiB"

@@ -4,6 +4,7 @@ import pytest
 
 from kvferry.sampling_params import SamplingParams
 from tests.engine_helpers import PROMPT_TEXTS, assert_pool_full, hf_greedy_each, make_llm, tokenize_all
+from tests.tiers import LLAMA_FAST
 
 MAX_NEW = 12
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
@@ -26,6 +27,7 @@ def _tokens(outputs):
     return [o.outputs[0].token_ids for o in outputs]
 
 
+@pytest.mark.parametrize("tiny_model", LLAMA_FAST, indirect=True)
 def test_batched_greedy_matches_hf(tiny_model, references):
     prompts, expected = references(tiny_model)
     llm = make_llm(tiny_model)
@@ -33,6 +35,7 @@ def test_batched_greedy_matches_hf(tiny_model, references):
     assert_pool_full(llm)
 
 
+@pytest.mark.parametrize("tiny_model", LLAMA_FAST, indirect=True)
 def test_chunked_prefill_with_small_budget_matches_hf(tiny_model, references):
     prompts, expected = references(tiny_model)
     assert max(len(p) for p in prompts) > 16  # some prompts really need several chunks
@@ -41,6 +44,7 @@ def test_chunked_prefill_with_small_budget_matches_hf(tiny_model, references):
     assert_pool_full(llm)
 
 
+@pytest.mark.parametrize("tiny_model", LLAMA_FAST, indirect=True)
 def test_prefix_cache_second_pass_matches_hf_and_reports_cached_tokens(tiny_model, references):
     prompts, expected = references(tiny_model)
     llm = make_llm(tiny_model, block_size=4)

@@ -21,10 +21,13 @@ import httpx
 import pytest
 
 from kvferry.entrypoints.proxy.failover import SentTokens, is_role_chunk
-from tests.test_pd_support import Server, kill, nixl, start_server, stop, wait_healthy, wait_idle
-from tests.test_proxy_fakes import free_port, start_cli
-from tests.test_proxy_fakes import stop as stop_procs
-from tests.test_proxy_fakes import wait_healthy as wait_proc_healthy
+from tests.pd_support import Server, kill, nixl, start_server, stop, wait_healthy, wait_idle
+from tests.proxy_fakes import free_port, start_cli
+from tests.proxy_fakes import stop as stop_procs
+from tests.proxy_fakes import wait_healthy as wait_proc_healthy
+
+# slow: three `kvferry serve` processes and a proxy, a decoder killed and restarted (make test-all only)
+pytestmark = pytest.mark.slow
 
 COMPLETION = {
     "model": "tiny",

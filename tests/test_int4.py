@@ -77,6 +77,7 @@ def test_unknown_quantization_is_a_config_error(tiny_llama):
         LLM(str(tiny_llama), quantization="int3")
 
 
+@pytest.mark.slow  # the 135M SmolLM2 in int4 and its reference
 @torch.inference_mode()
 def test_smollm2_int4_greedy_equals_its_reference(smollm2_gguf):
     llm = LLM(

@@ -103,6 +103,7 @@ def test_a_larger_step_budget_measures_a_larger_activation_peak(tiny_llama: Path
     assert peaks[8192] > peaks[64] + 16 * MIB, peaks
 
 
+@pytest.mark.slow  # `kvferry generate` in a subprocess: imports, loads and profiles before refusing
 def test_asking_for_more_kv_than_memory_holds_stops_start_up(tiny_llama: Path) -> None:
     cmd = [sys.executable, "-m", "kvferry.entrypoints.cli", "generate", str(tiny_llama)]
     cmd += ["--dtype", "float32", "--max-tokens", "2", "--kv-cache-memory", "100000GiB", "--enforce-eager"]

@@ -7,28 +7,21 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
 from kvferry.messages.engine_core import EngineCoreRequest
 from kvferry.sampling_params import SamplingParams
 from tests.engine_helpers import assert_pool_full, make_llm
-from tests.fixtures.tiny_hybrid import WINDOW, build_hybrid_model
+from tests.fixtures.tiny_hybrid import WINDOW
 
 BLOCK = 4
 PROMPT_LEN = 120
-
-
-@pytest.fixture(scope="module")
-def gemma3(tmp_path_factory: pytest.TempPathFactory):
-    return build_hybrid_model("gemma3", tmp_path_factory.mktemp("tiny_gemma3_stats"))
 
 
 def _kinds(stats) -> dict[str, object]:
     return {g.kind.split()[0]: g for g in stats.kv_groups}
 
 
-def test_the_window_group_holds_what_its_window_sees(gemma3):
-    llm = make_llm(gemma3, block_size=BLOCK, enforce_eager=True, budget=64)
+def test_the_window_group_holds_what_its_window_sees(tiny_gemma3):
+    llm = make_llm(tiny_gemma3, block_size=BLOCK, enforce_eager=True, budget=64)
     greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     for i in range(3):
         prompt = [(7 * i + j) % 200 + 3 for j in range(PROMPT_LEN)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,9 +24,11 @@ from tests.fixtures.tiny_hybrid import (
     GEMMA4_KV_SHARED,
     GEMMA4_LAYER_TYPES,
     WINDOW,
-    build_hybrid_model,
 )
 from tests.test_model_hybrid import hf_greedy
+
+# slow: HF transformers references and engines for three Gemma 4 variants, TP=2 (make test-all only)
+pytestmark = pytest.mark.slow
 
 MAX_NEW = 12
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
@@ -34,13 +37,13 @@ SHARED = range(NUM_LAYERS - GEMMA4_KV_SHARED, NUM_LAYERS)
 
 
 @pytest.fixture(scope="module")
-def gemma4(tmp_path_factory: pytest.TempPathFactory):
-    """arch -> (model dir, prompts, HF greedy tokens), built once per module."""
+def gemma4(tiny_hybrid: Callable[[str], Path]):
+    """arch -> (model dir, prompts, HF greedy tokens), the references computed once per module."""
     cache: dict[str, tuple[Path, list[list[int]], list[list[int]]]] = {}
 
     def get(arch: str) -> tuple[Path, list[list[int]], list[list[int]]]:
         if arch not in cache:
-            model_dir = build_hybrid_model(arch, tmp_path_factory.mktemp(f"tiny_{arch}"))
+            model_dir = tiny_hybrid(arch)
             prompts = tokenize_all(model_dir, PROMPT_TEXTS)
             cache[arch] = (model_dir, prompts, hf_greedy(model_dir, prompts))
         return cache[arch]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,7 +20,8 @@ from kvferry.errors import ModelLoadError
 from kvferry.kv.spec import Layout
 from kvferry.sampling_params import SamplingParams
 from tests.engine_helpers import PROMPT_TEXTS, assert_pool_full, make_llm, tokenize_all
-from tests.fixtures.tiny_hybrid import GEMMA3_LAYER_TYPES, WINDOW, build_hybrid_model
+from tests.fixtures.tiny_hybrid import GEMMA3_LAYER_TYPES, WINDOW
+from tests.tiers import first_fast
 
 MAX_NEW = 12
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
@@ -28,13 +30,13 @@ CACHED_ARCHS = ("gemma3", "mistral", "qwen3_swa")  # a prefix-cache second pass
 
 
 @pytest.fixture(scope="module")
-def hybrid(tmp_path_factory: pytest.TempPathFactory):
-    """arch -> (model dir, prompts, HF greedy tokens), built once per module."""
+def hybrid(tiny_hybrid: Callable[[str], Path]):
+    """arch -> (model dir, prompts, HF greedy tokens), the references computed once per module."""
     cache: dict[str, tuple[Path, list[list[int]], list[list[int]]]] = {}
 
     def get(arch: str) -> tuple[Path, list[list[int]], list[list[int]]]:
         if arch not in cache:
-            model_dir = build_hybrid_model(arch, tmp_path_factory.mktemp(f"tiny_{arch}"))
+            model_dir = tiny_hybrid(arch)
             prompts = tokenize_all(model_dir, PROMPT_TEXTS)
             cache[arch] = (model_dir, prompts, hf_greedy(model_dir, prompts))
         return cache[arch]
@@ -65,7 +67,7 @@ def _tokens(outputs) -> list[list[int]]:  # noqa: ANN001 - RequestOutputs
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", first_fast(ARCHS))
 def test_the_window_changes_the_reference(hybrid, arch: str) -> None:
     """Without this the tests below would pass for an engine that ignores windows."""
     model_dir, prompts, expected = hybrid(arch)
@@ -74,7 +76,7 @@ def test_the_window_changes_the_reference(hybrid, arch: str) -> None:
     assert sum(a != b for a, b in zip(unwindowed, expected, strict=True)) >= 3
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", first_fast(ARCHS))
 def test_batched_greedy_matches_hf(hybrid, arch: str) -> None:
     model_dir, prompts, expected = hybrid(arch)
     llm = make_llm(model_dir, enforce_eager=arch != "gemma3")  # gemma3: decodes captured
@@ -82,6 +84,7 @@ def test_batched_greedy_matches_hf(hybrid, arch: str) -> None:
     assert_pool_full(llm)
 
 
+@pytest.mark.slow  # engines against HF references, several models
 @pytest.mark.parametrize("arch", [*ARCHS, "gemma3_multimodal"])  # its text model, vision not loaded
 def test_chunked_prefill_matches_hf(hybrid, arch: str) -> None:
     model_dir, prompts, expected = hybrid(arch)
@@ -91,6 +94,7 @@ def test_chunked_prefill_matches_hf(hybrid, arch: str) -> None:
     assert_pool_full(llm)
 
 
+@pytest.mark.slow  # engines against HF references, several models
 @pytest.mark.parametrize("arch", CACHED_ARCHS)
 def test_prefix_cache_second_pass_matches_hf(hybrid, arch: str) -> None:
     model_dir, prompts, expected = hybrid(arch)
@@ -104,6 +108,7 @@ def test_prefix_cache_second_pass_matches_hf(hybrid, arch: str) -> None:
 
 
 # Mistral's layers all slide: a request holds about 4 blocks of 4, so preemption takes a smaller pool.
+@pytest.mark.slow  # engines against HF references, several models
 @pytest.mark.parametrize(("arch", "num_blocks"), [("gemma3", 40), ("mistral", 14), ("qwen3_swa", 40)])
 def test_preemption_with_tiny_kv_budget_matches_hf(hybrid, arch: str, num_blocks: int) -> None:
     model_dir, prompts, expected = hybrid(arch)
@@ -113,10 +118,11 @@ def test_preemption_with_tiny_kv_budget_matches_hf(hybrid, arch: str, num_blocks
     assert_pool_full(llm)
 
 
-def test_gemma3_final_logit_softcapping_matches_hf_logprobs(tmp_path: Path) -> None:
+@pytest.mark.slow  # engines against HF references, several models
+def test_gemma3_final_logit_softcapping_matches_hf_logprobs(tiny_hybrid: Callable[[str], Path]) -> None:
     """The final cap changes logprobs, not greedy tokens; the attention cap transformers'
     Gemma 3 never applies stays unapplied here too."""
-    model_dir = build_hybrid_model("gemma3_softcap", tmp_path / "gemma3_softcap")
+    model_dir = tiny_hybrid("gemma3_softcap")
     prompt = tokenize_all(model_dir, PROMPT_TEXTS[5:6])[0][:24]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.inference_mode():
@@ -129,6 +135,7 @@ def test_gemma3_final_logit_softcapping_matches_hf_logprobs(tmp_path: Path) -> N
             assert logprob == pytest.approx(reference[n, token].item(), abs=1e-4)
 
 
+@pytest.mark.slow  # TP=2 ranks
 def test_tensor_parallel_and_hnd_layout_match_hf(hybrid) -> None:
     """Two ranks with one KV head each (their own specs, one agreed block count), chunked;
     then the HND layout on one rank."""

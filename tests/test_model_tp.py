@@ -17,17 +17,13 @@ from kvferry.model.loader import load_model
 from kvferry.model.resolve import resolve_model_config
 from kvferry.sampling_params import SamplingParams
 from tests.engine_helpers import PROMPT_TEXTS, assert_pool_full, hf_greedy_each, make_llm, tokenize_all
-from tests.fixtures.tiny_models import build_tiny_model
 from tests.fixtures.tp_worker import run_rank, run_steps
+
+# slow: TP=2 gloo ranks in their own processes (make test-all only)
+pytestmark = pytest.mark.slow
 
 PROMPTS = [[5, 9, 13, 200, 31, 77, 8], [40, 41, 42]]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="session")
-def tiny_llama_kv3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """9 query heads on 3 KV heads (SmolLM2's shape): TP=2 must split the heads unevenly."""
-    return build_tiny_model("llama_kv3", tmp_path_factory.mktemp("tiny_llama_kv3"))
 
 
 def _tokens(outputs) -> list[list[int]]:

@@ -11,7 +11,7 @@ from kvferry.connector.multi import MultiConnector, MultiMetadata
 from kvferry.errors import ConfigError
 from kvferry.messages.kv_connector import KVConnectorStats
 from tests.engine_helpers import PROMPT_TEXTS, assert_pool_full, make_llm
-from tests.test_offload_support import GREEDY, LONG, disk_extra, evict_device_cache, tokens
+from tests.offload_support import GREEDY, LONG, disk_extra, evict_device_cache, tokens
 
 PROMPTS = [*PROMPT_TEXTS[:4], LONG]
 

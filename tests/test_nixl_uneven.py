@@ -15,22 +15,19 @@ import pytest
 from kvferry.config import KVTransferConfig
 from kvferry.engine.core import EngineCore
 from tests.engine_helpers import PROMPT_TEXTS, tokenize_all
-from tests.fixtures.tiny_models import build_tiny_model
 from tests.test_nixl_engine import _config, _drain, _pd_round
 
-
-@pytest.fixture(scope="module")
-def kv3_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model("llama_kv3", tmp_path_factory.mktemp("tiny_llama_kv3"))
+# slow: TP=2 and TP=1 engine cores with NIXL agents, compiled (make test-all only)
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def engines(kv3_model: Path) -> Iterator[dict[str, EngineCore]]:
+def engines(tiny_llama_kv3: Path) -> Iterator[dict[str, EngineCore]]:
     both = KVTransferConfig("NixlConnector", kv_role="both", kv_connector_extra_config={"lease_s": 30})
     cores = {
-        "tp2": EngineCore(_config(kv3_model, both, "NHD", tp=2)),
-        "tp1": EngineCore(_config(kv3_model, both, "HND")),
-        "colocated": EngineCore(_config(kv3_model, None, "NHD")),
+        "tp2": EngineCore(_config(tiny_llama_kv3, both, "NHD", tp=2)),
+        "tp1": EngineCore(_config(tiny_llama_kv3, both, "HND")),
+        "colocated": EngineCore(_config(tiny_llama_kv3, None, "NHD")),
     }
     yield cores
     for core in cores.values():
@@ -38,7 +35,7 @@ def engines(kv3_model: Path) -> Iterator[dict[str, EngineCore]]:
 
 
 @pytest.mark.parametrize(("prefill", "decode"), [("tp2", "tp1"), ("tp1", "tp2")])
-def test_uneven_heads_across_tp(engines, kv3_model, prefill, decode):
-    prompts = tokenize_all(kv3_model, PROMPT_TEXTS)
+def test_uneven_heads_across_tp(engines, tiny_llama_kv3, prefill, decode):
+    prompts = tokenize_all(tiny_llama_kv3, PROMPT_TEXTS)
     _pd_round(engines[prefill], engines[decode], engines["colocated"], prompts, tag=f"{prefill}-{decode}")
     _drain(engines[prefill], engines[decode])

@@ -8,8 +8,7 @@ from kvferry.connector.offload.config import GIB
 from kvferry.connector.offload.metadata import Tier
 from kvferry.sampling_params import SamplingParams
 from tests.engine_helpers import PROMPT_TEXTS, assert_pool_full, make_llm, tokenize_all
-from tests.fixtures.tiny_models import build_tiny_model
-from tests.test_offload_support import (
+from tests.offload_support import (
     GREEDY,
     LONG,
     LONG2,
@@ -23,6 +22,7 @@ from tests.test_offload_support import (
     tokens,
     worker_half,
 )
+from tests.tiers import LLAMA_FAST
 
 PROMPTS = [*PROMPT_TEXTS, LONG]
 
@@ -41,6 +41,7 @@ def reference():
     return get
 
 
+@pytest.mark.parametrize("tiny_model", LLAMA_FAST, indirect=True)
 def test_outputs_identical_with_offload_on_and_off(tiny_model, reference):
     expected = reference(tiny_model)
     llm = make_llm(tiny_model, kv_transfer=offload_config(dram_blocks=256), capture=CaptureMode.ALWAYS)
@@ -165,12 +166,7 @@ def test_preempted_requests_resume_from_the_tier(tiny_llama, reference):
     assert_pool_full(llm)
 
 
-@pytest.fixture(scope="module")
-def tiny_llama_kv3(tmp_path_factory):
-    """SmolLM2's head shape: 3 KV heads, split 2 + 1 over two ranks."""
-    return build_tiny_model("llama_kv3", tmp_path_factory.mktemp("tiny_llama_kv3"))
-
-
+@pytest.mark.slow  # TP=2 ranks, compiled
 def test_tp2_uneven_heads_outputs_identical_and_each_rank_stores_its_heads(
     tiny_llama_kv3, reference, tmp_path
 ):

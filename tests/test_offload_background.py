@@ -6,7 +6,7 @@ import threading
 from kvferry.connector.offload.connector import OffloadConnector
 from kvferry.connector.offload.worker_side import OffloadWorker
 from tests.engine_helpers import assert_pool_full, make_llm
-from tests.test_offload_support import GREEDY, LONG, evict_device_cache, offload_config, sched_half, tokens
+from tests.offload_support import GREEDY, LONG, evict_device_cache, offload_config, sched_half, tokens
 
 
 class _GatedWorker(OffloadWorker):

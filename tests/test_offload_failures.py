@@ -11,7 +11,7 @@ from kvferry.connector.offload.connector import OffloadConnector
 from kvferry.connector.offload.worker_side import OffloadWorker
 from kvferry.messages.engine_core import FinishReason
 from tests.engine_helpers import PROMPT_TEXTS, assert_pool_full, make_llm
-from tests.test_offload_support import (
+from tests.offload_support import (
     GREEDY,
     LONG,
     evict_device_cache,

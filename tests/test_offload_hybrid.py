@@ -17,15 +17,15 @@ from transformers import AutoTokenizer
 from kvferry.connector.offload.blocks import SKIP
 from kvferry.sampling_params import SamplingParams
 from tests.engine_helpers import assert_pool_full, make_llm
-from tests.fixtures.tiny_hybrid import WINDOW, build_hybrid_model
-from tests.test_offload_support import (
+from tests.fixtures.tiny_hybrid import WINDOW
+from tests.offload_support import (
     evict_device_cache,
     fill_with_noise,
     offload_config,
     sched_half,
     worker_half,
 )
-from tests.test_pd_support import prompt_set
+from tests.pd_support import prompt_set
 
 BLOCK = 4
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -36,13 +36,8 @@ WINDOW_BLOCKS = -(-(WINDOW - 1) // BLOCK)  # blocks before a hit's end its next 
 
 
 @pytest.fixture(scope="module")
-def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_hybrid_model("gemma3", tmp_path_factory.mktemp("tiny_gemma3_offload"))
-
-
-@pytest.fixture(scope="module")
-def prompts(gemma3: Path) -> list[str | list[int]]:
-    return prompt_set(AutoTokenizer.from_pretrained(gemma3), BLOCK)
+def prompts(tiny_gemma3: Path) -> list[str | list[int]]:
+    return prompt_set(AutoTokenizer.from_pretrained(tiny_gemma3), BLOCK)
 
 
 def _engine(model: Path, **extra):  # noqa: ANN202
@@ -56,8 +51,8 @@ def _tokens(outputs) -> list[list[int]]:  # noqa: ANN001
 
 
 @pytest.fixture(scope="module")
-def reference(gemma3: Path):  # noqa: ANN201
-    llm = _engine(gemma3)
+def reference(tiny_gemma3: Path):  # noqa: ANN201
+    llm = _engine(tiny_gemma3)
     cache: dict = {}
 
     def get(prompts: list) -> list[list[int]]:
@@ -75,9 +70,9 @@ def _visible_bytes(hit_blocks: int) -> int:
     return (hit_blocks + SLIDING_GROUPS * min(hit_blocks, WINDOW_BLOCKS)) * GROUP_BYTES
 
 
-def test_second_pass_is_served_from_dram_with_window_visible_loads(gemma3, prompts, reference) -> None:
+def test_second_pass_is_served_from_dram_with_window_visible_loads(tiny_gemma3, prompts, reference) -> None:
     expected = reference(prompts)
-    llm = _engine(gemma3, dram_blocks=2048)
+    llm = _engine(tiny_gemma3, dram_blocks=2048)
     sched = sched_half(llm)
     assert sched.block_bytes == (1 + SLIDING_GROUPS) * GROUP_BYTES
     assert _tokens(llm.generate(prompts, GREEDY)) == expected
@@ -107,15 +102,15 @@ def test_second_pass_is_served_from_dram_with_window_visible_loads(gemma3, promp
     assert_pool_full(llm)
 
 
-def test_a_hit_the_sliding_groups_cannot_use_is_not_offered(gemma3, reference) -> None:
+def test_a_hit_the_sliding_groups_cannot_use_is_not_offered(tiny_gemma3, reference) -> None:
     """A stored prefix followed by more than a window's worth of new tokens: the scheduler
     allocates no sliding block that far back (the tokens after the hit would read the null
     block), so nothing is loaded; followed by a few, the hit is used."""
-    base = AutoTokenizer.from_pretrained(gemma3).encode(" ".join(["a dog sees the red ball"] * 40))
+    base = AutoTokenizer.from_pretrained(tiny_gemma3).encode(" ".join(["a dog sees the red ball"] * 40))
     stored = base[:100]
     short_tail, long_tail = base[:103], base[:120]
     expected = reference([stored, short_tail, long_tail])
-    llm = _engine(gemma3, dram_blocks=512)
+    llm = _engine(tiny_gemma3, dram_blocks=512)
     assert _tokens(llm.generate([stored], GREEDY)) == expected[:1]
     evict_device_cache(llm)
     out = llm.generate([long_tail], GREEDY)[0]
@@ -128,9 +123,9 @@ def test_a_hit_the_sliding_groups_cannot_use_is_not_offered(gemma3, reference) -
     assert_pool_full(llm)
 
 
-def test_loads_skip_the_sliding_blocks_no_window_sees(gemma3, prompts) -> None:
+def test_loads_skip_the_sliding_blocks_no_window_sees(tiny_gemma3, prompts) -> None:
     """The loads a second pass sends: every sliding id outside the window is SKIP."""
-    llm = _engine(gemma3, dram_blocks=2048)
+    llm = _engine(tiny_gemma3, dram_blocks=2048)
     long_prompt = prompts[7]
     llm.generate([long_prompt], GREEDY)
     evict_device_cache(llm)
@@ -170,12 +165,13 @@ def _second_pass(llm, prompts: list, expected: list[list[int]]) -> list:  # noqa
     return second
 
 
-def test_tp2_each_rank_stores_its_heads_of_every_group(gemma3, prompts, reference) -> None:
+@pytest.mark.slow  # TP=2 ranks
+def test_tp2_each_rank_stores_its_heads_of_every_group(tiny_gemma3, prompts, reference) -> None:
     """Two ranks, one KV head each: both load their half of the window-visible blocks."""
     subset = prompts[4:9]
     expected = reference(subset)
     llm = make_llm(
-        gemma3,
+        tiny_gemma3,
         block_size=BLOCK,
         budget=64,
         kv_transfer=offload_config(dram_blocks=1024),
@@ -191,11 +187,12 @@ def test_tp2_each_rank_stores_its_heads_of_every_group(gemma3, prompts, referenc
         llm.engine.shutdown()
 
 
-def test_gemma4_padded_pages_and_kv_shared_layers(tmp_path_factory, reference) -> None:  # noqa: ARG001
+@pytest.mark.slow  # a second model and its references
+def test_gemma4_padded_pages_and_kv_shared_layers(tiny_gemma4: Path, reference) -> None:  # noqa: ARG001
     """Tiny Gemma 4: 4 sliding groups and a full one of 1 layer each in one tensor (pages of
     2 x 32 floats; the sliding layers' 16-float heads padded); the 3 KV-shared layers own no
     KV and add nothing to a slot."""
-    model = build_hybrid_model("gemma4", tmp_path_factory.mktemp("tiny_gemma4_offload"))
+    model = tiny_gemma4
     subset = prompt_set(AutoTokenizer.from_pretrained(model), BLOCK)[4:12]
     expected = _tokens(_engine(model).generate(subset, GREEDY))
     llm = _engine(model, dram_blocks=2048)
@@ -208,7 +205,7 @@ def test_gemma4_padded_pages_and_kv_shared_layers(tmp_path_factory, reference) -
 
 
 def test_disk_tier_with_checksums_reads_what_was_saved_and_loads_the_window(
-    gemma3, prompts, reference, tmp_path
+    tiny_gemma3, prompts, reference, tmp_path
 ) -> None:
     """No DRAM tier: slots on disk hold some groups only; a checked load reads the ranges the
     save wrote (its crc covers them) and copies only the window-visible ones."""
@@ -220,7 +217,7 @@ def test_disk_tier_with_checksums_reads_what_was_saved_and_loads_the_window(
         "disk_blocks": 1024,
         "verify_checksum": True,
     }
-    llm = _engine(gemma3, **extra)
+    llm = _engine(tiny_gemma3, **extra)
     second = _second_pass(llm, subset, expected)
     totals = sched_half(llm).totals
     hits = [o.num_cached_tokens // BLOCK for o in second]
@@ -228,7 +225,7 @@ def test_disk_tier_with_checksums_reads_what_was_saved_and_loads_the_window(
     assert totals["offload_bytes_loaded"] == sum(_visible_bytes(h) for h in hits)
 
 
-def test_elastic_kv_memory(gemma3, prompts, reference) -> None:
+def test_elastic_kv_memory(tiny_gemma3, prompts, reference) -> None:
     """Elastic KV memory returns a freed block's page before the next step's hooks: saves of
     sliding blocks complete within their step; the second pass is served from DRAM."""
     from kvferry.engine.llm import LLM
@@ -236,7 +233,7 @@ def test_elastic_kv_memory(gemma3, prompts, reference) -> None:
     subset = prompts[4:9]
     expected = reference(subset)
     llm = LLM(
-        str(gemma3),
+        str(tiny_gemma3),
         dtype="float32",
         max_model_len=512,
         block_size=BLOCK,

@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 
 from kvferry.engine.llm import LLM
 from kvferry.sampling_params import SamplingParams
-from tests.test_pd_support import (
+from tests.pd_support import (
     Relay,
     Server,
     decode,
@@ -37,9 +37,12 @@ from tests.test_pd_support import (
     wait_healthy,
     wait_idle,
 )
-from tests.test_proxy_fakes import serve_in_thread, start_cli
-from tests.test_proxy_fakes import stop as stop_procs
-from tests.test_proxy_fakes import wait_healthy as wait_proc_healthy
+from tests.proxy_fakes import serve_in_thread, start_cli
+from tests.proxy_fakes import stop as stop_procs
+from tests.proxy_fakes import wait_healthy as wait_proc_healthy
+
+# slow: three compiled `kvferry serve` processes and a proxy (make test-all only)
+pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 12
 # Long prompts take several prefill steps; decode steps run compiled (not left to the

@@ -23,7 +23,7 @@ import pytest
 
 from kvferry.engine.llm import LLM
 from kvferry.sampling_params import SamplingParams
-from tests.test_pd_support import (
+from tests.pd_support import (
     Server,
     decode,
     kill,
@@ -34,6 +34,9 @@ from tests.test_pd_support import (
     wait_healthy,
     wait_idle,
 )
+
+# slow: five `kvferry serve` processes, kills and lease timeouts (make test-all only)
+pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 12
 LEASE_S = 2.0

@@ -20,18 +20,18 @@ from kvferry.config import KVTransferConfig
 from kvferry.engine.llm import LLM
 from kvferry.sampling_params import SamplingParams
 from tests.engine_helpers import make_llm
-from tests.fixtures.tiny_hybrid import build_hybrid_model
-from tests.test_pd_support import (
+from tests.pd_support import (
     Server,
     decode,
-    nixl,
     prefill,
     prompt_set,
-    start_server,
-    stop,
-    wait_healthy,
+    serving,
+    tp_matrix,
     wait_idle,
 )
+
+# slow: seven `kvferry serve` processes (four TP=2) (make test-all only)
+pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 12
 # Chunked prefill; eager servers like the colocated reference (compiling seven servers'
@@ -40,35 +40,19 @@ CHUNK = ("--max-num-batched-tokens", "64", "--enforce-eager")
 
 
 @pytest.fixture(scope="module")
-def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_hybrid_model("gemma3", tmp_path_factory.mktemp("tiny_gemma3_pd"))
-
-
-@pytest.fixture(scope="module")
-def servers(gemma3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
-    logs = tmp_path_factory.mktemp("pd_hybrid")
-    started = {
-        "p1": start_server(gemma3, logs, "p1", nixl("producer"), args=CHUNK),
-        "p2": start_server(gemma3, logs, "p2", nixl("producer"), tp=2, args=CHUNK),
-        "d1": start_server(gemma3, logs, "d1", nixl("consumer"), args=CHUNK),
-        "d2": start_server(gemma3, logs, "d2", nixl("consumer"), tp=2, layout="HND", args=CHUNK),
-    }
-    try:
-        wait_healthy(list(started.values()))
+def servers(tiny_gemma3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
+    with serving(tiny_gemma3, tmp_path_factory.mktemp("pd_hybrid"), tp_matrix(CHUNK)) as started:
         yield started
-    finally:
-        codes = stop(list(started.values()))
-    assert codes == [0, 0, 0, 0], {s.name: s.tail() for s in started.values()}
 
 
 @pytest.fixture(scope="module")
-def prompts(gemma3: Path) -> list[str | list[int]]:
-    return prompt_set(AutoTokenizer.from_pretrained(gemma3))
+def prompts(tiny_gemma3: Path) -> list[str | list[int]]:
+    return prompt_set(AutoTokenizer.from_pretrained(tiny_gemma3))
 
 
 @pytest.fixture(scope="module")
-def reference(gemma3: Path, prompts: list) -> list[str]:
-    llm = LLM(str(gemma3), kv_cache_bytes=5 << 20, max_num_batched_tokens=64)
+def reference(tiny_gemma3: Path, prompts: list) -> list[str]:
+    llm = LLM(str(tiny_gemma3), kv_cache_bytes=5 << 20, max_num_batched_tokens=64)
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
     return [o.outputs[0].text for o in outs]
 
@@ -125,7 +109,7 @@ def test_a_decoder_reads_only_the_blocks_each_window_sees(servers) -> None:
     wait_idle(prefiller)
 
 
-def test_a_decoder_never_offers_a_prefix_hit_on_blocks_it_did_not_receive(servers, gemma3: Path) -> None:
+def test_a_decoder_never_offers_a_prefix_hit_on_blocks_it_did_not_receive(servers, tiny_gemma3: Path) -> None:
     """A 161-token prompt through P/D: the decoder loads 160 tokens and holds sliding blocks
     8 and 9 (block 8 for a prefix hit at token 144), but the window of token 160 sees only
     block 9, the only one read. A later prompt sharing the first 144 tokens, sent to the
@@ -139,7 +123,7 @@ def test_a_decoder_never_offers_a_prefix_hit_on_blocks_it_did_not_receive(server
     assert cached == 160
     resp = decode(decoder, second, None, MAX_TOKENS)
     assert resp.status_code == 200, resp.text
-    llm = LLM(str(gemma3), kv_cache_bytes=5 << 20, max_num_batched_tokens=64)
+    llm = LLM(str(tiny_gemma3), kv_cache_bytes=5 << 20, max_num_batched_tokens=64)
     try:
         expected = llm.generate([second], SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
     finally:
@@ -153,7 +137,7 @@ def test_a_decoder_never_offers_a_prefix_hit_on_blocks_it_did_not_receive(server
 
 
 def test_registration_is_one_region_per_distinct_tensor(
-    gemma3: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_gemma3: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On a real engine with the NIXL connector: Gemma 3's 6 layers live in 2 tensors, and
     exactly 2 regions reach NIXL (the real registration, observed on its way)."""
@@ -168,7 +152,7 @@ def test_registration_is_one_region_per_distinct_tensor(
 
     monkeypatch.setattr(Agent, "register", observe)
     kv = KVTransferConfig("NixlConnector", kv_role="producer")
-    llm = make_llm(gemma3, kv_transfer=kv, enforce_eager=True)
+    llm = make_llm(tiny_gemma3, kv_transfer=kv, enforce_eager=True)
     try:
         config = llm.engine.scheduler.kv_cache_manager.config
         assert len(config.tensors) == 2 and sum(len(t.shared_by) for t in config.tensors) == 6
@@ -184,29 +168,17 @@ GEMMA4_SLIDING_GROUPS = 4  # layers 0, 1, 3, 4; the full group is layer 2; layer
 
 
 @pytest.fixture(scope="module")
-def gemma4(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_hybrid_model("gemma4", tmp_path_factory.mktemp("tiny_gemma4_pd"))
-
-
-@pytest.fixture(scope="module")
-def gemma4_servers(gemma4: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
-    logs = tmp_path_factory.mktemp("pd_gemma4")
-    started = {
-        "p1": start_server(gemma4, logs, "g4p1", nixl("producer"), args=CHUNK),
-        "d1": start_server(gemma4, logs, "g4d1", nixl("consumer"), args=CHUNK),
-        "d2": start_server(gemma4, logs, "g4d2", nixl("consumer"), tp=2, layout="HND", args=CHUNK),
-    }
-    try:
-        wait_healthy(list(started.values()))
+def gemma4_servers(
+    tiny_gemma4: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Server]]:
+    specs = {name: spec for name, spec in tp_matrix(CHUNK).items() if name != "p2"}
+    with serving(tiny_gemma4, tmp_path_factory.mktemp("pd_gemma4"), specs) as started:
         yield started
-    finally:
-        codes = stop(list(started.values()))
-    assert codes == [0, 0, 0], {s.name: s.tail() for s in started.values()}
 
 
 @pytest.fixture(scope="module")
-def gemma4_reference(gemma4: Path, prompts: list) -> list[str]:
-    llm = LLM(str(gemma4), kv_cache_bytes=5 << 20, max_num_batched_tokens=64)
+def gemma4_reference(tiny_gemma4: Path, prompts: list) -> list[str]:
+    llm = LLM(str(tiny_gemma4), kv_cache_bytes=5 << 20, max_num_batched_tokens=64)
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
     return [o.outputs[0].text for o in outs]
 
@@ -280,7 +252,7 @@ def test_group_difference_names_the_window() -> None:
 
 
 def test_gemma4_registration_is_one_region_per_distinct_tensor(
-    gemma4: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_gemma4: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On a real engine with the NIXL connector: the 5 layers owning KV (of 8) in 1 tensor,
     1 region registered; the KV-shared layers are in none."""
@@ -295,7 +267,7 @@ def test_gemma4_registration_is_one_region_per_distinct_tensor(
 
     monkeypatch.setattr(Agent, "register", observe)
     kv = KVTransferConfig("NixlConnector", kv_role="producer")
-    llm = make_llm(gemma4, kv_transfer=kv, enforce_eager=True)
+    llm = make_llm(tiny_gemma4, kv_transfer=kv, enforce_eager=True)
     try:
         config = llm.engine.scheduler.kv_cache_manager.config
         layers = [name for t in config.tensors for name in t.shared_by]

@@ -35,7 +35,10 @@ import pytest
 
 from kvferry.engine.llm import LLM
 from kvferry.sampling_params import SamplingParams
-from tests.test_pd_support import ROOT, Server, nixl, stop, wait_healthy, wait_idle
+from tests.pd_support import ROOT, Server, nixl, stop, wait_healthy, wait_idle
+
+# slow: P/D across network namespaces (servers and a proxy) (make test-all only)
+pytestmark = pytest.mark.slow
 
 TAG = f"kvf{os.getpid() % 100000}"
 BRIDGE = f"{TAG}br"

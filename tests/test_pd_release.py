@@ -26,9 +26,9 @@ from kvferry.entrypoints.openai.server import build_app as build_server
 from kvferry.entrypoints.proxy.app import build_app as build_proxy
 from kvferry.entrypoints.proxy.config import ProxyConfig
 from kvferry.entrypoints.proxy_secret import PROXY_SECRET_HEADER, ProxyCredential
-from tests.test_pd_support import MODEL as PD_MODEL
-from tests.test_pd_support import Server, nixl, start_server, stop, wait_healthy, wait_idle
-from tests.test_proxy_fakes import serve_in_thread as serve_app
+from tests.pd_support import MODEL as PD_MODEL
+from tests.pd_support import Server, nixl, start_server, stop, wait_healthy, wait_idle
+from tests.proxy_fakes import serve_in_thread as serve_app
 from tests.test_server_api import KEY, MODEL, make_engine
 
 RELEASE = "/v1/kv_transfer/release"
@@ -161,6 +161,7 @@ async def leave_after_the_prefill(
         await asyncio.gather(task, return_exceptions=True)
 
 
+@pytest.mark.slow  # a prefill server and a proxy
 @pytest.mark.parametrize("stream", [False, True])
 def test_client_leaving_between_prefill_and_decode_frees_the_prefill(deployment, stream: bool) -> None:
     prefiller, proxy_url, decoder = deployment

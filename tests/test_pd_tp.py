@@ -16,17 +16,18 @@ from transformers import AutoTokenizer
 
 from kvferry.engine.llm import LLM
 from kvferry.sampling_params import SamplingParams
-from tests.test_pd_support import (
+from tests.pd_support import (
     Server,
     decode,
-    nixl,
     prefill,
     prompt_set,
-    start_server,
-    stop,
-    wait_healthy,
+    serving,
+    tp_matrix,
     wait_idle,
 )
+
+# slow: four `kvferry serve` processes, two of them TP=2 (make test-all only)
+pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 12
 CHUNK = ("--max-num-batched-tokens", "64")
@@ -34,19 +35,8 @@ CHUNK = ("--max-num-batched-tokens", "64")
 
 @pytest.fixture(scope="module")
 def servers(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
-    logs = tmp_path_factory.mktemp("pd_tp")
-    started = {
-        "p1": start_server(tiny_llama, logs, "p1", nixl("producer"), args=CHUNK),
-        "p2": start_server(tiny_llama, logs, "p2", nixl("producer"), tp=2, args=CHUNK),
-        "d1": start_server(tiny_llama, logs, "d1", nixl("consumer"), args=CHUNK),
-        "d2": start_server(tiny_llama, logs, "d2", nixl("consumer"), tp=2, layout="HND", args=CHUNK),
-    }
-    try:
-        wait_healthy(list(started.values()))
+    with serving(tiny_llama, tmp_path_factory.mktemp("pd_tp"), tp_matrix(CHUNK)) as started:
         yield started
-    finally:
-        codes = stop(list(started.values()))
-    assert codes == [0, 0, 0, 0], {s.name: s.tail() for s in started.values()}
 
 
 @pytest.fixture(scope="module")

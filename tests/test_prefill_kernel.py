@@ -20,6 +20,7 @@ from kvferry.model.layers.attention import Scores
 from kvferry.sampling_params import SamplingParams
 from tests.engine_helpers import PROMPT_TEXTS
 from tests.fixtures.tiny_models import build_tiny_model
+from tests.tiers import SLOW, first_fast
 
 BLOCK = 16
 SCALE = 0.125
@@ -29,7 +30,8 @@ SCALE = 0.125
 TOLERANCES = [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)]
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+# The fast tier runs every geometry on one thread; make test-all on two as well (356 tests).
+@pytest.fixture(params=[1, pytest.param(2, marks=SLOW)], ids=["1thread", "2threads"])
 def threads(request: pytest.FixtureRequest) -> Iterator[int]:
     """The kernel, built and loaded, run on 1 or 2 threads."""
     assert prefill_kernel.prefill_kernel_available()
@@ -135,7 +137,7 @@ def _broken(*args: object) -> torch.Tensor:
     raise AssertionError("prefill took the SDPA path")
 
 
-@pytest.mark.parametrize("chunk", [2048, 8])  # 8 tokens a step: chunks over cached context
+@pytest.mark.parametrize("chunk", first_fast([8, 2048]))  # 8 tokens a step: chunks over cached context
 def test_an_engine_prefills_through_the_kernel(
     tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, chunk
 ) -> None:

@@ -28,7 +28,7 @@ from kvferry.entrypoints.proxy.pd import (
 from kvferry.entrypoints.proxy.pool import InstancePool, LeastLoaded, RoundRobin
 from kvferry.entrypoints.proxy.streaming import strip_sent
 from kvferry.entrypoints.proxy.upstream import Upstream
-from tests.test_proxy_fakes import ANSWER, ANSWER_CHUNKS, FIRST, FakeInstance, free_port, serve_in_thread
+from tests.proxy_fakes import ANSWER, ANSWER_CHUNKS, FIRST, FakeInstance, free_port, serve_in_thread
 
 # ---- units ------------------------------------------------------------------------------
 

@@ -13,7 +13,10 @@ import httpx
 import openai
 import pytest
 
-from tests.test_proxy_fakes import free_port, start_cli, stop, wait_healthy
+from tests.proxy_fakes import free_port, start_cli, stop, wait_healthy
+
+# slow: a `kvferry serve` process and a proxy process (make test-all only)
+pytestmark = pytest.mark.slow
 
 MODEL = "tiny"
 KEY = "sk-pd"

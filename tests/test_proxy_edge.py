@@ -35,7 +35,10 @@ from tests.edge_inputs import (
     leave_mid_body,
     post_while_polling_health,
 )
-from tests.test_proxy_fakes import FakeInstance, free_port, serve_in_thread, start_cli, stop, wait_healthy
+from tests.proxy_fakes import FakeInstance, free_port, serve_in_thread, start_cli, stop, wait_healthy
+
+# slow: a `kvferry serve` process and a proxy process (make test-all only)
+pytestmark = pytest.mark.slow
 
 SEPARATORS = ["Hello", " line\u2028sep", " para\u2029sep", " next\x85line", " end"]
 

@@ -23,6 +23,9 @@ import pytest
 from kvferry.ports import free_port
 from tests.test_server_e2e import ROOT, _metric, _wait_healthy
 
+# slow: `kvferry serve` processes stopped by signals (make test-all only)
+pytestmark = pytest.mark.slow
+
 # A hang fails; the 5 s graceful shutdown on a loaded 2-core host passes (timings printed).
 STOP_TIMEOUT_S = 30.0
 LONG = {"prompt": "the cat", "max_tokens": 1000, "ignore_eos": True, "temperature": 0}

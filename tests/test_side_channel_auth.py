@@ -42,7 +42,10 @@ from kvferry.connector.nixl.protocol import (
 from kvferry.connector.nixl.sealing import Sealer
 from kvferry.engine.llm import LLM
 from kvferry.sampling_params import SamplingParams
-from tests.test_pd_support import Server, decode, nixl, prefill, start_server, stop, wait_healthy, wait_idle
+from tests.pd_support import Server, decode, nixl, prefill, start_server, stop, wait_healthy, wait_idle
+
+# slow: several `kvferry serve` processes with NIXL side channels (make test-all only)
+pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 12
 PROMPTS = [

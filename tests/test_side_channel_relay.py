@@ -36,7 +36,7 @@ from kvferry.connector.nixl.channel import Clients
 from kvferry.connector.nixl.plan import ReadPlan
 from kvferry.connector.nixl.protocol import EngineInfo, Handshake, HandshakeReply
 from kvferry.connector.nixl.regions import Region
-from tests.test_pd_support import (
+from tests.pd_support import (
     ROOT,
     Server,
     decode,

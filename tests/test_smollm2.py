@@ -9,6 +9,9 @@ from kvferry.config import CaptureMode
 from kvferry.engine.llm import LLM
 from kvferry.sampling_params import SamplingParams
 
+# slow: the 135M SmolLM2 compiled, and HF transformers' generate (make test-all only)
+pytestmark = pytest.mark.slow
+
 QUESTIONS = [
     "What is the capital of France?",
     "Name three primary colors.",

@@ -7,6 +7,7 @@ import pytest
 from kvferry.config import CaptureMode, KVTransferConfig
 from kvferry.sampling_params import SamplingParams
 from tests.engine_helpers import PROMPT_TEXTS, assert_pool_full, make_llm
+from tests.tiers import LLAMA_FAST
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -21,6 +22,7 @@ def tp1_outputs(tiny_llama):
     return _tokens(llm.generate(PROMPT_TEXTS, GREEDY))
 
 
+@pytest.mark.parametrize("tiny_model", LLAMA_FAST, indirect=True)
 def test_tp2_greedy_outputs_identical_to_tp1(tiny_model):
     expected = _tokens(make_llm(tiny_model).generate(PROMPT_TEXTS, GREEDY))
     llm = make_llm(tiny_model, tp=2, budget=32)  # chunked prefill under TP too
@@ -45,6 +47,7 @@ def _staggered(tmp_path):
     return config, log
 
 
+@pytest.mark.slow  # TP=2 ranks, compiled
 @pytest.mark.parametrize("tp", [1, 2])
 def test_blocks_freed_only_when_every_rank_reported(tiny_llama, tmp_path, tp, tp1_outputs):
     """Out-of-tree connector by module path; the aggregator waits for every rank's report."""
@@ -87,6 +90,7 @@ def test_connector_counters_are_exported_to_prometheus():
     assert 'kvferry:kv_connector_nixl_bytes_read_total{model_name="m"} 4096.0' in text
 
 
+@pytest.mark.slow  # a local Ray cluster
 @pytest.mark.ray
 def test_ray_executor_same_outputs_and_aggregation(tiny_llama, tmp_path, tp1_outputs):
     pytest.importorskip("ray")

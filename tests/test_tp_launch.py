@@ -15,6 +15,9 @@ import pytest
 
 from kvferry.executor.rank import WorkerCall
 
+# slow: TP=2 engines launched from scripts, -c and stdin (make test-all only)
+pytestmark = pytest.mark.slow
+
 CODE = """
 import json, sys
 from kvferry import LLM, SamplingParams

@@ -13,6 +13,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,6 +79,46 @@ def start_server(
             cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
         )
     return Server(name, proc, f"http://127.0.0.1:{port}", log)
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One `kvferry serve` of a deployment: its --kv-transfer-config, TP size, layout, flags."""
+
+    kv: dict | None
+    tp: int = 1
+    layout: str = "NHD"
+    args: tuple[str, ...] = ()
+
+
+@contextmanager
+def serving(model_dir: Path, log_dir: Path, specs: dict[str, ServerSpec]) -> Iterator[dict[str, Server]]:
+    """Start one server per spec (by name), yield them once all are healthy; on exit stop
+    them all, and each must have exited 0."""
+    started: dict[str, Server] = {}
+    try:
+        for name, spec in specs.items():
+            started[name] = start_server(
+                model_dir, log_dir, name, spec.kv, tp=spec.tp, layout=spec.layout, args=spec.args
+            )
+        wait_healthy(list(started.values()))
+        yield started
+    finally:
+        codes = stop(list(started.values()))
+    assert codes == [0] * len(started), {s.name: s.tail() for s in started.values()}
+
+
+def tp_matrix(p1_args: tuple[str, ...], others_args: tuple[str, ...] | None = None) -> dict[str, ServerSpec]:
+    """P/D across TP sizes: producers p1 (TP=1) and p2 (TP=2), consumers d1 (TP=1) and d2
+    (TP=2, HND: converts NHD on receive). p1 runs `p1_args`, the others `others_args`
+    (default: the same)."""
+    others = p1_args if others_args is None else others_args
+    return {
+        "p1": ServerSpec(nixl("producer"), args=p1_args),
+        "p2": ServerSpec(nixl("producer"), tp=2, args=others),
+        "d1": ServerSpec(nixl("consumer"), args=others),
+        "d2": ServerSpec(nixl("consumer"), tp=2, layout="HND", args=others),
+    }
 
 
 def nixl(role: str, policy: str = "fail", **extra) -> dict:
@@ -205,7 +247,7 @@ def prompt_set(tokenizer, block_size: int = 16) -> list[str | list[int]]:
 class Relay:
     """An HTTP relay in front of one instance that keeps every POST's answer: the JSON
     object, or the list of a stream's SSE data objects. Serve ``app`` (e.g. with
-    tests.test_proxy_fakes.serve_in_thread) and point a proxy at it."""
+    tests.proxy_fakes.serve_in_thread) and point a proxy at it."""
 
     def __init__(self, target: str) -> None:
         self.target = target
