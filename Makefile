@@ -24,14 +24,14 @@ serve: $(STAMP)
 	$(BIN)/kvferry disagg smollm2 --prefill 1 --decode 1 --host $(HOST) --port $(PORT)
 
 test: $(STAMP)
-	$(BIN)/ruff check kvferry tests
+	$(BIN)/ruff check kvferry kvferry_bench tests
 	# Static types, strict (pyproject.toml's [tool.mypy]: kv/, scheduler/, connector/, messages/, executor/, the top-level modules).
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q tests
 
 lint: $(STAMP)
-	$(BIN)/ruff check kvferry tests
-	$(BIN)/ruff format --check kvferry tests
+	$(BIN)/ruff check kvferry kvferry_bench tests
+	$(BIN)/ruff format --check kvferry kvferry_bench tests
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from kvferry.bench import soak
+from kvferry_bench import soak
 
 
 def test_short_soak_is_clean(tiny_llama: Path, tmp_path: Path) -> None:
