@@ -1,4 +1,4 @@
-"""Command line: kvferry serve | generate | proxy | disagg | bench (handed to kvferry_bench)."""
+"""Command line: kvferry serve | generate | proxy | disagg | build-kernels | bench (handed to kvferry_bench)."""
 
 from __future__ import annotations
 
@@ -82,6 +82,10 @@ def resolve_args_api_key(args: argparse.Namespace) -> None:
 PLUGGABLE_COMMANDS = {
     "proxy": ("kvferry.entrypoints.proxy.main", "P/D proxy: prefill first, then decode"),
     "disagg": ("kvferry.entrypoints.disagg", "start prefill, decode and proxy on localhost"),
+    "build-kernels": (
+        "kvferry.entrypoints.build_kernels",
+        "compile the CPU kernels ahead of time, per ISA level",
+    ),
 }
 
 
