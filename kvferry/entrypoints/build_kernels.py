@@ -4,6 +4,7 @@ so a serving host needs no compiler and an image can carry builds for other CPUs
     kvferry build-kernels                              # all levels, into the kernels cache
     kvferry build-kernels --out /opt/kvferry/kernels   # to ship: serve with KVFERRY_KERNELS_DIR=...
     kvferry build-kernels --isa avx2                   # one level
+    kvferry build-kernels --kernel paged_decode        # one kernel
 
 At run time each kernel loads the best level the CPU supports
 (kvferry/model/layers/cpu_kernels.py).
@@ -21,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    from kvferry.model.layers.cpu_kernels import ISA_LEVELS, KERNELS_DIR_ENV
+    from kvferry.model.layers.cpu_kernels import ISA_LEVELS, KERNEL_SOURCES, KERNELS_DIR_ENV
 
     parser.add_argument(
         "--out",
@@ -37,6 +38,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default=[isa.name for isa in ISA_LEVELS],
         help="instruction-set levels to build (default: all)",
     )
+    parser.add_argument(
+        "--kernel",
+        nargs="+",
+        choices=[source.stem for source in KERNEL_SOURCES],
+        default=[source.stem for source in KERNEL_SOURCES],
+        help="kernels to build (default: all)",
+    )
 
 
 def run(args: argparse.Namespace) -> list[Path]:
@@ -46,7 +54,7 @@ def run(args: argparse.Namespace) -> list[Path]:
     chosen = [isa for isa in cpu_kernels.ISA_LEVELS if isa.name in args.isa]
     built = []
     for isa in chosen:
-        for source in cpu_kernels.KERNEL_SOURCES:
+        for source in (s for s in cpu_kernels.KERNEL_SOURCES if s.stem in args.kernel):
             logger.info("building %s for %s (%s)", source.name, isa.name, " ".join(isa.compile_flags))
             try:
                 built.append(cpu_kernels.build_prebuilt(source, isa, out_dir))

@@ -52,7 +52,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         import kvferry_bench.cli
     except ModuleNotFoundError as exc:
         if exc.name != BENCH_PACKAGE:
-            raise  # a module inside the benchmarks is broken: show it as it is
+            raise  # a module the benchmarks import is missing: show it as it is
         raise KVFerryError(f"the benchmarks are not installed ({BENCH_EXTRA_HINT})") from exc
     kvferry_bench.cli.main(args.bench_args)
 
