@@ -25,21 +25,21 @@ serve: $(STAMP)
 	$(BIN)/kvferry disagg smollm2 --prefill 1 --decode 1 --host $(HOST) --port $(PORT)
 
 test: $(STAMP)
-	$(BIN)/ruff check kvferry tests
-	# Static types, strict (pyproject.toml's [tool.mypy]: the whole kvferry package but kvferry/bench/).
+	$(BIN)/ruff check kvferry kvferry_bench tests
+	# Static types, strict (pyproject.toml's [tool.mypy]: the whole kvferry package; kvferry_bench/ is not checked).
 	$(BIN)/mypy
 	# The fast tier: every test not marked slow, each capability end to end at least once (tests/test_tiers.py).
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
 test-all: $(STAMP)
-	$(BIN)/ruff check kvferry tests
+	$(BIN)/ruff check kvferry kvferry_bench tests
 	$(BIN)/mypy
 	# Every test, the slow ones included.
 	$(BIN)/python -m pytest -q tests
 
 lint: $(STAMP)
-	$(BIN)/ruff check kvferry tests
-	$(BIN)/ruff format --check kvferry tests
+	$(BIN)/ruff check kvferry kvferry_bench tests
+	$(BIN)/ruff format --check kvferry kvferry_bench tests
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from kvferry.bench.hybrid import has_sliding_layers, variant_config
-from kvferry.entrypoints.cli import build_parser
 from kvferry.errors import ConfigError
+from kvferry_bench.cli import build_parser
+from kvferry_bench.hybrid import has_sliding_layers, variant_config
 from tests.fixtures.tiny_hybrid import WINDOW, build_hybrid_model
 
 # slow: runs the hybrid bench: real NIXL engines for two model variants (make test-all only)
@@ -26,7 +26,7 @@ def test_bench_hybrid_writes_bytes_times_and_capacity_of_both_variants(tmp_path:
     pytest.importorskip("nixl._api")
     model = build_hybrid_model("gemma3", tmp_path / "gemma3")
     out = tmp_path / "hybrid.json"
-    argv = ["bench", "hybrid", str(model), "--prompt-tokens", "100", "--iters", "1", "--requests", "8"]
+    argv = ["hybrid", str(model), "--prompt-tokens", "100", "--iters", "1", "--requests", "8"]
     argv += ["--max-tokens", "4", "--kv-budget-mib", "0.5", "--output", str(out)]
     args = build_parser().parse_args(argv)
     args.func(args)
@@ -99,7 +99,7 @@ def test_variant_configs_force_full_attention_each_way_a_config_states_windows()
 
 
 def test_bench_hybrid_refuses_a_model_without_sliding_layers(tmp_path: Path, tiny_llama: Path) -> None:
-    from kvferry.bench.hybrid import write_variants
+    from kvferry_bench.hybrid import write_variants
 
     with pytest.raises(ConfigError, match="no sliding-window layers"):
         write_variants(tiny_llama, tmp_path / "scratch", None, 100)

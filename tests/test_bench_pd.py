@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvferry.entrypoints.cli import build_parser
+from kvferry_bench.cli import build_parser
 
 # slow: starts a colocated server, then prefill + decode + proxy (make test-all only)
 pytestmark = pytest.mark.slow
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 def test_bench_pd_compares_colocated_and_pd_in_one_file(tiny_llama: Path, tmp_path: Path) -> None:
     out = tmp_path / "pd.json"
-    argv = ["bench", "pd", str(tiny_llama), "--num-prompts", "3", "--input-len", "40", "--output-len", "4"]
+    argv = ["pd", str(tiny_llama), "--num-prompts", "3", "--input-len", "40", "--output-len", "4"]
     argv += ["--request-rate", "inf", "--output", str(out), "--log-dir", str(tmp_path / "logs")]
     argv += ["--engine-args", "--kv-cache-memory 0.005"]
     args = build_parser().parse_args(argv)

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvferry.bench.peers import command, report, serving
-from kvferry.bench.peers.install import add_vllm_metadata, is_ready, vllm_env
-from kvferry.bench.peers.offline import OfflineShape, make_workloads
-from kvferry.bench.peers.setup import Setup
-from kvferry.entrypoints.cli import build_parser
+from kvferry_bench.cli import build_parser
+from kvferry_bench.peers import command, report, serving
+from kvferry_bench.peers.install import add_vllm_metadata, is_ready, vllm_env
+from kvferry_bench.peers.offline import OfflineShape, make_workloads
+from kvferry_bench.peers.setup import Setup
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_VENV = Path(os.environ.get("KVFERRY_VLLM_VENV", REPO / ".venv-vllm"))
@@ -72,7 +72,7 @@ VLLM_RESULT = {
 
 
 def peers_args(*argv: str):
-    return build_parser().parse_args(["bench", "peers", *argv])
+    return build_parser().parse_args(["peers", *argv])
 
 
 def test_arguments_parse_to_parts_engines_and_shapes() -> None:
@@ -111,9 +111,9 @@ def test_embedded_model_converts_to_an_hf_dir_with_kvferrys_weights(
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kvferry.bench.peers.convert import hf_model_dir
     from kvferry.model.loader import gguf_state_dict
     from kvferry.model.resolve import resolve_model_config
+    from kvferry_bench.peers.convert import hf_model_dir
 
     out = hf_model_dir("smollm2", "bfloat16", tmp_path)
     assert out.parent == tmp_path and json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
@@ -140,7 +140,7 @@ def test_embedded_model_converts_to_an_hf_dir_with_kvferrys_weights(
 
 
 def test_an_hf_dir_model_is_used_as_it_is(tiny_llama: Path, tmp_path: Path) -> None:
-    from kvferry.bench.peers.convert import hf_model_dir
+    from kvferry_bench.peers.convert import hf_model_dir
 
     assert hf_model_dir(str(tiny_llama), "float32", tmp_path) == tiny_llama
     assert not any(tmp_path.iterdir())

@@ -22,11 +22,11 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from kvferry.bench.peers import install, pd, report
-from kvferry.bench.peers.setup import Setup
 from kvferry.entrypoints import disagg
 from kvferry.entrypoints.cli import build_parser
 from kvferry.ports import LOWEST_PORT, ephemeral_start
+from kvferry_bench.peers import install, pd, report
+from kvferry_bench.peers.setup import Setup
 from tests.proxy_fakes import serve_in_thread
 from tests.test_bench_peers import peers_setup
 

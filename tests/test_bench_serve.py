@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvferry.entrypoints.cli import build_parser
+from kvferry_bench.cli import build_parser
 from tests.proxy_fakes import ANSWER_CHUNKS, FakeInstance, serve_in_thread
 
 METRICS = ("ttft_ms", "itl_ms", "tpot_ms", "e2el_ms")
 
 
 def _bench(url: str, out: Path, label: str, *rates: str) -> dict:
-    argv = ["bench", "serve", "--url", url, "--model", "fake", "--num-prompts", "4", "--input-len", "8"]
+    argv = ["serve", "--url", url, "--model", "fake", "--num-prompts", "4", "--input-len", "8"]
     argv += ["--output-len", "3", "--label", label, "--output", str(out), "--request-rate", *rates]
     args = build_parser().parse_args(argv)
     return args.func(args)

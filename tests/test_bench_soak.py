@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvferry.bench import soak
+from kvferry_bench import soak
 
 # slow: a 20 s soak against `kvferry disagg` (make test-all only)
 pytestmark = pytest.mark.slow

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvferry.entrypoints.cli import build_parser
+from kvferry_bench.cli import build_parser
 
 # slow: generates with kvferry and HF transformers, writes a PNG (make test-all only)
 pytestmark = pytest.mark.slow
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("sampling", [[], ["--temperature", "0.8", "--top-p", "0.9"]])
 def test_bench_throughput_counts_every_generated_token(tiny_llama: Path, tmp_path: Path, sampling) -> None:
     out = tmp_path / "throughput.json"
-    argv = ["bench", "throughput", str(tiny_llama), "--dtype", "float32", "--kv-cache-memory", "0.01"]
+    argv = ["throughput", str(tiny_llama), "--dtype", "float32", "--kv-cache-memory", "0.01"]
     argv += ["--num-prompts", "4", "--input-len", "8", "--output-len", "5", "--hf-reference"]
     args = build_parser().parse_args([*argv, *sampling, "--output", str(out)])
     args.func(args)

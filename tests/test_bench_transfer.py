@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvferry.bench.transfer import Setting, TransferBenchError, settings_of, touched_buffer, verify
-from kvferry.entrypoints.cli import build_parser
+from kvferry_bench.cli import build_parser
+from kvferry_bench.transfer import Setting, TransferBenchError, settings_of, touched_buffer, verify
 
 # slow: two NIXL agents in two processes (make test-all only)
 pytestmark = pytest.mark.slow
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 def test_bench_transfer_writes_json_and_png(tmp_path: Path) -> None:
     pytest.importorskip("nixl._api")
     out = tmp_path / "transfer.json"
-    argv = ["bench", "transfer", "--size-mb", "1", "--block-kb", "16", "256", "--iters", "2", "--warmup", "1"]
+    argv = ["transfer", "--size-mb", "1", "--block-kb", "16", "256", "--iters", "2", "--warmup", "1"]
     args = build_parser().parse_args([*argv, "--output", str(out)])
     args.func(args)
     doc = json.loads(out.read_text())
@@ -36,7 +36,6 @@ def test_bench_transfer_connector_reads_each_prompt_through_the_nixl_connector(
     pytest.importorskip("nixl._api")
     out = tmp_path / "connector.json"
     argv = [
-        "bench",
         "transfer",
         "--connector",
         str(tiny_qwen2),
@@ -64,7 +63,7 @@ def test_bench_transfer_connector_over_elastic_memory(tmp_path: Path, tiny_qwen2
     pages each engine mapped for them are returned once the transfers are done."""
     pytest.importorskip("nixl._api")
     out = tmp_path / "elastic.json"
-    argv = ["bench", "transfer", "--connector", str(tiny_qwen2), "--prompt-tokens", "100", "--iters", "1"]
+    argv = ["transfer", "--connector", str(tiny_qwen2), "--prompt-tokens", "100", "--iters", "1"]
     args = build_parser().parse_args([*argv, "--kv-allocator", "elastic", "--output", str(out)])
     args.func(args)
     doc = json.loads(out.read_text())
@@ -76,7 +75,7 @@ def test_bench_transfer_connector_over_elastic_memory(tmp_path: Path, tiny_qwen2
 
 
 def test_kv_allocator_is_for_the_connector_bench() -> None:
-    args = build_parser().parse_args(["bench", "transfer", "--kv-allocator", "elastic"])
+    args = build_parser().parse_args(["transfer", "--kv-allocator", "elastic"])
     with pytest.raises(TransferBenchError, match="--connector"):
         args.func(args)
 
@@ -92,6 +91,6 @@ def test_verify_catches_a_misplaced_block() -> None:
 
 
 def test_settings_need_whole_blocks() -> None:
-    args = build_parser().parse_args(["bench", "transfer", "--size-mb", "1", "--block-kb", "3"])
+    args = build_parser().parse_args(["transfer", "--size-mb", "1", "--block-kb", "3"])
     with pytest.raises(TransferBenchError, match="whole number"):
         settings_of(args)

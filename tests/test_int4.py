@@ -15,7 +15,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvferry.bench.hf_reference import load_hf_reference
 from kvferry.engine.llm import LLM
 from kvferry.errors import ConfigError
 from kvferry.model.layers.int4 import (
@@ -28,6 +27,7 @@ from kvferry.model.layers.int4 import (
 from kvferry.model.layers.linear import PackableLinear
 from kvferry.model.layers.packed import pack
 from kvferry.sampling_params import SamplingParams
+from kvferry_bench.hf_reference import load_hf_reference
 from tests.engine_helpers import assert_pool_full
 
 QUESTIONS = [

@@ -1,6 +1,8 @@
 """The package's layers, read from the source: every import of every module under kvferry/
 (module level, inside functions and under TYPE_CHECKING alike, parsed with ast, nothing
-imported) goes to a lower layer or stays in its own unit. That rules out package cycles."""
+imported) goes to a lower layer or stays in its own unit. That rules out package cycles.
+The benchmarks (kvferry_bench/, beside kvferry/) sit above all of it: the engine never
+imports them; only `kvferry bench` hands its arguments over, inside its handler."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent / "kvferry"
 
 # Lowest first. A unit is a subpackage or a top-level module of kvferry; units in one layer
 # must not import each other. `kvferry` itself (its __init__) and the command line, which
-# dispatches to everything (benchmarks included), sit above all of them.
+# dispatches to everything, sit above all of them.
 LAYERS: tuple[frozenset[str], ...] = tuple(
     frozenset(layer.split())
     for layer in (
@@ -28,7 +30,6 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
         "executor",
         "engine",
         "entrypoints",
-        "bench",
         "kvferry entrypoints.cli",
     )
 )
@@ -57,8 +58,8 @@ def module_name(path: Path, root: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports_of(path: Path, root: Path) -> list[tuple[int, str]]:
-    """(line, absolute module) of every kvferry import in the file at `path`."""
+def imports_of(path: Path, root: Path, imported: str = "kvferry") -> list[tuple[int, str]]:
+    """(line, absolute module) of every import of the package `imported` in the file at `path`."""
     module = module_name(path, root)
     package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
     found = []
@@ -71,7 +72,7 @@ def imports_of(path: Path, root: Path) -> list[tuple[int, str]]:
                 base = package[: len(package) - (node.level - 1)]
                 target = ".".join(base + ([node.module] if node.module else []))
             found.append((node.lineno, target))
-    return [(line, name) for line, name in found if name == "kvferry" or name.startswith("kvferry.")]
+    return [(line, name) for line, name in found if name == imported or name.startswith(f"{imported}.")]
 
 
 def violations(root: Path = ROOT) -> list[str]:
@@ -85,6 +86,57 @@ def violations(root: Path = ROOT) -> list[str]:
             if dest != source and rank(dest) >= rank(source) and not allowed:
                 found.append(f"{path.relative_to(root.parent)}:{line}: {source} -> {dest} ({target})")
     return found
+
+
+BENCH_PACKAGE = "kvferry_bench"
+# The one import of the benchmarks from the engine's tree: `kvferry bench`'s handler.
+BENCH_DISPATCH = ("kvferry/entrypoints/cli.py", "kvferry_bench.cli")
+
+
+def lines_inside_functions(tree: ast.Module) -> set[int]:
+    return {
+        inner.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        for inner in ast.walk(node)
+        if isinstance(inner, ast.Import | ast.ImportFrom)
+    }
+
+
+def bench_imports(root: Path = ROOT) -> list[str]:
+    """Every import of the benchmarks under `root`, as 'file: module', '(module level)' added
+    where it runs on import."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        in_functions = lines_inside_functions(ast.parse(path.read_text(), str(path)))
+        for line, target in imports_of(path, root, BENCH_PACKAGE):
+            where = "" if line in in_functions else " (module level)"
+            found.append(f"{path.relative_to(root.parent)}: {target}{where}")
+    return found
+
+
+def test_the_engine_imports_the_benchmarks_only_in_the_bench_command():
+    assert bench_imports() == [": ".join(BENCH_DISPATCH)]
+    assert not (ROOT / "bench").exists()
+
+
+@pytest.mark.parametrize(
+    ("path", "source", "expected"),
+    [
+        (
+            "engine/x.py",
+            "def f():\n    from kvferry_bench import serve\n",
+            "kvferry/engine/x.py: kvferry_bench",
+        ),
+        ("entrypoints/cli.py", "import kvferry_bench.cli\n", "kvferry_bench.cli (module level)"),
+    ],
+)
+def test_an_import_of_the_benchmarks_is_reported(tmp_path, path, source, expected):
+    root = tmp_path / "kvferry"
+    (root / path).parent.mkdir(parents=True, exist_ok=True)
+    (root / path).write_text(source)
+    [found] = bench_imports(root)
+    assert found.startswith(expected) or found.endswith(expected)
 
 
 def test_every_kvferry_import_goes_down_the_layers():

@@ -116,7 +116,7 @@ def test_the_layer_takes_the_kernel_for_bf16() -> None:
     """bf16 of a 32-multiple head width on a CPU with AVX-512 BF16 goes to the kernel."""
     q, k, v, ctx, span = _cached_span(Layout.NHD, torch.bfloat16, 32, 40, 9, 3)
     assert prefill_kernel.prefill_kernel_available()
-    if not torch.ops.kvferry_prefill.bf16_fast_path(32):
+    if not torch.ops.kvferry_cpu.prefill_bf16_fast_path(32):
         pytest.skip("this CPU has no AVX-512 BF16: bf16 prefill stays on SDPA")
     assert prefill_kernel.takes_prefill(q, k, v)
     got = attention._prefill(q, k, v, ctx.kv_caches["layer"], ctx, span, Scores(SCALE, 0))
@@ -184,7 +184,7 @@ def test_a_bf16_engine_prefills_through_the_bf16_microkernels(
     except from a step where SDPA's two best tokens are a near-tie (bf16 rounds them
     either way), and the same logprobs up to there."""
     assert prefill_kernel.prefill_kernel_available()
-    if not torch.ops.kvferry_prefill.bf16_fast_path(32):
+    if not torch.ops.kvferry_cpu.prefill_bf16_fast_path(32):
         pytest.skip("this CPU has no AVX-512 BF16: bf16 prefill stays on SDPA")
     with monkeypatch.context() as on_sdpa:
         on_sdpa.setattr(attention, "takes_prefill", lambda q, k, v: False)

@@ -4,10 +4,10 @@ and its captured forward (--capture always) == --enforce-eager, batches of 3 and
 import pytest
 import torch
 
-from kvferry.bench.hf_reference import load_hf_reference
 from kvferry.config import CaptureMode
 from kvferry.engine.llm import LLM
 from kvferry.sampling_params import SamplingParams
+from kvferry_bench.hf_reference import load_hf_reference
 
 # slow: the 135M SmolLM2 compiled, and HF transformers' generate (make test-all only)
 pytestmark = pytest.mark.slow

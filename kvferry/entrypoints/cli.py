@@ -1,4 +1,4 @@
-"""Command line: kvferry serve | generate | bench."""
+"""Command line: kvferry serve | generate | proxy | disagg | build-kernels | bench (handed to kvferry_bench)."""
 
 from __future__ import annotations
 
@@ -51,10 +51,23 @@ def cmd_generate(args: argparse.Namespace) -> None:
     print(out[0].outputs[0].text)
 
 
-def cmd_bench(args: argparse.Namespace) -> None:
-    from kvferry.bench.throughput import run_throughput_bench
+# The benchmarks live in the top-level package kvferry_bench (the `bench` extra); the engine
+# never imports it, and this is the one place the command line hands over to it.
+BENCH_PACKAGE = "kvferry_bench"
+BENCH_EXTRA_HINT = "pip install 'kvferry[bench]'"
+# Everything after `kvferry bench` goes to the benchmarks' own parser, options included:
+# argv strings cannot hold NUL, so no argument is read as an option here.
+NO_OPTION_PREFIX = "\0"
 
-    run_throughput_bench(args, engine_config_from_args)
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    try:
+        import kvferry_bench.cli
+    except ModuleNotFoundError as exc:
+        if exc.name != BENCH_PACKAGE:
+            raise  # a module the benchmarks import is missing: show it as it is
+        raise KVFerryError(f"the benchmarks are not installed ({BENCH_EXTRA_HINT})") from exc
+    kvferry_bench.cli.main(args.bench_args)
 
 
 # Commands with an API key: --api-key (shows in the process list), --api-key-file or
@@ -82,16 +95,9 @@ def resolve_args_api_key(args: argparse.Namespace) -> None:
 PLUGGABLE_COMMANDS = {
     "proxy": ("kvferry.entrypoints.proxy.main", "P/D proxy: prefill first, then decode"),
     "disagg": ("kvferry.entrypoints.disagg", "start prefill, decode and proxy on localhost"),
-}
-PLUGGABLE_BENCHES = {
-    "serve": ("kvferry.bench.serve", "serving client: rate, TTFT, ITL, throughput"),
-    "transfer": ("kvferry.bench.transfer", "KV transfer GB/s over NIXL vs memcpy"),
-    "pd": ("kvferry.bench.pd", "colocated vs P/D deployments under the same serving load"),
-    "hybrid": ("kvferry.bench.hybrid", "sliding window vs forced full attention: KV bytes, P/D, capacity"),
-    "peers": ("kvferry.bench.peers.command", "kvferry vs vLLM's CPU engine, side by side on the same cores"),
-    "soak": (
-        "kvferry.bench.soak",
-        "many streaming clients against kvferry disagg: held blocks, mismatches, RSS",
+    "build-kernels": (
+        "kvferry.entrypoints.build_kernels",
+        "compile the CPU kernels ahead of time, per ISA level",
     ),
 }
 
@@ -100,12 +106,7 @@ def _add_pluggable(
     sub: argparse._SubParsersAction[argparse.ArgumentParser], commands: dict[str, tuple[str, str]]
 ) -> None:
     for name, (module_name, help_text) in commands.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name and module_name.startswith(exc.name):
-                continue  # not built yet
-            raise
+        module = importlib.import_module(module_name)
         parser = sub.add_parser(name, help=help_text)
         module.add_args(parser)
         if name in ADD_API_KEY_FILE:
@@ -151,19 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", dest="chat", action="store_false", help="no chat template")
     gen.set_defaults(func=cmd_generate)
 
-    bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    tp = bench_sub.add_parser("throughput", help="offline: N prompts x M generated tokens")
-    add_engine_args(tp)
-    tp.add_argument("--num-prompts", type=int, default=64)
-    tp.add_argument("--input-len", type=int, default=32)
-    tp.add_argument("--output-len", type=int, default=128)
-    tp.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    tp.add_argument("--top-p", type=float, default=1.0)
-    tp.add_argument("--hf-reference", action="store_true", help="also time HF transformers generate")
-    tp.add_argument("--output", default="bench-results/throughput.json")
-    tp.set_defaults(func=cmd_bench)
-    _add_pluggable(bench_sub, PLUGGABLE_BENCHES)
+    bench = sub.add_parser(
+        "bench",
+        help=f"benchmarks: kvferry bench --help (the bench extra: {BENCH_EXTRA_HINT})",
+        add_help=False,
+        prefix_chars=NO_OPTION_PREFIX,
+    )
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=cmd_bench)
     _add_pluggable(sub, PLUGGABLE_COMMANDS)
     return parser
 

@@ -1,10 +1,21 @@
-"""Builds and loads the C++ CPU kernels in csrc/ (one shared library per source file).
+"""Builds and loads the C++ CPU kernels in csrc/ (one shared library per source file; their
+operators all in `torch.ops.kvferry_cpu`; the vector helpers they share in csrc/cpu_vec.h).
 
-Each source is compiled with the host's C++ compiler (`CXX`, default g++) for the host's
-CPU (-march=native) and cached under `$XDG_CACHE_HOME/kvferry/kernels` (default
-~/.cache) by a key of the source, torch's version, the compiler and the CPU's flags, so a
-different CPU, or an edited source, builds its own. Callers decide what to do when a
-build fails (kvferry.model.layers.decode_kernel, prefill_kernel: torch's SDPA instead).
+Two ways to a library, tried in this order for each kernel:
+
+- prebuilt: `kvferry build-kernels` compiles every kernel for explicit instruction-set
+  levels (ISA_LEVELS: a portable AVX2/FMA build, AVX-512, AVX-512 BF16; explicit -m flags,
+  never -march=native) into a directory, `$KVFERRY_KERNELS_DIR` or the kernels cache. At
+  run time the best level this CPU supports (kvferry.cpu_features, read at run time) whose
+  library is there is loaded, without a compiler; a library for an ISA the CPU lacks is
+  never loaded. Names carry a key of the sources and torch's version, so a stale build is
+  not picked up.
+- built here on first use for this CPU (-march=native, with the host's C++ compiler `CXX`,
+  default g++) and cached under `$XDG_CACHE_HOME/kvferry/kernels` (default ~/.cache) by a
+  key of the sources, torch's version, the compiler and the CPU's flags.
+
+Callers decide what to do when neither works (decode_kernel, prefill_kernel: torch's SDPA;
+int4_kernel: torch's int4 kernel), with one warning (`loaded`).
 """
 
 from __future__ import annotations
@@ -15,46 +26,142 @@ import logging
 import os
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from kvferry.cpu_features import CPUFeatures, read_cpu_features
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-BUILD_TIMEOUT_S = 300
+SHARED_HEADER = CSRC / "cpu_vec.h"
+KERNEL_SOURCES = tuple(sorted(CSRC.glob("*.cpp")))
+BUILD_TIMEOUT_S = 300  # a build on first use, while an engine starts
+AHEAD_OF_TIME_TIMEOUT_S = 3600  # `kvferry build-kernels`: nothing waits on it but its caller
+KERNELS_DIR_ENV = "KVFERRY_KERNELS_DIR"
 # What load() raises when a kernel cannot be built or loaded.
 BUILD_ERRORS = (OSError, RuntimeError, subprocess.SubprocessError)
 
 
-def load(source: Path) -> None:
-    """Build `source` for this machine (once; cached) and load its operators into torch.ops."""
-    torch.ops.load_library(str(built_library(source)))  # type: ignore[no-untyped-call]  # unannotated in torch
+@dataclass(frozen=True)
+class IsaLevel:
+    """An instruction-set level a kernel is prebuilt for: the compiler's flags, and the
+    /proc/cpuinfo flags a CPU needs to run the result."""
+
+    name: str
+    compile_flags: tuple[str, ...]
+    cpu_flags: frozenset[str]
+
+    def runs_on(self, cpu: CPUFeatures) -> bool:
+        return self.cpu_flags <= cpu.flags
+
+
+_AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")
+_AVX512_FLAGS = (*_AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
+AVX2 = IsaLevel("avx2", _AVX2_FLAGS, frozenset({"avx2", "fma", "f16c"}))
+AVX512 = IsaLevel("avx512", _AVX512_FLAGS, AVX2.cpu_flags | {"avx512f", "avx512bw", "avx512vl", "avx512dq"})
+AVX512_BF16 = IsaLevel("avx512_bf16", (*_AVX512_FLAGS, "-mavx512bf16"), AVX512.cpu_flags | {"avx512_bf16"})
+ISA_LEVELS = (AVX512_BF16, AVX512, AVX2)  # best first
+
+
+@dataclass(frozen=True)
+class KernelLibrary:
+    """A kernel's library and where it came from: an ISA level's prebuilt build, or None
+    for a build made here for this CPU."""
+
+    path: Path
+    isa: IsaLevel | None
+
+    def describe(self) -> str:
+        return f"prebuilt for {self.isa.name}" if self.isa else "built for this CPU"
+
+
+def load(source: Path, cpu: CPUFeatures | None = None) -> KernelLibrary:
+    """Load `source`'s operators into torch.ops: the best prebuilt library this CPU runs,
+    else a library built here (once; cached)."""
+    prebuilt = find_prebuilt(source, cpu or read_cpu_features())
+    if prebuilt is not None:
+        try:
+            _load_library(prebuilt.path)
+            return prebuilt
+        except OSError as exc:  # the dynamic loader refused it (e.g. a damaged file)
+            logger.warning("prebuilt %s unusable, building for this CPU: %s", prebuilt.path, exc)
+    library = KernelLibrary(built_library(source), None)
+    _load_library(library.path)
+    return library
+
+
+def _load_library(path: Path) -> None:
+    torch.ops.load_library(str(path))  # type: ignore[no-untyped-call]  # unannotated in torch
 
 
 def loaded(source: Path, log: logging.Logger, fallback: str) -> bool:
-    """Whether `source`'s operators could be built and loaded here; if not, one warning on
-    the caller's `log` naming the cause and what runs instead (`fallback`)."""
+    """Whether `source`'s operators could be loaded here; if not, one warning on the
+    caller's `log` naming the cause and what runs instead (`fallback`)."""
     try:
-        load(source)
+        library = load(source)
     except BUILD_ERRORS as exc:
         log.warning("%s kernel unavailable, %s: %s", source.stem.replace("_", " "), fallback, exc)
         return False
+    log.info("%s kernel: %s (%s)", source.stem.replace("_", " "), library.describe(), library.path)
     return True
+
+
+def kernel_dirs() -> list[Path]:
+    """Where prebuilt libraries are looked for: $KVFERRY_KERNELS_DIR (an image's), then the
+    kernels cache (`kvferry build-kernels`' default)."""
+    shipped = os.environ.get(KERNELS_DIR_ENV)
+    return [Path(shipped), cache_dir()] if shipped else [cache_dir()]
+
+
+def find_prebuilt(source: Path, cpu: CPUFeatures, dirs: list[Path] | None = None) -> KernelLibrary | None:
+    """The prebuilt library of `source` for the best ISA level `cpu` runs, if one is there."""
+    for isa in ISA_LEVELS:
+        if not isa.runs_on(cpu):
+            continue
+        for directory in kernel_dirs() if dirs is None else dirs:
+            path = directory / prebuilt_name(source, isa)
+            if path.is_file():
+                return KernelLibrary(path, isa)
+    return None
+
+
+def prebuilt_name(source: Path, isa: IsaLevel) -> str:
+    """The file name of `source` built for `isa`, keyed by the sources and torch's version
+    (no compiler needed to compute it)."""
+    key = _key(source, (isa.name,))
+    return f"{source.stem}-{isa.name}-{key}.so"
+
+
+def build_prebuilt(source: Path, isa: IsaLevel, out_dir: Path) -> Path:
+    """Compile `source` for `isa` (explicit flags) into `out_dir`, replacing an older build."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    library = out_dir / prebuilt_name(source, isa)
+    _compile(source, _compiler(), library, isa.compile_flags, AHEAD_OF_TIME_TIMEOUT_S)
+    return library
 
 
 def built_library(source: Path) -> Path:
     """The library of `source` for this machine, compiled unless a cached build exists (one
     process builds; others wait on the lock and load its result)."""
     compiler = _compiler()
-    directory = _cache_dir()
+    directory = cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    library = directory / f"{source.stem}-{_build_key(source, compiler)}.so"
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    library = directory / f"{source.stem}-{_key(source, (version, _cpu_flags()))}.so"
     with open(directory / "build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not library.exists():
-            _compile(source, compiler, library)
+            logger.info("building %s for this CPU (once; cached in %s)", source.name, library.parent)
+            _compile(source, compiler, library, ("-march=native",), BUILD_TIMEOUT_S)
     return library
+
+
+def cache_dir() -> Path:
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "kvferry" / "kernels"
 
 
 def _compiler() -> str:
@@ -64,48 +171,33 @@ def _compiler() -> str:
     return compiler
 
 
-def _cache_dir() -> Path:
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return root / "kvferry" / "kernels"
-
-
 def _cpu_flags() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return ""
-    return next((line for line in lines if line.startswith("flags")), "")
+    return " ".join(sorted(read_cpu_features().flags))
 
 
-def _build_key(source: Path, compiler: str) -> str:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    parts = (source.read_bytes().decode(), torch.__version__, version, _cpu_flags())
+def _key(source: Path, extra: tuple[str, ...]) -> str:
+    abi = str(int(torch._C._GLIBCXX_USE_CXX11_ABI))
+    parts = (source.read_text(), SHARED_HEADER.read_text(), torch.__version__, abi, *extra)
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
 
 
-def _compile(source: Path, compiler: str, library: Path) -> None:
+def _compile(source: Path, compiler: str, library: Path, isa_flags: tuple[str, ...], timeout_s: int) -> None:
     from torch.utils import cpp_extension
 
     partial = library.with_suffix(f".{os.getpid()}.tmp")
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     # -fno-math-errno: the softmax's exp vectorizes (glibc's vector math)
-    command = [
-        compiler,
-        "-O3",
-        "-march=native",
-        "-fno-math-errno",
-        "-fopenmp",
-        "-shared",
-        "-fPIC",
-        "-std=c++17",
+    command = [compiler, "-O3", *isa_flags, "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+    command += [
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        f"-I{CSRC}",
+        *(f"-I{p}" for p in cpp_extension.include_paths()),
     ]
-    command += [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in cpp_extension.include_paths())]
     command += [str(source), "-o", str(partial)]
     for lib_dir in cpp_extension.library_paths():
         command += [f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}"]
     command += ["-lc10", "-ltorch_cpu", "-ltorch"]
-    logger.info("building %s for this CPU (once; cached in %s)", source.name, library.parent)
-    done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0:
         partial.unlink(missing_ok=True)
         raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")

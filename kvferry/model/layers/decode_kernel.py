@@ -1,13 +1,14 @@
-"""The CPU paged decode attention kernel (csrc/paged_decode.cpp): built for this machine on
-first use, loaded as the `kvferry_kernels::paged_decode` operator.
+"""The CPU paged decode attention kernel (csrc/paged_decode.cpp): prebuilt (`kvferry
+build-kernels`) or built for this machine on first use, loaded as the
+`kvferry_cpu::paged_decode` operator.
 
 Each decode query reads its keys and values in place from the KV cache through its block
 table, in fp32 whatever the cache dtype: no gathered copy of the KV, no mask tensor, and
 one parallel loop over (sequence, KV head) instead of the SDPA kernel's per-call set-up,
 which dominated decode attention at batch 64 (docs/benchmarks.md, "Decode attention").
 
-The library is built for this CPU and cached by kvferry.model.layers.cpu_kernels. If it
-cannot be built, decode attention stays on torch's SDPA with one warning naming the cause.
+kvferry.model.layers.cpu_kernels picks the library. If there is none, decode attention
+stays on torch's SDPA with one warning naming the cause.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def paged_decode(
     out = torch.empty_like(q)
     geometry = CacheGeometry.of(kv_cache, layout)
     starts = start_pos if start_pos is not None else torch.zeros_like(seq_lens)
-    torch.ops.kvferry_kernels.paged_decode(
+    torch.ops.kvferry_cpu.paged_decode(
         q,
         kv_cache,
         block_table.contiguous(),

@@ -6,7 +6,8 @@ each weight a nibble until a register turns it into bf16 and multiplies it with
 arithmetic as the reference (the dequantized weight in float32 times the bf16-rounded
 inputs; sums in fp32, in another order).
 
-Where the CPU lacks AVX-512 BF16, or the library cannot be built, `int4_kernel_available`
+The `kvferry_cpu::int4_matmul` operator, loaded by kvferry.model.layers.cpu_kernels. Where
+the CPU lacks AVX-512 BF16, or there is no library, `int4_kernel_available`
 is False (logged once) and int4 linears keep torch's kernel.
 """
 
@@ -62,7 +63,7 @@ def can_tile(weight: torch.Tensor) -> bool:
 
 def tiles_matmul(rows: torch.Tensor, tiles: NibbleTiles) -> torch.Tensor:
     """bf16 rows [m, in] times the weight: bf16 [m, out] (float32 sums rounded once)."""
-    out: torch.Tensor = torch.ops.kvferry_int4.matmul(rows, tiles.packed, tiles.scales, tiles.zeros)
+    out: torch.Tensor = torch.ops.kvferry_cpu.int4_matmul(rows, tiles.packed, tiles.scales, tiles.zeros)
     return out
 
 
@@ -71,7 +72,7 @@ def int4_kernel_available() -> bool:
     """Build (once per machine) and load the kernel; False where it cannot run here."""
     if not cpu_kernels.loaded(SOURCE, logger, "int4 linears use torch's kernel"):
         return False
-    if not torch.ops.kvferry_int4.supported():
+    if not torch.ops.kvferry_cpu.int4_supported():
         logger.info("this CPU has no AVX-512 BF16: int4 linears use torch's kernel")
         return False
     return True

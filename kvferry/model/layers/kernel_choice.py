@@ -34,7 +34,7 @@ def _prefill_kernel(dtype: torch.dtype, head_dims: set[int]) -> str:
         return f"torch SDPA ({dtype} model; the kernel serves bf16)"
     if not prefill_kernel_available():
         return "torch SDPA (kernel not built)"
-    slow = sorted(dim for dim in head_dims if not torch.ops.kvferry_prefill.bf16_fast_path(dim))
+    slow = sorted(dim for dim in head_dims if not torch.ops.kvferry_cpu.prefill_bf16_fast_path(dim))
     if len(slow) == len(head_dims):
         return "torch SDPA (no AVX-512 BF16, or head sizes not multiples of 32)"
     if slow:

@@ -1,5 +1,6 @@
-"""The CPU prefill attention kernel (csrc/paged_prefill.cpp): built for this machine on
-first use, loaded as the `kvferry_prefill::paged_prefill` operator.
+"""The CPU prefill attention kernel (csrc/paged_prefill.cpp): prebuilt (`kvferry
+build-kernels`) or built for this machine on first use, loaded as the
+`kvferry_cpu::paged_prefill` operator.
 
 A prompt span's queries attend its cached context, read in place from the KV cache
 through the block table, then the span's own k/v: flash-style tiles with a running
@@ -8,7 +9,7 @@ microkernels on _mm512_dpbf16_ps, over 2x faster than torch's CPU flash SDPA on 
 1,000-token prompt. Other dtypes and CPUs have portable fp32 tiles, which the attention
 layer does not take (torch's SDPA is as fast there).
 
-Built and cached by kvferry.model.layers.cpu_kernels; if it cannot be built, prefill
+Loaded by kvferry.model.layers.cpu_kernels; if there is no library, prefill
 attention stays on torch's SDPA with one warning naming the cause.
 """
 
@@ -48,7 +49,7 @@ def paged_prefill(
     geometry = CacheGeometry.of(kv_cache, layout)
     k, v = _same_strides(k, v)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    torch.ops.kvferry_prefill.paged_prefill(
+    torch.ops.kvferry_cpu.paged_prefill(
         q.contiguous(),
         k,
         v,
@@ -78,7 +79,7 @@ def fresh_prefill(
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     no_cache = torch.empty(0, dtype=q.dtype)
     no_table = torch.empty(0, dtype=torch.long)
-    torch.ops.kvferry_prefill.paged_prefill(
+    torch.ops.kvferry_cpu.paged_prefill(
         q.contiguous(), k, v, no_cache, no_table, out, count, 0, 0, 0, 0, 0, 0, 0, window, scale
     )
     return out
@@ -92,7 +93,7 @@ def takes_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         q.device.type == "cpu"
         and q.dtype == k.dtype == v.dtype == torch.bfloat16
         and prefill_kernel_available()
-        and bool(torch.ops.kvferry_prefill.bf16_fast_path(q.shape[-1]))
+        and bool(torch.ops.kvferry_cpu.prefill_bf16_fast_path(q.shape[-1]))
     )
 
 

@@ -25,8 +25,9 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#include <immintrin.h>
+#include "cpu_vec.h"
+
+#if defined(KVFERRY_AVX512_BF16)
 #define KVFERRY_INT4_FAST 1
 #endif
 
@@ -78,11 +79,7 @@ inline __m512i unpack_pair(const uint8_t* bytes, __m512i table) {
   return _mm512_permutexvar_epi16(_mm512_or_si512(low, high), table);
 }
 
-// 16 bf16 values as fp32 (bf16 is the high half of an fp32).
-inline __m512 load_bf16(const at::BFloat16* values) {
-  const __m512i words = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(values)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
-}
+using kvferry_vec::load_bf16;
 
 // Where one call's operands are: `rows` activation rows from `x`, results into `out`.
 struct Operands {
@@ -183,9 +180,9 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::
 
 }  // namespace
 
-TORCH_LIBRARY(kvferry_int4, m) {
-  m.def("supported() -> bool", &int4_fast_supported);  // no tensor: a catch-all kernel
-  m.def("matmul(Tensor x, Tensor packed, Tensor scales, Tensor zeros) -> Tensor");
+TORCH_LIBRARY_FRAGMENT(kvferry_cpu, m) {
+  m.def("int4_supported() -> bool", &int4_fast_supported);  // no tensor: a catch-all kernel
+  m.def("int4_matmul(Tensor x, Tensor packed, Tensor scales, Tensor zeros) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvferry_int4, CPU, m) { m.impl("matmul", &int4_matmul); }
+TORCH_LIBRARY_IMPL(kvferry_cpu, CPU, m) { m.impl("int4_matmul", &int4_matmul); }

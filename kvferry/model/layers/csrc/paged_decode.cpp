@@ -31,15 +31,11 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
-#define KVFERRY_AVX512 1
-#if defined(__AVX512BF16__)
-#define KVFERRY_AVX512_BF16 1
-#endif
-#endif
+#include "cpu_vec.h"
 
 namespace {
+
+using kvferry_vec::max_of;
 
 constexpr int64_t kTileKeys = 64;           // keys scored, then summed, together: their rows stay in L1
 constexpr int kMaxPassHeads = 8;            // query heads one pass over the keys serves (kept in registers)
@@ -100,46 +96,20 @@ inline int64_t padded(int64_t dim) { return (dim + kRowPad - 1) / kRowPad * kRow
 // ---- tile primitives: AVX-512 ----------------------------------------------------------
 #if defined(KVFERRY_AVX512)
 
-// The first `remaining` of 16 lanes (all when 16 or more remain).
-inline __mmask16 lanes(int64_t remaining) {
-  return remaining >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << remaining) - 1);
-}
+using kvferry_vec::exp_nonpositive;
+using kvferry_vec::lanes;
+using kvferry_vec::sum_lanes;
 
 // 16 cached values as fp32, zeros past the mask (a masked load never touches those bytes).
 inline __m512 load_floats(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
 inline __m512 load_floats(const c10::Half* p, __mmask16 mask) {
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
 }
-inline __m512 load_floats(const c10::BFloat16* p, __mmask16 mask) {  // bf16: the high half of an fp32
-  const __m512i words = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
-}
+inline __m512 load_floats(const c10::BFloat16* p, __mmask16 mask) { return kvferry_vec::load_bf16(p, mask); }
 inline __m512 load_floats(const double* p, __mmask16 mask) {  // fp64 caches: rounded, as every value
   const __m256 low = _mm512_cvtpd_ps(_mm512_maskz_loadu_pd(__mmask8(mask), p));
   const __m256 high = _mm512_cvtpd_ps(_mm512_maskz_loadu_pd(__mmask8(mask >> 8), p + 8));
   return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(low)), _mm256_castps_pd(high), 1));
-}
-
-// e^x for x <= 0: 2^n * e^r with n = round(x / ln 2) and |r| <= ln 2 / 2, where the Taylor
-// series to r^7 is within 1e-8 of e^r; x below -104 gives 0 (as expf underflows).
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147182f), x);  // ln 2 in two parts: r exact
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-1.90465430e-9f), r);
-  const float coefficients[] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
-  __m512 p = _mm512_set1_ps(coefficients[0]);
-  for (int i = 1; i < 8; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(coefficients[i]));
-  return _mm512_scalef_ps(p, n);
-}
-
-inline float max_of(const float* values, int64_t n) {
-  __m512 peak = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t j = 0; j < n; j += 16) {
-    peak = _mm512_mask_max_ps(peak, lanes(n - j), peak, _mm512_maskz_loadu_ps(lanes(n - j), values + j));
-  }
-  return _mm512_reduce_max_ps(peak);
 }
 
 // values[j] = e^(values[j] - shift) in place; returns their sum.
@@ -152,7 +122,7 @@ inline float exp_shifted(float* values, int64_t n, float shift) {
     _mm512_mask_storeu_ps(values + j, mask, weights);
     total = _mm512_mask_add_ps(total, mask, total, weights);
   }
-  return _mm512_reduce_add_ps(total);
+  return sum_lanes(total);
 }
 
 // scores[g * kTileKeys + j] = scale * (query g . key row j), the row at rows[j] + offset.
@@ -169,7 +139,7 @@ void score_tile(const float* queries, const scalar_t* const* rows, int64_t offse
         sums[g] = _mm512_fmadd_ps(_mm512_loadu_ps(queries + g * stride + d), key, sums[g]);
       }
     }
-    for (int g = 0; g < HEADS; ++g) scores[g * kTileKeys + j] = _mm512_reduce_add_ps(sums[g]) * scale;
+    for (int g = 0; g < HEADS; ++g) scores[g * kTileKeys + j] = sum_lanes(sums[g]) * scale;
   }
 }
 
@@ -190,7 +160,7 @@ void score_tile(const uint16_t* queries, const c10::BFloat16* const* rows, int64
         sums[g] = _mm512_dpbf16_ps(sums[g], query, key);
       }
     }
-    for (int g = 0; g < HEADS; ++g) scores[g * kTileKeys + j] = _mm512_reduce_add_ps(sums[g]) * scale;
+    for (int g = 0; g < HEADS; ++g) scores[g * kTileKeys + j] = sum_lanes(sums[g]) * scale;
   }
 }
 #endif
@@ -220,8 +190,6 @@ void accumulate_tile(const float* weights, const scalar_t* const* rows, int64_t 
 
 // ---- tile primitives: portable ---------------------------------------------------------
 #else
-
-inline float max_of(const float* values, int64_t n) { return *std::max_element(values, values + n); }
 
 inline float exp_shifted(float* values, int64_t n, float shift) {
   float total = 0.0f;
@@ -571,11 +539,11 @@ void paged_decode(const at::Tensor& q, const at::Tensor& cache, const at::Tensor
 
 }  // namespace
 
-TORCH_LIBRARY(kvferry_kernels, m) {
+TORCH_LIBRARY_FRAGMENT(kvferry_cpu, m) {
   m.def(
       "paged_decode(Tensor q, Tensor cache, Tensor table, Tensor seq_lens, Tensor start_pos, "
       "Tensor(a!) out, int kv_heads, int block_size, int block_stride, int token_stride, "
       "int head_stride, int kv_stride, int window, float scale) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(kvferry_kernels, CPU, m) { m.impl("paged_decode", &paged_decode); }
+TORCH_LIBRARY_IMPL(kvferry_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }

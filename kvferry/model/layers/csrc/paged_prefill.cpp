@@ -3,8 +3,7 @@
 // keys; causal, optional sliding window, grouped query heads. Flash-style: per (query
 // head, tile of queries), key tiles are scored and folded into running softmax sums, so no
 // [queries, keys] matrix and no gathered KV copy exist. Built and loaded at run time by
-// kvferry/model/layers/prefill_kernel.py (library `kvferry_prefill`, apart from the decode
-// kernel's).
+// kvferry/model/layers/prefill_kernel.py (its own library; operators in `kvferry_cpu`).
 //
 // Each KV head's keys and values are first packed tile by tile into the layout the
 // microkernels read. bf16 on a CPU with AVX-512 BF16: keys as bf16 pairs with 16 keys on
@@ -29,9 +28,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
+#include "cpu_vec.h"
 
 namespace {
 
@@ -188,29 +185,13 @@ struct PortableKernel {
   }
 };
 
-#if defined(__AVX512BF16__)
-// 2^x for x <= 0 (-inf included): round to n, a degree-6 polynomial of the rest, scale by 2^n.
-inline __m512 exp2_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-160.0f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);  // [-0.5, 0.5]
-  __m512 poly = _mm512_set1_ps(1.5403530393381606e-4f);  // ln2^k / k!, k = 6 .. 0
-  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(poly, n);
-}
+#if defined(KVFERRY_AVX512_BF16)
+using kvferry_vec::exp2_nonpositive;
+using kvferry_vec::max_lanes;
+using kvferry_vec::sum_lanes;
 
-inline __m512bh pair_of(const uint16_t* pair) {  // two bf16 on every 32-bit lane
-  int32_t bits;
-  std::memcpy(&bits, pair, sizeof(bits));
-  return (__m512bh)_mm512_set1_epi32(bits);
-}
-
-inline __m512bh load_bh(const uint16_t* at) { return (__m512bh)_mm512_loadu_si512(at); }
+inline __m512bh pair_of(const uint16_t* pair) { return kvferry_vec::bf16_pair_on_every_lane(pair); }
+inline __m512bh load_bh(const uint16_t* at) { return kvferry_vec::load_bf16_pairs(at); }
 
 // bf16 microkernels. A key tile: 2 groups of 16 keys, each [D / 2][16 keys][2] (a key's
 // values d, d + 1 side by side); a value tile: [kKeyTile / 2][D][2] (keys c, c + 1 side by
@@ -289,7 +270,7 @@ struct Bf16Kernel {
     const __m512 highs = _mm512_max_ps(s0, s1);
     float* sums = &state.sums[r * 16];
     if (_mm512_cmp_ps_mask(highs, _mm512_set1_ps(state.peak[r] + kLazyMargin), _CMP_GT_OQ)) {
-      const float high = _mm512_reduce_max_ps(highs);  // horizontal: only when the max moves
+      const float high = max_lanes(highs);  // horizontal: only when the max moves
       const float factor = std::exp2(state.peak[r] - high);
       state.peak[r] = high;
       rescale_row(&state.out[r * dim], dim, factor);
@@ -297,13 +278,13 @@ struct Bf16Kernel {
     }
     const float peak = state.peak[r];
     const __m512 shift = _mm512_set1_ps(peak == kNegInf ? 0.0f : peak);  // a row that sees nothing yet
-    const __m512 p0 = exp2_ps(_mm512_sub_ps(s0, shift)), p1 = exp2_ps(_mm512_sub_ps(s1, shift));
+    const __m512 p0 = exp2_nonpositive(_mm512_sub_ps(s0, shift)), p1 = exp2_nonpositive(_mm512_sub_ps(s1, shift));
     _mm512_storeu_si512(&state.weights[r * kKeyTile], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
     _mm512_storeu_ps(sums, _mm512_add_ps(_mm512_loadu_ps(sums), _mm512_add_ps(p0, p1)));
   }
 
   static float row_total(const TileState& state, int64_t r) {
-    return _mm512_reduce_add_ps(_mm512_loadu_ps(&state.sums[r * 16]));
+    return sum_lanes(_mm512_loadu_ps(&state.sums[r * 16]));
   }
 
   static void accumulate(TileState& state, int64_t dim, const uint16_t* values) {
@@ -424,7 +405,7 @@ void run(const Problem& p, const KeyRows<scalar_t>& source, const scalar_t* q, s
 
 template <typename scalar_t>
 void dispatch(const Problem& p, const KeyRows<scalar_t>& source, const scalar_t* q, scalar_t* out) {
-#if defined(__AVX512BF16__)
+#if defined(KVFERRY_AVX512_BF16)
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
     if (p.dim % 32 == 0) return run<Bf16Kernel>(p, source, q, out);
   }
@@ -458,7 +439,7 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
 
 // Whether bf16 of this head width takes the AVX-512 BF16 microkernels (else the fp32 tiles).
 bool bf16_fast_path(int64_t dim) {
-#if defined(__AVX512BF16__)
+#if defined(KVFERRY_AVX512_BF16)
   return dim % 32 == 0;
 #else
   (void)dim;
@@ -468,12 +449,12 @@ bool bf16_fast_path(int64_t dim) {
 
 }  // namespace
 
-TORCH_LIBRARY(kvferry_prefill, m) {
+TORCH_LIBRARY_FRAGMENT(kvferry_cpu, m) {
   m.def(
       "paged_prefill(Tensor q, Tensor k, Tensor v, Tensor cache, Tensor table, Tensor(a!) out, int spans, "
       "int context, int start, int block_size, int block_stride, int token_stride, int head_stride, "
       "int kv_stride, int window, float scale) -> ()");
-  m.def("bf16_fast_path(int dim) -> bool", &bf16_fast_path);
+  m.def("prefill_bf16_fast_path(int dim) -> bool", &bf16_fast_path);
 }
 
-TORCH_LIBRARY_IMPL(kvferry_prefill, CPU, m) { m.impl("paged_prefill", &paged_prefill); }
+TORCH_LIBRARY_IMPL(kvferry_cpu, CPU, m) { m.impl("paged_prefill", &paged_prefill); }

@@ -24,9 +24,9 @@ import threading
 import time
 from pathlib import Path
 
-from kvferry.bench import serve
 from kvferry.entrypoints.disagg import Child, spawn, stop_all, wait_healthy
 from kvferry.ports import free_port
+from kvferry_bench import serve
 
 logger = logging.getLogger(__name__)
 

@@ -36,10 +36,6 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from kvferry.bench.peers import serving
-from kvferry.bench.peers.report import VLLM_TRANSFERRED
-from kvferry.bench.peers.serving import SERVED_NAME, Load
-from kvferry.bench.peers.setup import Setup
 from kvferry.entrypoints.disagg import (
     Child,
     LaunchError,
@@ -51,6 +47,10 @@ from kvferry.entrypoints.disagg import (
 )
 from kvferry.ports import free_port
 from kvferry.worker.cpu_placement import format_core_list, parse_core_list
+from kvferry_bench.peers import serving
+from kvferry_bench.peers.report import VLLM_TRANSFERRED
+from kvferry_bench.peers.serving import SERVED_NAME, Load
+from kvferry_bench.peers.setup import Setup
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from kvferry.bench.soak_probe import kv_resident, rss_by_child
+from kvferry_bench.soak_probe import kv_resident, rss_by_child
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvferry.bench.peers.install import vllm_env
+from kvferry_bench.peers.install import vllm_env
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvferry.bench.results import save_json
+from kvferry_bench.results import save_json
 
 logger = logging.getLogger(__name__)
 
@@ -250,7 +250,7 @@ def _x(rate: float | str, inf_at: float) -> float:
 
 
 def plot(doc: dict, path: Path) -> bool:
-    from kvferry.bench.plot import Panel, Series, save_panels
+    from kvferry_bench.plot import Panel, Series, save_panels
 
     rates = {r["request_rate"] for run in doc["runs"] for r in run["results"]}
     inf_at = 2 * max([float(r) for r in rates if r != "inf"] or [0.5])  # 'inf' right of the rest

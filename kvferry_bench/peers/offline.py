@@ -22,8 +22,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvferry.bench.peers.setup import Setup
-from kvferry.bench.serve import make_prompts
+from kvferry_bench.peers.setup import Setup
+from kvferry_bench.serve import make_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def run_offline(engine: str, spec: Path, setup: Setup) -> dict:
         command = [setup.vllm_bin("python"), str(VLLM_DRIVER), str(spec), str(out)]
         env = setup.vllm_env()
     else:
-        module = "kvferry.bench.peers.kvferry_driver"
+        module = "kvferry_bench.peers.kvferry_driver"
         command = [sys.executable, "-m", module, str(spec), str(out), *setup.kvferry_engine_args()]
         env = None
     log = setup.work_dir / f"offline-{engine}.log"

@@ -28,11 +28,11 @@ import argparse
 import logging
 import shlex
 
-from kvferry.bench import serve as bench_serve
-from kvferry.bench.peers.convert import DEFAULT_CACHE
-from kvferry.bench.peers.install import DEFAULT_VENV
-from kvferry.bench.peers.offline import OfflineShape
-from kvferry.bench.peers.serving import Load
+from kvferry_bench import serve as bench_serve
+from kvferry_bench.peers.convert import DEFAULT_CACHE
+from kvferry_bench.peers.install import DEFAULT_VENV
+from kvferry_bench.peers.offline import OfflineShape
+from kvferry_bench.peers.serving import Load
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +136,6 @@ def extra_args(raw: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from kvferry.bench.peers.run import run_peers
+    from kvferry_bench.peers.run import run_peers
 
     return run_peers(args)

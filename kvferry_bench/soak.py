@@ -38,10 +38,10 @@ from pathlib import Path
 
 import httpx
 
-from kvferry.bench.soak_memory import MemorySample, memory_summary, sample_memory
-from kvferry.bench.soak_probe import held_blocks, instance_urls, tree_rss
 from kvferry.entrypoints.disagg import Child, spawn, stop_all, wait_healthy
 from kvferry.ports import free_port
+from kvferry_bench.soak_memory import MemorySample, memory_summary, sample_memory
+from kvferry_bench.soak_probe import held_blocks, instance_urls, tree_rss
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """kvferry side of ``kvferry bench peers`` offline: the same workloads file as the vLLM driver.
 
-    python -m kvferry.bench.peers.kvferry_driver WORKLOADS.json RESULT.json [kvferry engine args]
+    python -m kvferry_bench.peers.kvferry_driver WORKLOADS.json RESULT.json [kvferry engine args]
 
 Builds ``LLM.from_config`` from kvferry's own engine arguments (the model directory, dtype,
 max_model_len and max_num_seqs of the workloads file, then any extra ones), times each

@@ -1,7 +1,7 @@
 """Offload benchmark: time to first token of a long prompt recomputed vs loaded from the DRAM
 and disk tiers, and decode step time with the OffloadConnector on vs no connector.
 
-    python -m kvferry.bench.offload --model smollm2 --dtype float32
+    python -m kvferry_bench.offload --model smollm2 --dtype float32
 
 Drives EngineCore steps directly so TTFT is the time until the first token comes back (not
 until background saves finish). Disk loads are timed after fsync + POSIX_FADV_DONTNEED on
@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 
-from kvferry.bench.results import host_facts, save_json
+from kvferry_bench.results import host_facts, save_json
 
 logger = logging.getLogger(__name__)
 
@@ -174,9 +174,9 @@ def bench_decode(args, prompts: list[list[int]]) -> dict:
 
 def run(args: argparse.Namespace) -> dict:
 
-    from kvferry.bench.serve import make_prompts
     from kvferry.model.resolve import resolve_model_config
     from kvferry.model.tokenizer import load_tokenizer
+    from kvferry_bench.serve import make_prompts
 
     tokenizer = load_tokenizer(resolve_model_config(args.model, dtype=args.dtype))
     prompt = make_prompts(1, args.prompt_len, tokenizer, seed=1)[0]
@@ -185,7 +185,7 @@ def run(args: argparse.Namespace) -> dict:
         ttft = bench_ttft(args, prompt, disk_dir)
     result = {
         "bench": "offload",
-        "command": " ".join(["python -m kvferry.bench.offload", *sys.argv[1:]]),
+        "command": " ".join(["python -m kvferry_bench.offload", *sys.argv[1:]]),
         "model": args.model,
         "dtype": args.dtype,
         "prompt_len": len(prompt),
@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    parser = argparse.ArgumentParser(prog="python -m kvferry.bench.offload", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m kvferry_bench.offload", description=__doc__)
     add_args(parser)
     run(parser.parse_args(argv))
 

@@ -47,8 +47,8 @@ def hf_model_dir(model: str, dtype: str, cache_root: Path = DEFAULT_CACHE) -> Pa
 
 def save_hf_copy(model_config, out: Path) -> None:
     """Write config, tokenizer and safetensors of `model_config` to `out`, atomically."""
-    from kvferry.bench.hf_reference import load_hf_reference
     from kvferry.model.tokenizer import load_tokenizer
+    from kvferry_bench.hf_reference import load_hf_reference
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))

@@ -17,9 +17,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvferry.bench.peers.setup import Setup
 from kvferry.entrypoints.disagg import Child, spawn, stop_all, wait_healthy
 from kvferry.ports import free_port
+from kvferry_bench.peers.setup import Setup
 
 logger = logging.getLogger(__name__)
 

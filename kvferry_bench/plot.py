@@ -56,7 +56,7 @@ def pyplot():  # noqa: ANN201 - matplotlib.pyplot, imported only when a plot is 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        logger.warning("matplotlib missing: no plot")
+        logger.warning("matplotlib missing: no plot (pip install 'kvferry[bench]')")
         return None
     return plt
 

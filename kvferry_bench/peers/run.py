@@ -7,12 +7,12 @@ import logging
 import subprocess
 from pathlib import Path
 
-from kvferry.bench.peers import command, offline, pd, report, serving
-from kvferry.bench.peers.convert import hf_model_dir
-from kvferry.bench.peers.install import ensure_nixl, ensure_vllm
-from kvferry.bench.peers.setup import Setup, all_cores
-from kvferry.bench.results import host_facts, save_json
 from kvferry.entrypoints.disagg import LaunchError
+from kvferry_bench.peers import command, offline, pd, report, serving
+from kvferry_bench.peers.convert import hf_model_dir
+from kvferry_bench.peers.install import ensure_nixl, ensure_vllm
+from kvferry_bench.peers.setup import Setup, all_cores
+from kvferry_bench.results import host_facts, save_json
 
 logger = logging.getLogger(__name__)
 

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import time
 from dataclasses import replace
 from pathlib import Path
 
-from kvferry.bench.results import host_facts, save_json
-from kvferry.bench.serve import make_prompts
+from kvferry.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from kvferry_bench.results import host_facts, save_json
+from kvferry_bench.serve import make_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +46,7 @@ def time_kvferry(config, prompts: list[list[int]], output_len: int, temperature:
 
 
 def time_hf(config, prompts: list[list[int]], output_len: int, temperature: float, top_p: float) -> dict:
-    from kvferry.bench.hf_reference import hf_generate, load_hf_reference
+    from kvferry_bench.hf_reference import hf_generate, load_hf_reference
 
     model = load_hf_reference(config.model)
     hf_generate(model, prompts[:2], 4)
@@ -55,10 +57,21 @@ def time_hf(config, prompts: list[list[int]], output_len: int, temperature: floa
     return {"seconds": elapsed, "generated_tokens": generated, "tokens_per_s": generated / elapsed}
 
 
-def run_throughput_bench(args, config_from_args) -> dict:
+def add_args(parser: argparse.ArgumentParser) -> None:
+    add_engine_args(parser)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--hf-reference", action="store_true", help="also time HF transformers generate")
+    parser.add_argument("--output", default="bench-results/throughput.json")
+
+
+def run(args: argparse.Namespace) -> dict:
     from kvferry.model.tokenizer import load_tokenizer
 
-    config = config_from_args(args)
+    config = engine_config_from_args(args)
     tokenizer = load_tokenizer(config.model)
     prompts = make_prompts(args.num_prompts, args.input_len, tokenizer)
     config = replace(config, scheduler=replace(config.scheduler, max_num_seqs=max(args.num_prompts, 1)))
@@ -91,7 +104,7 @@ def plot_result(result: dict, path: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        logger.warning("matplotlib missing: no plot")
+        logger.warning("matplotlib missing: no plot (pip install 'kvferry[bench]')")
         return
     names = [k for k in ("kvferry", "hf_transformers") if k in result]
     fig, ax = plt.subplots(figsize=(5, 3.5))

@@ -31,9 +31,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvferry.bench.results import host_facts, save_json
 from kvferry.errors import KVFerryError
 from kvferry.kv.spec import KVAllocator
+from kvferry_bench.results import host_facts, save_json
 
 logger = logging.getLogger(__name__)
 
@@ -307,7 +307,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def plot(doc: dict, path: Path) -> bool:
-    from kvferry.bench.plot import Panel, Series, save_panels
+    from kvferry_bench.plot import Panel, Series, save_panels
 
     rate = Panel("bandwidth", "GB/s")
     prep = Panel("NIXL descriptor preparation", "ms", logy=True)

@@ -13,7 +13,7 @@ states 1,024). For each variant:
   NIXL agents), one ``--prompt-tokens`` prompt of fresh tokens at a time prefilled on one
   and decoded on the other, ``--iters`` times (after a warm-up round): the decoder's
   connector stats give the KV bytes read and the READ time per request
-  (kvferry.bench.transfer's connector rounds). Per KV cache group, the blocks the decoder's
+  (kvferry_bench.transfer's connector rounds). Per KV cache group, the blocks the decoder's
   next token can see of what it loads (kvferry.kv.window) times the group's page bytes (its
   layers' pages, from the decoder's KVCacheConfig), and whether they add up to the bytes read.
 - **capacity**: one engine with a KV budget of ``--kv-budget-mib`` MiB, ``--requests``
@@ -39,11 +39,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvferry.bench.results import host_facts, save_json
 from kvferry.errors import ConfigError, KVFerryError
 from kvferry.kv.spec import KVCacheConfig, SlidingWindowSpec
 from kvferry.kv.usage import KVGroupStats
 from kvferry.kv.window import first_visible_block
+from kvferry_bench.results import host_facts, save_json
 
 logger = logging.getLogger(__name__)
 
@@ -158,8 +158,8 @@ def _engine(model: Path, args: argparse.Namespace, **options):  # noqa: ANN202 -
 def transfer_rows(model: Path, args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     """P/D rounds of one prompt at a time: the decoder's bytes read and READ time; and what
     a request reads of each KV cache group (transfer_groups)."""
-    from kvferry.bench.transfer import connector_rows
     from kvferry.config import KVTransferConfig
+    from kvferry_bench.transfer import connector_rows
 
     kv_bytes = 64 * MB  # room for a prompt in every group and a warm-up round's leftovers
     prefiller = _engine(
@@ -351,7 +351,7 @@ def _bytes_by_group(groups: list[dict]) -> dict[str, int]:
 
 
 def plot(doc: dict, path: Path) -> bool:
-    from kvferry.bench.plot import Panel, Series, save_panels
+    from kvferry_bench.plot import Panel, Series, save_panels
 
     xs = [0.0, 1.0]
     v = doc["variants"]

@@ -7,7 +7,7 @@ import textwrap
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvferry.bench.plot import pyplot, save_figure
+from kvferry_bench.plot import pyplot, save_figure
 
 ENGINES = ("kvferry", "vllm")
 EVEN = 0.02  # within 2%: neither is ahead
