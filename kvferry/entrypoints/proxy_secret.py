@@ -36,14 +36,14 @@ class ProxyOnlyError(InvalidRequestError):
     error_type = "permission_error"
 
 
-def load_proxy_secret(secret_file: str | None, environ: Mapping[str, str]) -> str | None:
+def load_proxy_secret(path: str | None, environ: Mapping[str, str]) -> str | None:
     """The proxy secret: the file when one is given, else $KVFERRY_PROXY_SECRET, else None."""
-    if secret_file:
+    if path:
         try:
-            value = Path(secret_file).read_text().strip()
+            value = Path(path).read_text().strip()
         except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"cannot read the proxy secret file {secret_file}: {exc}") from exc
-        where = secret_file
+            raise ConfigError(f"cannot read the proxy secret file {path}: {exc}") from exc
+        where = path
     else:
         value, where = environ.get(PROXY_SECRET_ENV, "").strip(), f"${PROXY_SECRET_ENV}"
         if not value:
@@ -53,16 +53,16 @@ def load_proxy_secret(secret_file: str | None, environ: Mapping[str, str]) -> st
     return value
 
 
-def process_proxy_secret(secret_file: str | None) -> str | None:
+def process_proxy_secret(path: str | None) -> str | None:
     """`load_proxy_secret` from this process's environment."""
-    return load_proxy_secret(secret_file, os.environ)
+    return load_proxy_secret(path, os.environ)
 
 
-def for_instance(secret_file: str | None, kv_connector: bool, has_api_key: bool) -> str | None:
+def for_instance(path: str | None, kv_connector: bool, has_api_key: bool) -> str | None:
     """A served instance's proxy secret (ConfigError: it may not start). An instance with a
     KV connector and an API key needs one: else every API-key holder could hand it
     kv_transfer_params."""
-    secret = process_proxy_secret(secret_file)
+    secret = process_proxy_secret(path)
     if secret is None and kv_connector:
         if has_api_key:
             raise ConfigError(
