@@ -76,6 +76,7 @@ def test_the_command_line_alone_imports_no_benchmark() -> None:
     assert done.stdout.strip() == "[]"
 
 
+@pytest.mark.slow  # several seconds (make test-all)
 def test_a_missing_benchmark_package_names_the_extra_to_install() -> None:
     done = kvferry_without("kvferry_bench", "bench", "transfer")
     assert done.returncode == 2
@@ -83,6 +84,7 @@ def test_a_missing_benchmark_package_names_the_extra_to_install() -> None:
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.slow  # several seconds (make test-all)
 def test_a_benchmark_missing_a_module_it_imports_is_shown_not_hidden() -> None:
     done = kvferry_without("httpx", "bench", "soak", "--help")  # soak.py imports httpx
     assert done.returncode == 1

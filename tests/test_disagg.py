@@ -225,6 +225,7 @@ def test_prefill_and_decode_engines_run_on_disjoint_cores(deployment: Deployment
     assert first and second and not first & second
 
 
+@pytest.mark.slow  # several seconds (make test-all)
 def test_sigterm_leaves_nothing_behind(deployment: Deployment) -> None:
     urls = deployment.ready()
     proc = deployment.proc

@@ -116,6 +116,7 @@ def _usage(core: EngineCore):  # noqa: ANN202 - KVMemoryUsage
     return usage
 
 
+@pytest.mark.slow  # several seconds (make test-all)
 def test_nixl_registration_commits_no_unmapped_page(pd_engines):
     usage = _usage(pd_engines["elastic"])  # its whole reserve is registered with NIXL
     assert usage.reserved_bytes >= 8 << 20

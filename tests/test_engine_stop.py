@@ -65,6 +65,7 @@ def test_sigterm_stops_a_serving_core_between_steps() -> None:
         client.shutdown()
 
 
+@pytest.mark.slow  # several seconds (make test-all)
 def test_shutdown_of_a_loading_core_does_not_wait_for_the_load(tmp_path: Path) -> None:
     marker = tmp_path / "loading"
     client = CoreClient(CONFIG, SlowStartFactory(load_s=60, marker=str(marker)), wait=False)

@@ -56,6 +56,7 @@ def test_two_offload_tiers_load_from_the_first_with_a_hit(tiny_llama, expected, 
     assert len(a.index) == len(b.index)
 
 
+@pytest.mark.slow  # several seconds (make test-all)
 def test_a_later_child_serves_when_the_first_has_no_hit(tiny_llama, expected):
     # The first child keeps only the last block it saved: no prefix hit for LONG there.
     llm = make_llm(tiny_llama, kv_transfer=_multi(_offload(dram_blocks=1), _offload(dram_blocks=64)))
@@ -65,6 +66,7 @@ def test_a_later_child_serves_when_the_first_has_no_hit(tiny_llama, expected):
     assert b.counters["loads_dram"] >= 7 and a.counters["loads_dram"] <= 1
 
 
+@pytest.mark.slow  # several seconds (make test-all)
 def test_offload_beside_a_recording_connector(tiny_llama, expected, tmp_path):
     record = tmp_path / "hooks.jsonl"
     recording = {
@@ -174,6 +176,7 @@ def test_reports_before_the_delay_is_known_still_count(tiny_llama):
     assert _step(sched, worker, finished={"r1"}).finished_sending == {"r1"}
 
 
+@pytest.mark.slow  # several seconds (make test-all)
 def test_children_inherit_the_parents_role_and_policy(tiny_llama, expected):
     transfer = KVTransferConfig(
         "MultiConnector",

@@ -41,6 +41,7 @@ def reference():
     return get
 
 
+@pytest.mark.slow  # several seconds (make test-all)
 @pytest.mark.parametrize("tiny_model", LLAMA_FAST, indirect=True)
 def test_outputs_identical_with_offload_on_and_off(tiny_model, reference):
     expected = reference(tiny_model)
@@ -86,6 +87,7 @@ def test_dram_tier_serves_a_repeated_prompt_and_its_bytes_are_used(tiny_llama, r
     assert_pool_full(llm)
 
 
+@pytest.mark.slow  # several seconds (make test-all)
 def test_disk_tier_serves_a_prompt_demoted_out_of_dram(tiny_llama, reference, tmp_path):
     expected = reference(tiny_llama, [LONG])
     llm = make_llm(tiny_llama, kv_transfer=offload_config(**disk_extra(tmp_path, 2, 64)))
@@ -108,6 +110,7 @@ def test_disk_tier_serves_a_prompt_demoted_out_of_dram(tiny_llama, reference, tm
     assert_pool_full(llm)
 
 
+@pytest.mark.slow  # several seconds (make test-all)
 def test_disk_full_drops_the_least_recently_used_blocks(tiny_llama, reference, tmp_path):
     expected = reference(tiny_llama, [LONG, LONG2])
     llm = make_llm(tiny_llama, kv_transfer=offload_config(**disk_extra(tmp_path, 2, 6)))
@@ -123,6 +126,7 @@ def test_disk_full_drops_the_least_recently_used_blocks(tiny_llama, reference, t
     assert_pool_full(llm)
 
 
+@pytest.mark.slow  # several seconds (make test-all)
 def test_checksums_turn_corrupt_disk_payloads_into_load_errors(tiny_llama, reference, tmp_path):
     expected = reference(tiny_llama, [LONG])
     extra = {**disk_extra(tmp_path, 0, 16), "verify_checksum": True}
@@ -137,6 +141,7 @@ def test_checksums_turn_corrupt_disk_payloads_into_load_errors(tiny_llama, refer
     assert_pool_full(llm)
 
 
+@pytest.mark.slow  # several seconds (make test-all)
 def test_long_shared_system_prompt_survives_device_cache_eviction(tiny_llama, reference):
     system, *users, other = tokenize_all(tiny_llama, [LONG, *PROMPT_TEXTS[:2], LONG2])
     prompts = [system + users[0], system + users[1]]
@@ -156,6 +161,7 @@ def test_long_shared_system_prompt_survives_device_cache_eviction(tiny_llama, re
     assert_pool_full(llm)
 
 
+@pytest.mark.slow  # several seconds (make test-all)
 def test_preempted_requests_resume_from_the_tier(tiny_llama, reference):
     expected = reference(tiny_llama, PROMPT_TEXTS)
     transfer = offload_config(dram_blocks=512)

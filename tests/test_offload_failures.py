@@ -56,6 +56,7 @@ def _run_twice(tiny_llama, connector, policy):
     return llm, llm.generate([LONG, PROMPT_TEXTS[1]], GREEDY)
 
 
+@pytest.mark.slow  # several seconds (make test-all)
 @pytest.mark.parametrize("connector", ["UnreadableOffload", "RaisingOffload"])
 def test_recompute_policy_gives_the_correct_output(tiny_llama, expected, connector):
     llm, outs = _run_twice(tiny_llama, connector, "recompute")
@@ -78,6 +79,7 @@ def test_fail_policy_errors_only_the_request_whose_load_failed(tiny_llama, expec
     assert_pool_full(llm)
 
 
+@pytest.mark.slow  # several seconds (make test-all)
 def test_fail_policy_with_a_raising_load_hook_fails_the_steps_requests(tiny_llama, expected):
     llm, outs = _run_twice(tiny_llama, "RaisingOffload", "fail")
     # A hook that raises taints every block of its step: both requests fail, nothing leaks.

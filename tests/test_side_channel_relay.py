@@ -52,6 +52,9 @@ PROMPT = "the queen writes a letter to the king because it is late"
 ZMTP_GREETING_BYTES = 64
 STOLEN_BYTES = 256
 
+# slow: a prefiller, a decoder and a relay process (make test-all only)
+pytestmark = pytest.mark.slow
+
 
 @dataclass
 class Relay:
