@@ -51,7 +51,9 @@ def make_llm(
     tp: int = 1,
     executor: str = "uniproc",
     enforce_eager: bool = False,
-    capture: CaptureMode = CaptureMode.AUTO,  # ALWAYS where a test asserts the compiled path ran
+    # Eager unless a test is about the captured forward: it passes ALWAYS (asserting the
+    # compiled path ran) or AUTO (the start-up measurement). Compiling costs seconds per engine.
+    capture: CaptureMode = CaptureMode.NEVER,
     device: str = "cpu",
     quantization: WeightQuantization = WeightQuantization.NONE,
     kv_layout: Layout = CacheConfig.layout,

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,7 +69,7 @@ def start_server(
     port = free_port()
     cmd = [sys.executable, "-m", "kvferry.entrypoints.cli", "--log-level", log_level, "serve", str(model_dir)]
     cmd += ["--served-model-name", MODEL, "--port", str(port), "--kv-cache-memory", "0.005"]
-    cmd += ["--kv-layout", layout, "--tensor-parallel-size", str(tp), *args]
+    cmd += ["--kv-layout", layout, "--tensor-parallel-size", str(tp), *eager_unless_capture_asked(args)]
     if kv is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv)]
     log = log_dir / f"{name}.log"
@@ -79,6 +79,14 @@ def start_server(
             cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
         )
     return Server(name, proc, f"http://127.0.0.1:{port}", log)
+
+
+def eager_unless_capture_asked(args: Sequence[str]) -> list[str]:
+    """A test's server runs eager unless its flags ask for the captured forward (--capture):
+    compiling costs each start-up tens of seconds on a 2-core host, and test_capture and the
+    tests passing --capture prove the compiled path."""
+    asked = any(arg in ("--capture", "--enforce-eager") for arg in args)
+    return [*args] if asked else [*args, "--enforce-eager"]
 
 
 @dataclass(frozen=True)
@@ -220,7 +228,9 @@ def colocated_greedy(model_dir: Path, prompts: list[str | list[int]], max_tokens
     from kvferry.engine.llm import LLM
     from kvferry.sampling_params import SamplingParams
 
-    llm = LLM(str(model_dir), dtype="float32", kv_cache_bytes=5 << 20, max_num_batched_tokens=64)
+    llm = LLM(
+        str(model_dir), dtype="float32", kv_cache_bytes=5 << 20, max_num_batched_tokens=64, enforce_eager=True
+    )
     outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0))
     return [o.outputs[0] for o in outs]
 

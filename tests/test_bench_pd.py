@@ -19,7 +19,7 @@ def test_bench_pd_compares_colocated_and_pd_in_one_file(tiny_llama: Path, tmp_pa
     out = tmp_path / "pd.json"
     argv = ["pd", str(tiny_llama), "--num-prompts", "3", "--input-len", "40", "--output-len", "4"]
     argv += ["--request-rate", "inf", "--output", str(out), "--log-dir", str(tmp_path / "logs")]
-    argv += ["--engine-args", "--kv-cache-memory 0.005"]
+    argv += ["--engine-args", "--kv-cache-memory 0.005 --enforce-eager"]
     args = build_parser().parse_args(argv)
     args.func(args)
 

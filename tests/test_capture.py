@@ -113,7 +113,7 @@ def test_tensor_parallel_captured_equals_eager(tiny_llama: Path, monkeypatch: py
     eager = _tokens(eager_llm, prompts)
     eager_llm.engine.shutdown()
     _make_win(monkeypatch, compiled=True)
-    llm = make_llm(tiny_llama, tp=2)
+    llm = make_llm(tiny_llama, tp=2, capture=CaptureMode.AUTO)
     try:
         assert _tokens(llm, prompts) == eager
         ranks = llm.engine.executor.capture_stats()
@@ -148,7 +148,7 @@ def test_auto_keeps_the_faster_forward_and_logs_both_numbers(
     _make_win(monkeypatch, compiled=compiled_wins)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger=capture_choice.__name__):
-        llm = make_llm(tiny_llama, max_num_seqs=8)
+        llm = make_llm(tiny_llama, max_num_seqs=8, capture=CaptureMode.AUTO)
     decision = _stats(llm).decision
     assert decision == llm.engine.capture_decision and decision.mode is CaptureMode.AUTO
     assert decision.compiled is compiled_wins

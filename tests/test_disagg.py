@@ -124,7 +124,7 @@ def _wait_ready(proc: subprocess.Popen, log: Path, timeout: float | None = None)
 def _disagg_args(model: Path, port: int, log_dir: Path, *extra: str) -> list[str]:
     args = ["--log-level", "INFO", "disagg", str(model), "--prefill", "1", "--decode", "1"]
     args += ["--port", str(port), "--log-dir", str(log_dir), "--served-model-name", MODEL]
-    return args + ["--kv-cache-memory", "0.005", *extra]
+    return args + ["--kv-cache-memory", "0.005", "--enforce-eager", *extra]
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +157,7 @@ class Deployment:
 @pytest.fixture(scope="module")
 def reference(tiny_llama: Path, deployment: Deployment) -> dict:
     """Greedy answers of the colocated offline engine (computed while the deployment starts)."""
-    llm = LLM(str(tiny_llama), kv_cache_bytes=5 << 20)
+    llm = LLM(str(tiny_llama), kv_cache_bytes=5 << 20, enforce_eager=True)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
     outs = llm.generate(PROMPTS, params)
     chat = llm.chat(MESSAGES, params)[0].outputs[0].text

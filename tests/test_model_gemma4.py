@@ -2,7 +2,7 @@
 KV-shared layers, full-attention layers with twice the head size (their pages twice the
 sliding ones', so the sliding groups are padded), a window shorter than the prompts,
 per-layer input embeddings. Greedy tokens identical to HF transformers (float32), batched
-with the captured forward and eager, chunked, with a prefix-cache second pass, with
+with --capture auto (compiled at warm-up, kept if faster) and eager, chunked, with a prefix-cache second pass, with
 preemption, over two tensor-parallel ranks; the KV-shared layers own no KV tensor."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from kvferry.config import CaptureMode
 from kvferry.errors import ModelLoadError
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.model.gemma4 import Gemma4ForCausalLM
@@ -67,10 +68,10 @@ def test_the_window_changes_the_reference(gemma4) -> None:
     assert sum(a != b for a, b in zip(unwindowed, expected, strict=True)) >= 3
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True], ids=["captured", "eager"])
-def test_batched_greedy_matches_hf(gemma4, enforce_eager: bool) -> None:
+@pytest.mark.parametrize("capture", [CaptureMode.AUTO, CaptureMode.NEVER], ids=["auto", "eager"])
+def test_batched_greedy_matches_hf(gemma4, capture: CaptureMode) -> None:
     model_dir, prompts, expected = gemma4("gemma4")
-    llm = make_llm(model_dir, enforce_eager=enforce_eager)
+    llm = make_llm(model_dir, capture=capture)
     assert _tokens(llm.generate(prompts, GREEDY)) == expected
     assert_pool_full(llm)
 

@@ -84,7 +84,7 @@ def prompts(tiny_llama: Path) -> list[str | list[int]]:
 @pytest.fixture(scope="module")
 def reference(tiny_llama: Path, prompts: list, servers: dict) -> list[str]:
     """The colocated engine's greedy completions (computed while the servers start)."""
-    llm = LLM(str(tiny_llama), kv_cache_bytes=5 << 20, max_num_batched_tokens=64)
+    llm = LLM(str(tiny_llama), kv_cache_bytes=5 << 20, max_num_batched_tokens=64, enforce_eager=True)
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
     return [o.outputs[0].text for o in outs]
 
@@ -210,7 +210,7 @@ def test_bad_kv_transfer_params_are_400(servers, prompts, reference):
 
 def test_pd_chat(servers, tiny_llama):
     messages = [{"role": "user", "content": "Tell me a story about a cat."}]
-    llm = LLM(str(tiny_llama), kv_cache_bytes=1 << 20)
+    llm = LLM(str(tiny_llama), kv_cache_bytes=1 << 20, enforce_eager=True)
     expected = llm.chat(messages, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))[0].outputs[0].text
     base = {"model": "tiny", "messages": messages, "temperature": 0}
     first = httpx.post(
@@ -291,7 +291,7 @@ def _texts(chunks: list[dict]) -> list[str]:
 def test_seeded_sampling_through_the_proxy_equals_colocated(servers, proxy, prompts, tiny_llama):
     """Prefiller and decoder each spend one draw of the seed on the first token: the decoder's
     answer is the colocated engine's, byte for byte, streamed or not."""
-    llm = LLM(str(tiny_llama), kv_cache_bytes=5 << 20, max_num_batched_tokens=64)
+    llm = LLM(str(tiny_llama), kv_cache_bytes=5 << 20, max_num_batched_tokens=64, enforce_eager=True)
     for seeds, stream in (([7] * len(prompts), False), (range(100, 100 + len(prompts)), True)):
         params = [SamplingParams(max_tokens=MAX_TOKENS, seed=seed, **SAMPLED) for seed in seeds]
         expected = [o.outputs[0].text for o in llm.generate(prompts, params)]

@@ -84,7 +84,7 @@ def servers(
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama: Path, servers: dict) -> dict[str, str]:
-    llm = LLM(str(tiny_llama), kv_cache_bytes=5 << 20)
+    llm = LLM(str(tiny_llama), kv_cache_bytes=5 << 20, enforce_eager=True)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
     return {p: o.outputs[0].text for p, o in zip(PROMPTS, outs, strict=True)}
 

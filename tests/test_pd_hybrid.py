@@ -52,7 +52,7 @@ def prompts(tiny_gemma3: Path) -> list[str | list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(tiny_gemma3: Path, prompts: list) -> list[str]:
-    llm = LLM(str(tiny_gemma3), kv_cache_bytes=5 << 20, max_num_batched_tokens=64)
+    llm = LLM(str(tiny_gemma3), kv_cache_bytes=5 << 20, max_num_batched_tokens=64, enforce_eager=True)
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
     return [o.outputs[0].text for o in outs]
 
@@ -123,7 +123,7 @@ def test_a_decoder_never_offers_a_prefix_hit_on_blocks_it_did_not_receive(server
     assert cached == 160
     resp = decode(decoder, second, None, MAX_TOKENS)
     assert resp.status_code == 200, resp.text
-    llm = LLM(str(tiny_gemma3), kv_cache_bytes=5 << 20, max_num_batched_tokens=64)
+    llm = LLM(str(tiny_gemma3), kv_cache_bytes=5 << 20, max_num_batched_tokens=64, enforce_eager=True)
     try:
         expected = llm.generate([second], SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
     finally:
@@ -178,7 +178,7 @@ def gemma4_servers(
 
 @pytest.fixture(scope="module")
 def gemma4_reference(tiny_gemma4: Path, prompts: list) -> list[str]:
-    llm = LLM(str(tiny_gemma4), kv_cache_bytes=5 << 20, max_num_batched_tokens=64)
+    llm = LLM(str(tiny_gemma4), kv_cache_bytes=5 << 20, max_num_batched_tokens=64, enforce_eager=True)
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
     return [o.outputs[0].text for o in outs]
 

@@ -132,6 +132,7 @@ def _serve(model: Path, kv: dict) -> list[str]:
         "tiny",
         "--kv-cache-memory",
         "0.005",
+        "--enforce-eager",
         "--kv-transfer-config",
         json.dumps(kv),
     ]
@@ -157,7 +158,7 @@ def servers(namespaces: None, tiny_llama: Path, tmp_path_factory: pytest.TempPat
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama: Path) -> dict[str, str]:
-    llm = LLM(str(tiny_llama), kv_cache_bytes=5 << 20)
+    llm = LLM(str(tiny_llama), kv_cache_bytes=5 << 20, enforce_eager=True)
     outs = llm.generate([*PROMPTS, LONG], SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
     return {p: o.outputs[0].text for p, o in zip([*PROMPTS, LONG], outs, strict=True)}
 

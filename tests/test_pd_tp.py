@@ -46,7 +46,7 @@ def prompts(tiny_llama: Path) -> list[str | list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama: Path, prompts: list, servers: dict) -> list[str]:
-    llm = LLM(str(tiny_llama), kv_cache_bytes=5 << 20, max_num_batched_tokens=64)
+    llm = LLM(str(tiny_llama), kv_cache_bytes=5 << 20, max_num_batched_tokens=64, enforce_eager=True)
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
     return [o.outputs[0].text for o in outs]
 

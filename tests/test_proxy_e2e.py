@@ -31,7 +31,7 @@ def urls(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     server_port, proxy_port = free_port(), free_port()
     server = f"http://127.0.0.1:{server_port}"
     args = ["--log-level", "WARNING", "serve", str(tiny_llama), "--served-model-name", MODEL]
-    args += ["--port", str(server_port), "--api-key", KEY, "--kv-cache-memory", "0.005"]
+    args += ["--port", str(server_port), "--api-key", KEY, "--kv-cache-memory", "0.005", "--enforce-eager"]
     procs = {"server": start_cli(args, logs / "server.log")}
     proxy_args = ["--log-level", "WARNING", "proxy", "--prefill", server, "--decode", server]
     proxy_args += ["--port", str(proxy_port), "--api-key", KEY, "--health-interval", "0.5"]

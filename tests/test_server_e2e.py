@@ -89,7 +89,7 @@ def _wait_healthy(proc: subprocess.Popen, base: str, log: Path) -> None:
 @pytest.fixture(scope="module")
 def reference(tiny_llama: Path, server_proc: tuple) -> dict[str, str]:
     """Greedy completions of PROMPTS from the offline engine, in this process."""
-    llm = LLM(str(tiny_llama), kv_cache_bytes=5 << 20)
+    llm = LLM(str(tiny_llama), kv_cache_bytes=5 << 20, enforce_eager=True)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0))
     return {p: o.outputs[0].text for p, o in zip(PROMPTS, outs)}
 

@@ -45,7 +45,7 @@ def _start(model: Path, tmp_path: Path) -> Server:
     port = free_port()
     log = tmp_path / "server.log"
     cmd = [sys.executable, "-m", "kvferry.entrypoints.cli", "serve", str(model)]
-    cmd += ["--port", str(port), "--kv-cache-memory", "0.005"]
+    cmd += ["--port", str(port), "--kv-cache-memory", "0.005", "--enforce-eager"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)

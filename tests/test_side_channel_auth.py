@@ -88,7 +88,7 @@ def servers(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama: Path, servers: dict) -> dict[str, str]:
-    llm = LLM(str(tiny_llama), kv_cache_bytes=5 << 20, dtype="float32")
+    llm = LLM(str(tiny_llama), kv_cache_bytes=5 << 20, dtype="float32", enforce_eager=True)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
     return {p: o.outputs[0].text for p, o in zip(PROMPTS, outs, strict=True)}
 
