@@ -23,7 +23,14 @@ def test_short_soak_is_clean(tiny_llama: Path, tmp_path: Path) -> None:
     soak.add_args(parser)
     output = tmp_path / "soak.json"
     argv = [str(tiny_llama), "--clients", "8", "--duration", "20", "--num-prompts", "6"]
-    argv += ["--engine-args", "--kv-cache-memory 0.005 --enforce-eager", "--startup-timeout", "180", "--rss-every", "5"]
+    argv += [
+        "--engine-args",
+        "--kv-cache-memory 0.005 --enforce-eager",
+        "--startup-timeout",
+        "180",
+        "--rss-every",
+        "5",
+    ]
     argv += ["--log-dir", str(tmp_path / "logs"), "--output", str(output)]
     summary = soak.run(parser.parse_args(argv))
     assert json.loads(output.read_text()) == summary
