@@ -33,6 +33,8 @@ from kvferry.entrypoints.http_common import gather_or_cancel
 from kvferry.entrypoints.proxy.failover import DECODER_LOST
 from kvferry.entrypoints.proxy.metrics import ProxyMetrics
 from kvferry.entrypoints.proxy.pool import Instance, InstancePool
+from kvferry.entrypoints.proxy.prefix_index import RouteKey
+from kvferry.entrypoints.proxy.prefix_route import PromptHasher
 from kvferry.entrypoints.proxy.upstream import Upstream
 
 logger = logging.getLogger(__name__)
@@ -50,6 +52,7 @@ class ProxyContext:
     upstream: Upstream
     metrics: ProxyMetrics
     early_first_token: bool = True
+    prompt_hasher: PromptHasher | None = None  # --policy prefix: a request's block hashes
     pools: list[InstancePool] = field(init=False)
     background: set[asyncio.Future[None]] = field(init=False, default_factory=set)
 
@@ -181,7 +184,8 @@ async def run_prefill(
     with KV kept for it that only its ``remote_request_id`` can release. The answer is then
     awaited in the background and that KV released (see ``release_when_answered``)."""
     start = time.monotonic()
-    work = ctx.upstream.post_json(ctx.prefill, path, prefill_body(path, body), headers)
+    route = await route_key(ctx, path, body)
+    work = ctx.upstream.post_json(ctx.prefill, path, prefill_body(path, body), headers, route=route)
     task = asyncio.ensure_future(work)
     try:
         inst, response = await asyncio.shield(task)
@@ -190,6 +194,13 @@ async def run_prefill(
         raise
     ctx.metrics.prefill_done(time.monotonic() - start)
     return Prefilled(inst, response)
+
+
+async def route_key(ctx: ProxyContext, path: str, body: dict[str, Any]) -> RouteKey | None:
+    """The prompt's block hashes for --policy prefix (tokenized off the event loop); else None."""
+    if ctx.prompt_hasher is None:
+        return None
+    return await asyncio.to_thread(ctx.prompt_hasher.route_key, path, body)
 
 
 async def release_when_answered(

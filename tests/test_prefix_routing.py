@@ -1,0 +1,211 @@
+"""--policy prefix: the proxy's index follows the instances' KV events, hashes prompts as the
+engine does, and sends a request to the instance holding its longest prefix, weighed
+against load."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import zmq.asyncio
+
+from kvferry.config import KVEventsConfig
+from kvferry.engine.input_processor import InputProcessor
+from kvferry.engine.kv_event_publisher import KVEventPublisher
+from kvferry.entrypoints.proxy.kv_event_feed import EventFeed, EventSource
+from kvferry.entrypoints.proxy.pool import Instance
+from kvferry.entrypoints.proxy.prefix_index import PrefixIndex, RouteKey
+from kvferry.entrypoints.proxy.prefix_route import CHAT, PrefixAware, PromptHasher
+from kvferry.model.resolve import resolve_model_config
+from kvferry.model.tokenizer import load_tokenizer
+from kvferry.sampling_params import SamplingParams
+from kvferry.scheduler.hashing import BlockHasher
+from kvferry.scheduler.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvferry.scheduler.request import Request
+from tests.proxy_fakes import free_port, start_cli, stop, wait_healthy
+
+H = [bytes([i]) * 32 for i in range(8)]
+
+
+def stored(hashes: list[bytes], block_size: int = 4) -> BlockStored:
+    return BlockStored(hashes, None, list(range(block_size * len(hashes))), block_size, None, "CPU")
+
+
+def test_index_follows_stores_removals_clears_and_stays_bounded():
+    index = PrefixIndex(block_size=4, max_blocks=3)
+    index.apply("a", KVEventBatch(0.0, [stored(H[:3]), BlockRemoved([H[1]], "CPU")]))
+    assert index.cached_blocks("a", H[:3]) == 1  # the prefix breaks at the removed block
+    index.apply("a", KVEventBatch(0.0, [stored([H[1], H[3]])]))  # 4 blocks: the oldest (H[0]) goes
+    assert index.num_blocks("a") == 3 and index.cached_blocks("a", H[:3]) == 0
+    index.apply("a", KVEventBatch(0.0, [stored(H[5:6], block_size=16)]))  # another block size: ignored
+    assert index.num_mismatched == 1 and index.cached_blocks("a", H[5:6]) == 0
+    index.apply("a", KVEventBatch(0.0, [AllBlocksCleared()]))
+    assert index.num_blocks("a") == 0
+
+
+def test_policy_prefers_the_longest_prefix_until_load_outweighs_it():
+    index = PrefixIndex(block_size=4)
+    a, b = Instance("a", "prefill"), Instance("b", "prefill")
+    index.apply("b", KVEventBatch(0.0, [stored(H[:4])]))
+    policy = PrefixAware(index, load_tokens=8)
+    route = RouteKey(num_tokens=20, block_hashes=tuple(H[:5]))
+    assert policy.pick([a, b], [a, b], route) is b  # cost a: 20, b: 4
+    b.in_flight = 2  # b: 4 + 16 = 20 = a's 20: a tie goes to the less loaded
+    assert policy.pick([a, b], [a, b], route) is a
+    b.in_flight = 1
+    assert policy.pick([a, b], [a, b], route) is b
+    b.in_flight = 0
+    assert policy.pick([a, b], [a, b], None) is a  # nothing known: round-robin after b
+    assert policy.pick([a, b], [a, b], None) is b
+
+
+@pytest.fixture(scope="module")
+def inputs(tiny_llama: Path) -> InputProcessor:
+    model = resolve_model_config(str(tiny_llama), dtype="float32")
+    return InputProcessor(model, load_tokenizer(model))
+
+
+def test_prompt_hashes_equal_the_engines(inputs: InputProcessor):
+    hasher = PromptHasher(inputs, block_size=4)
+    messages = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "a cat"}]
+    key = hasher.route_key(CHAT, {"model": "m", "messages": messages})
+    tokens = inputs.tokenize(inputs.apply_chat_template(messages))  # what the server runs
+    request = Request("r", tokens, SamplingParams(max_tokens=1), (), 512, block_hasher=BlockHasher(4))
+    assert key is not None and key.num_tokens == len(tokens)
+    assert list(key.block_hashes) == request.block_hashes and len(key.block_hashes) == len(tokens) // 4
+    text = hasher.route_key("/v1/completions", {"model": "m", "prompt": "the red ball"})
+    assert text is not None and text.num_tokens == len(inputs.tokenize("the red ball"))
+    assert hasher.route_key(CHAT, {"model": "m", "messages": "not a list"}) is None  # the instance says why
+
+
+def test_feed_replays_gaps_and_relearns_after_a_restart(tmp_path: Path):
+    """A real publisher: batches sent before the feed listened come from the replay; a new
+    run of the instance (seen by the health checks) wipes what was known of it."""
+
+    def publisher(name: str) -> KVEventPublisher:
+        return KVEventPublisher(
+            KVEventsConfig(
+                enable_kv_cache_events=True,
+                publisher="zmq",
+                endpoint=f"ipc://{tmp_path}/{name}",
+                replay_endpoint=f"ipc://{tmp_path}/{name}-replay",
+            )
+        )
+
+    async def scenario() -> None:
+        index = PrefixIndex(block_size=4)
+        source = EventSource.parse("http://a", f"ipc://{tmp_path}/pub,ipc://{tmp_path}/pub-replay")
+        ctx = zmq.asyncio.Context()
+        first = publisher("pub")
+        first.publish([stored(H[:2])])  # before the feed: only the replay has it
+        while first.num_published < 1:
+            await asyncio.sleep(0.01)
+        restarts = [0]  # what the proxy's health checks saw
+        feed = EventFeed(source, index, ctx, runs=lambda: restarts[0])
+        task = asyncio.create_task(feed.run())
+        while feed.num_batches < 2:  # the live batch 1 makes the feed replay batch 0
+            first.publish([stored(H[2:3])])
+            await asyncio.sleep(0.05)
+        assert index.cached_blocks("http://a", H[:3]) == 3 and feed.num_resets == 0
+        first.shutdown()
+        second = publisher("pub")  # the instance restarted: sequence numbers from 0
+        restarts[0] = 1
+        while feed.num_resets == 0:
+            second.publish([stored(H[4:5])])
+            await asyncio.sleep(0.05)
+        while index.num_blocks("http://a") == 0:
+            await asyncio.sleep(0.05)
+        assert index.cached_blocks("http://a", H[:3]) == 0 and index.cached_blocks("http://a", H[4:5]) == 1
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        second.shutdown()
+        ctx.term()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+# ---- end to end: two prefill instances behind the proxy ---------------------------------
+
+SHARED = " ".join(f"word{i}" for i in range(60))  # a long system prompt shared by the requests
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """Colocated instances a and b (prefill) and c (decode), each publishing KV events, and a
+    proxy with --policy prefix following a's and b's."""
+    logs = tmp_path_factory.mktemp("prefix_routing")
+    urls, procs, events = {}, {}, []
+    for name in ("a", "b", "c"):
+        port, pub, replay = free_port(), free_port(), free_port()
+        config = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://127.0.0.1:{pub}",
+            "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+            "bind": True,
+        }
+        args = ["--log-level", "WARNING", "serve", str(tiny_llama), "--served-model-name", "tiny"]
+        args += ["--port", str(port), "--kv-cache-memory", "0.005", "--block-size", "4", "--enforce-eager"]
+        args += ["--cpu-threads", "1"]
+        args += ["--kv-events-config", json.dumps(config)]
+        procs[name] = start_cli(args, logs / f"{name}.log")
+        urls[name] = f"http://127.0.0.1:{port}"
+        events.append(f"tcp://127.0.0.1:{pub},tcp://127.0.0.1:{replay}")
+    proxy_port = free_port()
+    args = ["--log-level", "WARNING", "proxy", "--prefill", urls["a"], urls["b"], "--decode", urls["c"]]
+    args += ["--port", str(proxy_port), "--policy", "prefix", "--tokenizer", str(tiny_llama)]
+    args += ["--block-size", "4", "--prefill-kv-events", *events[:2], "--health-interval", "0.5"]
+    procs["proxy"] = start_cli(args, logs / "proxy.log")
+    urls["proxy"] = f"http://127.0.0.1:{proxy_port}"
+    try:
+        for name, proc in procs.items():
+            wait_healthy(proc, urls[name], logs / f"{name}.log", timeout=300)
+        yield urls
+    finally:
+        codes = stop([procs["proxy"], procs["a"], procs["b"], procs["c"]])
+    assert codes == [0, 0, 0, 0], codes
+
+
+def prefix_stats(url: str) -> tuple[float, float]:
+    """An instance's prefix cache (queried, hit) prompt tokens, from its /metrics."""
+    values = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        for name in ("prefix_cache_queries", "prefix_cache_hits"):
+            if line.startswith(f"kvferry:{name}") and not line.startswith("#"):
+                values[name] = float(line.rpartition(" ")[2])
+    return values["prefix_cache_queries"], values["prefix_cache_hits"]
+
+
+def known_blocks(proxy: str, url: str) -> int:
+    health = httpx.get(proxy + "/health", timeout=10).json()
+    return next(i["cached_blocks"] for i in health["instances"]["prefill"] if i["url"] == url)
+
+
+@pytest.mark.slow
+def test_requests_sharing_a_prefix_follow_it_and_others_balance(fleet: dict[str, str]):
+    def ask(prompt: str) -> None:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+        assert httpx.post(fleet["proxy"] + "/v1/completions", json=body, timeout=120).status_code == 200
+
+    ask(SHARED + " first question")
+    before = {name: prefix_stats(fleet[name]) for name in ("a", "b")}
+    holder = "a" if before["a"][0] > 0 else "b"
+    other = "b" if holder == "a" else "a"
+    assert before[other][0] == 0  # round-robin's first pick got it
+    deadline = time.monotonic() + 60
+    while known_blocks(fleet["proxy"], fleet[holder]) == 0:  # the proxy learned its blocks
+        assert time.monotonic() < deadline, "the proxy never learned the first prompt's blocks"
+        time.sleep(0.1)
+    for suffix in (" second question", " a third one"):
+        ask(SHARED + suffix)
+    after = {name: prefix_stats(fleet[name]) for name in ("a", "b")}
+    shared_tokens = len(SHARED.split())  # at least a token per word
+    assert after[holder][1] - before[holder][1] >= 2 * (shared_tokens - 4)  # both hit the prefix
+    assert after[other] == before[other]  # nothing went to the other instance
+    ask("completely different words about the sea and a boat")  # no hit anywhere: the idle one
+    assert prefix_stats(fleet[other])[0] > 0
