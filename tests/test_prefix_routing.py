@@ -209,3 +209,28 @@ def test_requests_sharing_a_prefix_follow_it_and_others_balance(fleet: dict[str,
     assert after[other] == before[other]  # nothing went to the other instance
     ask("completely different words about the sea and a boat")  # no hit anywhere: the idle one
     assert prefix_stats(fleet[other])[0] > 0
+
+
+def test_disagg_gives_each_instance_its_own_event_endpoints_and_the_proxy_them(tmp_path: Path):
+    import argparse
+
+    from kvferry.entrypoints import disagg
+    from kvferry.entrypoints.proxy.main import add_args, config_from_args
+
+    parser = argparse.ArgumentParser()
+    disagg.add_args(parser)
+    args = parser.parse_args(["m", "--prefill", "2", "--policy", "prefix", "--kv-connector", "none"])
+    args.cpu_split = "none"
+    instances = disagg.plan_instances(args, {}, tmp_path, shared={})
+    configs = [json.loads(c.cmd[c.cmd.index("--kv-events-config") + 1]) for c in instances]
+    endpoints = [(c["endpoint"], c["replay_endpoint"]) for c in configs]
+    assert len({e for pair in endpoints for e in pair}) == 6  # own ports for each
+    assert all(c["bind"] and c["endpoint"].startswith("tcp://127.0.0.1:") for c in configs)
+    proxy = disagg.plan_proxy(args, instances, tmp_path, {})
+    proxy_parser = argparse.ArgumentParser()
+    add_args(proxy_parser)
+    proxy_args = proxy_parser.parse_args(proxy.cmd[proxy.cmd.index("proxy") + 1 :])
+    config = config_from_args(proxy_args)
+    assert config.policy == "prefix" and config.tokenizer == "m"
+    assert config.prefill_kv_events == tuple(f"{p},{r}" for p, r in endpoints[:2])
+    assert config.decode_kv_events == (f"{endpoints[2][0]},{endpoints[2][1]}",)
