@@ -234,3 +234,47 @@ def test_disagg_gives_each_instance_its_own_event_endpoints_and_the_proxy_them(t
     assert config.policy == "prefix" and config.tokenizer == "m"
     assert config.prefill_kv_events == tuple(f"{p},{r}" for p, r in endpoints[:2])
     assert config.decode_kv_events == (f"{endpoints[2][0]},{endpoints[2][1]}",)
+
+
+# ---- per-request disaggregation ----------------------------------------------------------
+
+
+def test_short_prompts_are_prefilled_by_the_decoder_and_long_ones_transferred(tiny_llama: Path):
+    """--local-prefill-tokens 8: a prompt of a few tokens goes straight to the decoder (no
+    prefill request, so no KV transfer), a long one through the prefiller; /metrics counts
+    both paths."""
+    from contextlib import ExitStack
+
+    from kvferry.entrypoints.proxy.app import build_app
+    from kvferry.entrypoints.proxy.config import ProxyConfig
+    from tests.proxy_fakes import FakeInstance, serve_in_thread
+
+    prefill, decode = FakeInstance("p"), FakeInstance("d")
+    with ExitStack() as stack:
+        p_url = stack.enter_context(serve_in_thread(prefill.app))
+        d_url = stack.enter_context(serve_in_thread(decode.app))
+        config = ProxyConfig(
+            (p_url,),
+            (d_url,),
+            policy="prefix",
+            tokenizer=str(tiny_llama),
+            block_size=4,
+            local_prefill_tokens=8,
+        )
+        proxy = stack.enter_context(serve_in_thread(build_app(config)))
+
+        def ask(prompt: str, stream: bool = False) -> None:
+            body = {"model": "m", "prompt": prompt, "max_tokens": 3, "stream": stream}
+            assert httpx.post(proxy + "/v1/completions", json=body, timeout=30).status_code == 200
+
+        ask("the cat")
+        ask("a dog", stream=True)
+        assert prefill.requests == []  # no prefill, no transfer
+        assert [r["prompt"] for r in decode.requests] == ["the cat", "a dog"]
+        assert all("kv_transfer_params" not in r for r in decode.requests)
+        ask(" ".join(["the old man reads a golden book by the sea"] * 3))
+        assert len(prefill.requests) == 1 and prefill.requests[0]["kv_transfer_params"]["do_remote_decode"]
+        assert decode.requests[-1]["kv_transfer_params"]["remote_request_id"] == "p-0"  # transferred
+        metrics = httpx.get(proxy + "/metrics", timeout=10).text
+        assert 'kvferry_proxy:prefill_path_total{path="local"} 2.0' in metrics
+        assert 'kvferry_proxy:prefill_path_total{path="remote"} 1.0' in metrics

@@ -152,6 +152,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefix-load-tokens", type=int, default=DEFAULT_LOAD_TOKENS, help="as for `kvferry proxy`"
     )
+    parser.add_argument("--local-prefill-tokens", type=int, default=0, help="as for `kvferry proxy`")
     parser.add_argument(
         "--api-key",
         default=None,
@@ -487,6 +488,7 @@ def prefix_argv(args: argparse.Namespace, instances: list[Child]) -> list[str]:
     if args.policy != "prefix":
         return []
     argv = ["--tokenizer", args.model, "--prefix-load-tokens", str(args.prefix_load_tokens)]
+    argv += ["--local-prefill-tokens", str(args.local_prefill_tokens)]
     argv += ["--block-size", str(args.block_size)] if args.block_size else []
     for role in ("prefill", "decode"):
         argv += [f"--{role}-kv-events"] + [c.kv_events or "" for c in instances if c.role == role]

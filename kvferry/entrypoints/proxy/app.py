@@ -62,8 +62,16 @@ def make_context(
     prefill = InstancePool("prefill", [normalize_url(u) for u in config.prefill_urls], policy())
     decode = InstancePool("decode", [normalize_url(u) for u in config.decode_urls], policy())
     metrics = ProxyMetrics([prefill, decode])
-    hasher = None if routing is None else routing.hasher
-    return ProxyContext(prefill, decode, Upstream(client, metrics), metrics, config.early_first_token, hasher)
+    return ProxyContext(
+        prefill,
+        decode,
+        Upstream(client, metrics),
+        metrics,
+        config.early_first_token,
+        prompt_hasher=None if routing is None else routing.hasher,
+        prefix_index=None if routing is None else routing.index,
+        local_prefill_tokens=config.local_prefill_tokens,
+    )
 
 
 def make_prefix_routing(config: ProxyConfig) -> PrefixRouting | None:

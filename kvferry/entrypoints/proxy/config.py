@@ -44,6 +44,9 @@ class ProxyConfig:
     prefill_kv_events: tuple[str, ...] = ()
     decode_kv_events: tuple[str, ...] = ()
     prefix_load_tokens: int = DEFAULT_LOAD_TOKENS
+    # Per-request disaggregation: a leg whose prompt has at most this many tokens not cached
+    # on the decoder holding most of it is prefilled by the decoder itself (0: never).
+    local_prefill_tokens: int = 0
 
     def __repr__(self) -> str:  # never print the secrets
         shown = {
@@ -69,9 +72,13 @@ class ProxyConfig:
 
     def _check_prefix_options(self) -> None:
         given = bool(self.prefill_kv_events or self.decode_kv_events)
+        if self.local_prefill_tokens < 0:
+            raise ConfigError("--local-prefill-tokens must not be negative")
         if self.policy != "prefix":
-            if given or self.tokenizer is not None:
-                raise ConfigError("--tokenizer and --*-kv-events are options of --policy prefix")
+            if given or self.tokenizer is not None or self.local_prefill_tokens:
+                raise ConfigError(
+                    "--tokenizer, --*-kv-events and --local-prefill-tokens are options of --policy prefix"
+                )
             return
         if self.tokenizer is None:
             raise ConfigError("--policy prefix needs --tokenizer (the instances' model)")

@@ -77,6 +77,13 @@ def add_prefix_args(parser: argparse.ArgumentParser) -> None:
         help="--policy prefix: one request in flight weighs as much as this many uncached "
         f"prompt tokens (default {DEFAULT_LOAD_TOKENS})",
     )
+    parser.add_argument(
+        "--local-prefill-tokens",
+        type=int,
+        default=0,
+        help="--policy prefix: a request with at most this many prompt tokens not cached on a "
+        "decoder is prefilled by the decoder itself, without a KV transfer (default 0: never)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
@@ -98,6 +105,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         prefill_kv_events=tuple(args.prefill_kv_events),
         decode_kv_events=tuple(args.decode_kv_events),
         prefix_load_tokens=args.prefix_load_tokens,
+        local_prefill_tokens=args.local_prefill_tokens,
     )
 
 

@@ -167,10 +167,15 @@ class Upstream:
         return answer
 
     async def open_stream(
-        self, pool: InstancePool, path: str, body: dict[str, Any], headers: dict[str, str]
+        self,
+        pool: InstancePool,
+        path: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        route: RouteKey | None = None,
     ) -> UpstreamStream:
         """POST ``body`` with stream=true; an open stream once the instance answered HTTP 200."""
-        inst, resp = await self._send(pool, "POST", path, body, headers, stream=True)
+        inst, resp = await self._send(pool, "POST", path, body, headers, stream=True, route=route)
         return UpstreamStream(pool, inst, resp)
 
     async def _send(
