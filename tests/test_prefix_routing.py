@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -27,7 +27,7 @@ from kvferry.sampling_params import SamplingParams
 from kvferry.scheduler.hashing import BlockHasher
 from kvferry.scheduler.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvferry.scheduler.request import Request
-from tests.proxy_fakes import free_port, start_cli, stop, wait_healthy
+from tests.proxy_fakes import free_port, start_cli
 
 H = [bytes([i]) * 32 for i in range(8)]
 
@@ -129,88 +129,6 @@ def test_feed_replays_gaps_and_relearns_after_a_restart(tmp_path: Path):
     asyncio.run(asyncio.wait_for(scenario(), 60))
 
 
-# ---- end to end: two prefill instances behind the proxy ---------------------------------
-
-SHARED = " ".join(f"word{i}" for i in range(60))  # a long system prompt shared by the requests
-
-
-@pytest.fixture(scope="module")
-def fleet(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """Colocated instances a and b (prefill) and c (decode), each publishing KV events, and a
-    proxy with --policy prefix following a's and b's."""
-    logs = tmp_path_factory.mktemp("prefix_routing")
-    urls, procs, events = {}, {}, []
-    for name in ("a", "b", "c"):
-        port, pub, replay = free_port(), free_port(), free_port()
-        config = {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": f"tcp://127.0.0.1:{pub}",
-            "replay_endpoint": f"tcp://127.0.0.1:{replay}",
-            "bind": True,
-        }
-        args = ["--log-level", "WARNING", "serve", str(tiny_llama), "--served-model-name", "tiny"]
-        args += ["--port", str(port), "--kv-cache-memory", "0.005", "--block-size", "4", "--enforce-eager"]
-        args += ["--cpu-threads", "1"]
-        args += ["--kv-events-config", json.dumps(config)]
-        procs[name] = start_cli(args, logs / f"{name}.log")
-        urls[name] = f"http://127.0.0.1:{port}"
-        events.append(f"tcp://127.0.0.1:{pub},tcp://127.0.0.1:{replay}")
-    proxy_port = free_port()
-    args = ["--log-level", "WARNING", "proxy", "--prefill", urls["a"], urls["b"], "--decode", urls["c"]]
-    args += ["--port", str(proxy_port), "--policy", "prefix", "--tokenizer", str(tiny_llama)]
-    args += ["--block-size", "4", "--prefill-kv-events", *events[:2], "--health-interval", "0.5"]
-    procs["proxy"] = start_cli(args, logs / "proxy.log")
-    urls["proxy"] = f"http://127.0.0.1:{proxy_port}"
-    try:
-        for name, proc in procs.items():
-            wait_healthy(proc, urls[name], logs / f"{name}.log", timeout=300)
-        yield urls
-    finally:
-        codes = stop([procs["proxy"], procs["a"], procs["b"], procs["c"]])
-    assert codes == [0, 0, 0, 0], codes
-
-
-def prefix_stats(url: str) -> tuple[float, float]:
-    """An instance's prefix cache (queried, hit) prompt tokens, from its /metrics."""
-    values = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        for name in ("prefix_cache_queries", "prefix_cache_hits"):
-            if line.startswith(f"kvferry:{name}") and not line.startswith("#"):
-                values[name] = float(line.rpartition(" ")[2])
-    return values["prefix_cache_queries"], values["prefix_cache_hits"]
-
-
-def known_blocks(proxy: str, url: str) -> int:
-    health = httpx.get(proxy + "/health", timeout=10).json()
-    return next(i["cached_blocks"] for i in health["instances"]["prefill"] if i["url"] == url)
-
-
-@pytest.mark.slow
-def test_requests_sharing_a_prefix_follow_it_and_others_balance(fleet: dict[str, str]):
-    def ask(prompt: str) -> None:
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0}
-        assert httpx.post(fleet["proxy"] + "/v1/completions", json=body, timeout=120).status_code == 200
-
-    ask(SHARED + " first question")
-    before = {name: prefix_stats(fleet[name]) for name in ("a", "b")}
-    holder = "a" if before["a"][0] > 0 else "b"
-    other = "b" if holder == "a" else "a"
-    assert before[other][0] == 0  # round-robin's first pick got it
-    deadline = time.monotonic() + 60
-    while known_blocks(fleet["proxy"], fleet[holder]) == 0:  # the proxy learned its blocks
-        assert time.monotonic() < deadline, "the proxy never learned the first prompt's blocks"
-        time.sleep(0.1)
-    for suffix in (" second question", " a third one"):
-        ask(SHARED + suffix)
-    after = {name: prefix_stats(fleet[name]) for name in ("a", "b")}
-    shared_tokens = len(SHARED.split())  # at least a token per word
-    assert after[holder][1] - before[holder][1] >= 2 * (shared_tokens - 4)  # both hit the prefix
-    assert after[other] == before[other]  # nothing went to the other instance
-    ask("completely different words about the sea and a boat")  # no hit anywhere: the idle one
-    assert prefix_stats(fleet[other])[0] > 0
-
-
 def test_disagg_gives_each_instance_its_own_event_endpoints_and_the_proxy_them(tmp_path: Path):
     import argparse
 
@@ -278,3 +196,105 @@ def test_short_prompts_are_prefilled_by_the_decoder_and_long_ones_transferred(ti
         metrics = httpx.get(proxy + "/metrics", timeout=10).text
         assert 'kvferry_proxy:prefill_path_total{path="local"} 2.0' in metrics
         assert 'kvferry_proxy:prefill_path_total{path="remote"} 1.0' in metrics
+
+
+SHARED = " ".join(f"word{i}" for i in range(60))  # a long system prompt shared by the requests
+READY = re.compile(r"proxy ready at (\S+) \(prefill: ([^;]+); decode: ([^;]+);")
+
+
+def prefix_stats(url: str) -> tuple[float, float]:
+    """An instance's prefix cache (queried, hit) prompt tokens, from its /metrics."""
+    values = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        for name in ("prefix_cache_queries", "prefix_cache_hits"):
+            if line.startswith(f"kvferry:{name}") and not line.startswith("#"):
+                values[name] = float(line.rpartition(" ")[2])
+    return values["prefix_cache_queries"], values["prefix_cache_hits"]
+
+
+def known_blocks(proxy: str, url: str) -> int:
+    health = httpx.get(proxy + "/health", timeout=10).json()
+    return next(i["cached_blocks"] for i in health["instances"]["prefill"] if i["url"] == url)
+
+
+def answer(proxy: str, prompt: str, stream: bool = False) -> str:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": stream}
+    resp = httpx.post(proxy + "/v1/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    if not stream:
+        return str(resp.json()["choices"][0]["text"])
+    events = [json.loads(line[6:]) for line in resp.text.splitlines() if line.startswith("data: {")]
+    return "".join(e["choices"][0]["text"] for e in events if e["choices"])
+
+
+@pytest.mark.slow
+def test_disagg_routes_by_prefix_and_prefills_short_prompts_on_the_decoder(tiny_llama: Path, tmp_path: Path):
+    """`kvferry disagg --prefill 2 --decode 1 --policy prefix --local-prefill-tokens 8` over
+    NIXL. A short prompt, and a long one the decoder already holds, are prefilled by the
+    decoder, other long ones transferred, every greedy
+    answer (streamed too) equal to the offline colocated engine's. Requests sharing a long
+    prefix go to the prefiller that holds it (its prefix-cache hits prove it, the other sees
+    nothing); a new prefix goes to the other. Every block pool is full again."""
+    import os
+    import signal
+
+    from kvferry.engine.llm import LLM
+    from tests.test_disagg import _disagg_args, _metric, _wait_blocks_free
+
+    short = "the cat"
+    # Suffixes longer than --local-prefill-tokens: once the decoder holds the prefix (it
+    # caches the KV it loaded), a short suffix would be prefilled there instead.
+    tail = " about the long river, the old mountain road and the small red house"
+    shared = [
+        SHARED + " first question" + tail,
+        SHARED + " second question" + tail,
+        SHARED + " a third" + tail,
+    ]
+    other = "completely different words about the sea and a boat " * 3
+    log = tmp_path / "disagg.log"
+    extra = ("--policy", "prefix", "--local-prefill-tokens", "8", "--enforce-eager", "--block-size", "4")
+    args = _disagg_args(tiny_llama, free_port(), tmp_path / "logs", *extra)
+    args[args.index("--prefill") + 1] = "2"
+    proc = start_cli(args, log)
+    try:
+        llm = LLM(str(tiny_llama), kv_cache_bytes=5 << 20, enforce_eager=True, block_size=4)
+        prompts = [short, *shared, other]
+        outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0))
+        expected = {p: o.outputs[0].text for p, o in zip(prompts, outs)}
+        deadline = time.monotonic() + 600
+        while (ready := READY.search(log.read_text(errors="replace"))) is None:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.5)
+        proxy, prefills, decode = ready.group(1), ready.group(2).split(), ready.group(3).strip()
+        assert answer(proxy, short) == answer(proxy, short, stream=True) == expected[short]
+        assert all(prefix_stats(url)[0] == 0 for url in prefills)  # the decoder computed it
+
+        assert answer(proxy, shared[0]) == expected[shared[0]]
+        before = {url: prefix_stats(url) for url in prefills}
+        holder = next(url for url in prefills if before[url][0] > 0)
+        spare = next(url for url in prefills if url != holder)
+        assert before[spare][0] == 0
+        while known_blocks(proxy, holder) == 0:  # the proxy learned its blocks
+            assert time.monotonic() < deadline, "the proxy never learned the first prompt's blocks"
+            time.sleep(0.1)
+        assert answer(proxy, shared[1]) == expected[shared[1]]
+        assert answer(proxy, shared[2], stream=True) == expected[shared[2]]
+        after = {url: prefix_stats(url) for url in prefills}
+        assert after[holder][1] - before[holder][1] >= 2 * (len(SHARED.split()) - 4)  # both hit
+        assert after[spare] == before[spare]  # nothing went to the other prefiller
+        assert answer(proxy, other) == expected[other]  # no hit anywhere: the idle one
+        assert prefix_stats(spare)[0] > 0
+        queried = {url: prefix_stats(url)[0] for url in prefills}
+        assert answer(proxy, shared[0]) == expected[shared[0]]  # cached on the decoder: local
+        assert {url: prefix_stats(url)[0] for url in prefills} == queried
+
+        metrics = httpx.get(proxy + "/metrics", timeout=10).text
+        assert 'prefill_path_total{path="local"} 3.0' in metrics
+        assert 'prefill_path_total{path="remote"} 4.0' in metrics
+        assert _metric(decode, "kvferry:kv_connector_nixl_bytes_read_total") > 0
+        for url in [*prefills, decode]:
+            _wait_blocks_free(url)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(60)
