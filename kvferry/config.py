@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, TypeVar
 
@@ -303,6 +304,62 @@ class CompilationConfig:
 
 
 @dataclass(frozen=True)
+class KVEventsConfig:
+    """--kv-events-config (vLLM's keys). The PUB socket binds when the endpoint has a
+    wildcard (`tcp://*:5557`) or is ipc/inproc, else connects; the ROUTER replay socket
+    binds (`"bind": true` makes a loopback PUB endpoint bind too). `buffer_steps` batches stay for replay; `max_queue_size` batches wait for the
+    publisher thread, beyond that the engine drops them (counted, never blocking a step)."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "null"  # "zmq" or "null"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+    bind: bool | None = None  # kvferry's: bind (True) or connect the PUB socket; None: as vLLM decides
+
+    def __post_init__(self) -> None:
+        if self.publisher not in ("zmq", "null"):
+            raise ConfigError(
+                f"--kv-events-config: publisher must be 'zmq' or 'null', not {self.publisher!r}"
+            )
+        sizes = (
+            ("buffer_steps", self.buffer_steps),
+            ("hwm", self.hwm),
+            ("max_queue_size", self.max_queue_size),
+        )
+        for name, value in sizes:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"--kv-events-config: {name} must be a positive integer, not {value!r}")
+        if not isinstance(self.endpoint, str) or not isinstance(self.topic, str):
+            raise ConfigError("--kv-events-config: endpoint and topic must be strings")
+        if self.replay_endpoint is not None and not isinstance(self.replay_endpoint, str):
+            raise ConfigError("--kv-events-config: replay_endpoint must be a string")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the engine records and publishes events (vLLM: both keys must say so)."""
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def from_json(cls, raw: str | None) -> KVEventsConfig:
+        if raw is None:
+            return cls()
+        try:
+            data = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--kv-events-config is not valid JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ConfigError("--kv-events-config must be a JSON object")
+        unknown = set(data) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ConfigError(f"--kv-events-config: unknown keys {sorted(unknown)}")
+        return cls(**data)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -310,6 +367,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)  # --kv-events-config
     device: str = "cpu"
     seed: int = 0
     # Set by kvferry.connector.factory.resolve_connector (kv_transfer then holds the settled
@@ -348,6 +406,7 @@ class EngineOptions:
     capture: CaptureMode = CompilationConfig.capture  # "always" etc. coerced
     enforce_eager: bool = CompilationConfig.enforce_eager  # capture=NEVER, vLLM's name
     seed: int = EngineConfig.seed
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -387,5 +446,6 @@ class EngineOptions:
             ),
             kv_transfer=self.kv_transfer,
             compilation=CompilationConfig(capture=self.capture, enforce_eager=self.enforce_eager),
+            kv_events=self.kv_events,
             seed=self.seed,
         )

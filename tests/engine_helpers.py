@@ -12,6 +12,7 @@ from kvferry.config import (
     CaptureMode,
     CompilationConfig,
     EngineConfig,
+    KVEventsConfig,
     KVTransferConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -57,6 +58,7 @@ def make_llm(
     device: str = "cpu",
     quantization: WeightQuantization = WeightQuantization.NONE,
     kv_layout: Layout = CacheConfig.layout,
+    kv_events: KVEventsConfig | None = None,
 ) -> LLM:
     model = resolve_model_config(
         str(model_dir), dtype="float32", max_model_len=max_model_len, quantization=quantization
@@ -74,6 +76,7 @@ def make_llm(
         parallel=ParallelConfig(tensor_parallel_size=tp, executor=executor),
         kv_transfer=kv_transfer or KVTransferConfig(),
         compilation=CompilationConfig(capture=capture, enforce_eager=enforce_eager),
+        kv_events=kv_events or KVEventsConfig(),
         device=device,
         seed=seed,
     )

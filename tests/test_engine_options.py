@@ -14,6 +14,7 @@ from kvferry.config import (
     EngineConfig,
     EngineOptions,
     ExecutorKind,
+    KVEventsConfig,
     KVTransferConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -118,6 +119,7 @@ def test_every_option_reaches_the_config(tiny_llama: Path):
         "capture": "always",
         "enforce_eager": True,
         "seed": 7,
+        "kv_events": KVEventsConfig(enable_kv_cache_events=True, publisher="zmq"),
     }
     checked_below = {"kv_memory_pool"}  # needs the elastic allocator
     resolved_by_the_model = {"model", "dtype", "max_model_len", "served_model_name", "quantization"}

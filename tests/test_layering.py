@@ -180,11 +180,18 @@ def test_an_upward_import_is_reported(tmp_path, path, source, expected):
 # ---- seams inside the layers ---------------------------------------------------------------
 
 # What the rest of the package may import from the scheduler: the Scheduler itself (the
-# engine core), Request (connectors' scheduler halves) and what it expects of a connector.
-# Its block pool, KV cache manager and step bookkeeping are its own; the messages it hands
+# engine core), Request (connectors' scheduler halves), what it expects of a connector, and
+# what a router must share with it: the KV event types the engine publishes and the block
+# hash a router recomputes (one function, never re-implemented). Its block pool, KV cache manager and step bookkeeping are its own; the messages it hands
 # on live in messages/ and the null-block rule in kv/null_block.py.
 SCHEDULER_SURFACE = frozenset(
-    {"kvferry.scheduler.scheduler", "kvferry.scheduler.request", "kvferry.scheduler.interfaces"}
+    {
+        "kvferry.scheduler.scheduler",
+        "kvferry.scheduler.request",
+        "kvferry.scheduler.interfaces",
+        "kvferry.scheduler.kv_events",
+        "kvferry.scheduler.hashing",
+    }
 )
 
 # The null-block rule's names: defined in kv/null_block.py alone.

@@ -59,6 +59,12 @@ REPRESENTATIVES = {
     "KV layout negotiation with a connector": (
         "tests/test_layout_negotiation.py::test_an_hnd_only_connector_gets_hnd_tensors_and_the_same_answers"
     ),
+    "KV events from a real engine to a subscriber": (
+        "tests/test_kv_events.py::test_engine_events_reach_a_subscriber_and_replay_fills_gaps"
+    ),
+    "prefix routing's event feed, replay and restart": (
+        "tests/test_prefix_routing.py::test_feed_replays_gaps_and_relearns_after_a_restart"
+    ),
 }
 
 

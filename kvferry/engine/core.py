@@ -10,6 +10,7 @@ from kvferry.config import EngineConfig, ExecutorKind, SchedulerConfig
 from kvferry.connector.base import KVConnectorRole
 from kvferry.connector.factory import create_connector, resolve_connector
 from kvferry.engine.capture_choice import decide_capture
+from kvferry.engine.kv_event_publisher import KVEventPublisher
 from kvferry.engine.profile_run import size_kv_cache
 from kvferry.engine.warmup import warmup_steps
 from kvferry.executor.base import Executor
@@ -67,9 +68,16 @@ class EngineCore:
         self.kv_budget, kv_config = size_kv_cache(self.executor, config)
         self.executor.initialize_kv_cache(kv_config)
         self.connector = create_connector(config, KVConnectorRole.SCHEDULER, kv_config)
+        events = config.kv_events
         self.scheduler = Scheduler(
-            config.scheduler, config.cache, kv_config, config.model.max_model_len, connector=self.connector
+            config.scheduler,
+            config.cache,
+            kv_config,
+            config.model.max_model_len,
+            connector=self.connector,
+            kv_events_medium=kv_events_medium(config.device) if events.enabled else None,
         )
+        self.kv_events = KVEventPublisher(events) if events.enabled else None
         self._warm_up(kv_config)
         self.capture_decision = decide_capture(self.executor, config, kv_config, self._run_dummy)
         self._last_log = time.monotonic()
@@ -116,8 +124,16 @@ class EngineCore:
         runner_output = self.executor.execute_model(scheduler_output)
         self._accumulate_connector_stats(runner_output.kv_connector_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self._publish_kv_events()
         self._maybe_log()
         return outputs
+
+    def _publish_kv_events(self) -> None:
+        if self.kv_events is None:
+            return
+        events = self.scheduler.take_kv_events()
+        if events:
+            self.kv_events.publish(events)
 
     def _accumulate_connector_stats(self, kv_output: KVConnectorOutput | None) -> None:
         if kv_output is None or kv_output.stats is None:
@@ -162,10 +178,17 @@ class EngineCore:
             )
 
     def shutdown(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
         if self.connector is not None:
             self.connector.shutdown()
         self.executor.shutdown()
         self.scheduler.kv_cache_manager.close()  # leave the shared KV memory pool, if any
+
+
+def kv_events_medium(device: str) -> str:
+    """Where the KV the events describe lives, in vLLM's words."""
+    return "CPU" if device == "cpu" else "GPU"
 
 
 def describe_step_budget(config: SchedulerConfig) -> str:

@@ -43,6 +43,7 @@ from kvferry.connector.nixl.auth import SECRET_ENV
 from kvferry.entrypoints.disagg_supervisor import add_restart_args, restart_policy, supervise
 from kvferry.entrypoints.edge_options import add_edge_args
 from kvferry.entrypoints.http_common import API_KEY_ENV
+from kvferry.entrypoints.proxy.config import DEFAULT_LOAD_TOKENS, POLICIES
 from kvferry.entrypoints.proxy_secret import PROXY_SECRET_ENV
 from kvferry.errors import ConfigError, KVFerryError
 from kvferry.ports import bindable, free_port
@@ -54,7 +55,7 @@ DEFAULT_CONNECTOR = "NixlConnector"
 NO_CONNECTOR = "none"
 KV_ROLES = {"prefill": KVRole.PRODUCER, "decode": KVRole.CONSUMER}
 # Engine options that disagg sets per role itself, so they are not passed through.
-OWN_ENGINE_OPTIONS = {"help", "tensor_parallel_size", "kv_transfer_config", "cpu_cores"}
+OWN_ENGINE_OPTIONS = {"help", "tensor_parallel_size", "kv_transfer_config", "cpu_cores", "kv_events_config"}
 LOG_TAIL_BYTES = 4000
 PR_SET_PDEATHSIG = 1
 
@@ -72,6 +73,7 @@ class Child:
     env: dict[str, str] = field(default_factory=dict)  # set in the child's environment
     proc: subprocess.Popen[bytes] | None = None
     side_channel_port: int | None = None
+    kv_events: str | None = None  # where it publishes KV events: ENDPOINT,REPLAY_ENDPOINT
 
     def started(self) -> subprocess.Popen[bytes]:
         """The child's process (only started children are stopped or watched)."""
@@ -134,7 +136,23 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-tp", type=int, default=1, help="tensor parallel size of decode instances")
     parser.add_argument("--host", default="127.0.0.1", help="the proxy's host")
     parser.add_argument("--port", type=int, default=8000, help="the proxy's port")
-    parser.add_argument("--policy", default="round_robin", choices=["round_robin", "least_loaded"])
+    parser.add_argument(
+        "--policy",
+        default="round_robin",
+        choices=POLICIES,
+        help="how the proxy picks an instance; prefix: by where the prompt's KV is cached, "
+        "weighed against load (implies --kv-events)",
+    )
+    parser.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="every instance publishes its prefix cache's changes (KV events, vLLM's wire "
+        "format) on its own loopback ports",
+    )
+    parser.add_argument(
+        "--prefix-load-tokens", type=int, default=DEFAULT_LOAD_TOKENS, help="as for `kvferry proxy`"
+    )
+    parser.add_argument("--local-prefill-tokens", type=int, default=0, help="as for `kvferry proxy`")
     parser.add_argument(
         "--api-key",
         default=None,
@@ -436,10 +454,45 @@ def plan_instances(
         cmd += passthrough
         kv = kv_transfer_json(args.kv_connector, role, own_extra, side_port, args.kv_load_failure_policy)
         cmd += ["--kv-transfer-config", kv] if kv else []
+        events = kv_events_ports() if args.kv_events or args.policy == "prefix" else None
+        cmd += ["--kv-events-config", kv_events_json(*events)] if events else []
         name = f"{role}-{i}"
         url = f"http://127.0.0.1:{port}"
-        children.append(Child(name, cmd, url, log_dir / f"{name}.log", env, side_channel_port=side_port))
+        child = Child(name, cmd, url, log_dir / f"{name}.log", env, side_channel_port=side_port)
+        child.kv_events = None if events is None else "tcp://127.0.0.1:{},tcp://127.0.0.1:{}".format(*events)
+        children.append(child)
     return children
+
+
+def kv_events_ports() -> tuple[int, int]:
+    """An instance's KV event ports (PUB, replay), kept across its restarts."""
+    return free_port(), free_port()
+
+
+def kv_events_json(pub_port: int, replay_port: int) -> str:
+    """An instance's --kv-events-config: both sockets bound on loopback (token ids of
+    prompts travel on them: docs/security.md)."""
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://127.0.0.1:{pub_port}",
+        "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
+        "bind": True,
+    }
+    return json.dumps(config)
+
+
+def prefix_argv(args: argparse.Namespace, instances: list[Child]) -> list[str]:
+    """The proxy's --policy prefix options: the model's tokenizer, the block size and each
+    instance's event endpoints."""
+    if args.policy != "prefix":
+        return []
+    argv = ["--tokenizer", args.model, "--prefix-load-tokens", str(args.prefix_load_tokens)]
+    argv += ["--local-prefill-tokens", str(args.local_prefill_tokens)]
+    argv += ["--block-size", str(args.block_size)] if args.block_size else []
+    for role in ("prefill", "decode"):
+        argv += [f"--{role}-kv-events"] + [c.kv_events or "" for c in instances if c.role == role]
+    return argv
 
 
 def plan_proxy(
@@ -450,6 +503,7 @@ def plan_proxy(
     cmd += ["--decode"] + [c.url for c in instances if c.name.startswith("decode")]
     cmd += ["--host", args.host, "--port", str(args.port), "--policy", args.policy]
     cmd += ["--health-interval", str(args.health_interval)] if args.health_interval else []
+    cmd += prefix_argv(args, instances)
     cmd += edge_argv(args)
     env = dict(shared)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host

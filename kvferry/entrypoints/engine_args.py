@@ -114,6 +114,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help='JSON: {"kv_connector": ..., "kv_connector_module_path": ..., "kv_role": ..., '
         '"kv_connector_extra_config": {...}, "kv_load_failure_policy": "fail"|"recompute"}',
     )
+    parser.add_argument(
+        "--kv-events-config",
+        help='JSON, as vLLM: {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": '
+        '"tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv-events"} publishes the '
+        "prefix cache's changes (docs/architecture.md, KV events)",
+    )
 
 
 def parse_kv_transfer_config(raw: str | None) -> KVTransferConfig:
@@ -170,7 +176,7 @@ _SAME_NAME = (
 def engine_config_from_args(args: argparse.Namespace, served: ServedInstance | None = None) -> EngineConfig:
     """The EngineConfig of the engine options in `args`, through kvferry.engine.options, its
     KV connector resolved (before any weights load; `served`: `kvferry serve`'s instance)."""
-    from kvferry.config import EngineOptions
+    from kvferry.config import EngineOptions, KVEventsConfig
     from kvferry.connector.factory import resolve_connector
     from kvferry.engine.options import engine_config
     from kvferry.worker.cpu_placement import parse_core_list
@@ -188,6 +194,7 @@ def engine_config_from_args(args: argparse.Namespace, served: ServedInstance | N
         cpu_cores=parse_core_list(args.cpu_cores) if args.cpu_cores else None,
         kv_transfer=kv_transfer,
         enforce_eager=args.enforce_eager,
+        kv_events=KVEventsConfig.from_json(args.kv_events_config),
         **given,
     )
     return resolve_connector(engine_config(options), served)

@@ -15,6 +15,7 @@ from kvferry.errors import ConfigError
 from kvferry.kv.null_block import NULL_BLOCK_ID
 from kvferry.kv.pages import PageChanges
 from kvferry.scheduler.hashing import BlockContent, BlockHash
+from kvferry.scheduler.kv_events import KVEventRecorder
 from kvferry.scheduler.page_tracker import PageBudget, PageTracker
 
 logger = logging.getLogger(__name__)
@@ -123,8 +124,11 @@ class BlockPool:
         reserve_null_block: bool = False,
         blocks_per_page: int | None = None,
         page_budget: PageBudget | None = None,
+        events: KVEventRecorder | None = None,
+        event_group: int = 0,
     ):
-        """`blocks_per_page` (elastic KV memory): allocation is page-aware and the pool
+        """`events`: records the prefix cache's changes of group `event_group` (KV events).
+        `blocks_per_page` (elastic KV memory): allocation is page-aware and the pool
         reports which pages hold blocks (kvferry.scheduler.page_tracker); None: eager.
         `page_budget`: pages come from a pool shared with other engines; a new page needs
         its grant, and the engine evicts its own cached prefixes before asking for one."""
@@ -156,6 +160,8 @@ class BlockPool:
                 self.pages.add_spare(block)
         self.cached: dict[CacheKey, KVCacheBlock] = {}
         self.num_collisions = 0  # hash hits rejected because the content differed
+        self.events = events
+        self.event_group = event_group
 
     @property
     def num_free_blocks(self) -> int:
@@ -326,6 +332,8 @@ class BlockPool:
         assert len(blocks) == len(block_hashes) == len(contents)
         if not self.enable_caching:
             return
+        stored: list[BlockHash] = []
+        stored_contents: list[BlockContent] = []
         for block, block_hash, content in zip(blocks, block_hashes, contents, strict=True):
             assert not block.is_null and block.ref_cnt > 0
             if block.block_hash is not None:
@@ -337,6 +345,10 @@ class BlockPool:
             block.content = content
             block.group_id = group_id
             self.cached[(block_hash, group_id)] = block
+            stored.append(block_hash)
+            stored_contents.append(content)
+        if self.events is not None and stored and group_id == self.event_group:
+            self.events.stored(stored, stored_contents)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Only when no block is in use (returns False otherwise)."""
@@ -344,6 +356,8 @@ class BlockPool:
         if in_use:
             logger.warning("cannot reset the prefix cache: %d blocks are in use", in_use)
             return False
+        if self.events is not None and self.cached:
+            self.events.cleared()
         for block in self.cached.values():
             block.reset_hash()
             if self.pages is not None:
@@ -358,4 +372,6 @@ class BlockPool:
             return
         if self.cached.get(key) is block:
             del self.cached[key]
+            if self.events is not None and key[1] == self.event_group:
+                self.events.removed(key[0])
         block.reset_hash()

@@ -13,6 +13,7 @@ from kvferry.kv.usage import KVGroupStats, KVMemoryStats
 from kvferry.messages.scheduler_output import BlockIds
 from kvferry.scheduler.block_pool import BlockPool, KVCacheBlock
 from kvferry.scheduler.hashing import BlockHasher
+from kvferry.scheduler.kv_events import KVEventRecorder, KVEventsList
 from kvferry.scheduler.request import Request
 from kvferry.scheduler.single_type_manager import SingleTypeManager, make_manager
 
@@ -34,7 +35,10 @@ class KVCacheManager:
         kv_cache_config: KVCacheConfig,
         enable_prefix_caching: bool,
         block_hasher: BlockHasher | None = None,
+        kv_events_medium: str | None = None,
     ):
+        """`kv_events_medium` ("GPU", "CPU"): record KV events (take_events), for the first
+        full-attention group (the one whose cached blocks a whole prefix needs)."""
         if not kv_cache_config.groups:
             raise ValueError("KVCacheConfig has no KV cache groups")
         self.config = kv_cache_config
@@ -44,12 +48,15 @@ class KVCacheManager:
             block_hasher = BlockHasher(self.block_size)
         assert block_hasher is None or block_hasher.block_size == self.block_size
         self.block_hasher = block_hasher
+        recorder = None if kv_events_medium is None else KVEventRecorder(self.block_size, kv_events_medium)
         self.pool = BlockPool(
             kv_cache_config.num_blocks,
             enable_prefix_caching,
             reserve_null_block=reserves_null_block(kv_cache_config.has_sliding_window),
             blocks_per_page=kv_cache_config.blocks_per_page if kv_cache_config.is_elastic else None,
             page_budget=self._page_budget(kv_cache_config),
+            events=recorder,
+            event_group=_event_group(kv_cache_config),
         )
         self.managers: list[SingleTypeManager] = [
             make_manager(group.spec, self.pool, gid, block_hasher)
@@ -219,6 +226,18 @@ class KVCacheManager:
 
     def has_page_changes(self) -> bool:
         return self.pool.has_page_changes()
+
+    def take_events(self) -> KVEventsList:
+        """The prefix cache's changes since the last call (none unless recording)."""
+        return [] if self.pool.events is None else self.pool.events.take()
+
+
+def _event_group(config: KVCacheConfig) -> int:
+    """The group whose prefix cache the KV events describe: the first full-attention one."""
+    for gid, group in enumerate(config.groups):
+        if not isinstance(group.spec, SlidingWindowSpec):
+            return gid
+    return 0
 
 
 def _group_kind(spec: KVCacheSpec) -> str:

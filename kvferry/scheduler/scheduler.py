@@ -23,6 +23,7 @@ from kvferry.messages.scheduler_output import SchedulerOutput
 from kvferry.scheduler.hashing import BlockHasher
 from kvferry.scheduler.interfaces import SchedulerConnector
 from kvferry.scheduler.kv_cache_manager import KVCacheManager
+from kvferry.scheduler.kv_events import KVEventsList
 from kvferry.scheduler.request import Request, RequestStatus
 from kvferry.scheduler.step_plan import StepPlan
 from kvferry.scheduler.stop import append_sampled
@@ -60,7 +61,9 @@ class Scheduler:
         max_model_len: int,
         connector: SchedulerConnector | None = None,
         kv_load_failure_policy: LoadFailurePolicy | str | None = None,
+        kv_events_medium: str | None = None,
     ):
+        """`kv_events_medium`: record the prefix cache's changes (take_kv_events)."""
         self.config = scheduler_config
         self.max_model_len = max_model_len
         self.connector = connector
@@ -71,7 +74,7 @@ class Scheduler:
         hashing = cache_config.enable_prefix_caching or connector is not None
         self.block_hasher = BlockHasher(block_size) if hashing else None
         self.kv_cache_manager = KVCacheManager(
-            kv_cache_config, cache_config.enable_prefix_caching, self.block_hasher
+            kv_cache_config, cache_config.enable_prefix_caching, self.block_hasher, kv_events_medium
         )
         self.requests: dict[str, Request] = {}  # unfinished ones, and finished ones holding blocks
         self.waiting: deque[Request] = deque()
@@ -137,6 +140,10 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
+
+    def take_kv_events(self) -> KVEventsList:
+        """KV events since the last call: blocks stored in / removed from the prefix cache."""
+        return self.kv_cache_manager.take_events()
 
     # ---- schedule ---------------------------------------------------------------------
 

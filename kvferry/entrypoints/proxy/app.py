@@ -13,10 +13,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import TypeVar
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 import httpx
+import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -33,9 +34,11 @@ from kvferry.entrypoints.http_common import (
 from kvferry.entrypoints.proxy.config import ProxyConfig, normalize_url
 from kvferry.entrypoints.proxy.errors import ProxyError, install_error_handlers
 from kvferry.entrypoints.proxy.health import health_loop
+from kvferry.entrypoints.proxy.kv_event_feed import EventFeed, EventSource, follow_all
 from kvferry.entrypoints.proxy.metrics import ProxyMetrics
 from kvferry.entrypoints.proxy.pd import CHAT, COMPLETIONS, ProxyContext, complete
-from kvferry.entrypoints.proxy.pool import InstancePool, make_policy
+from kvferry.entrypoints.proxy.pool import Instance, InstancePool, Policy, make_policy
+from kvferry.entrypoints.proxy.prefix_route import PrefixRouting, prefix_routing
 from kvferry.entrypoints.proxy.streaming import open_stream
 from kvferry.entrypoints.proxy.upstream import Upstream
 from kvferry.entrypoints.proxy.validate import checked_body
@@ -48,15 +51,42 @@ T = TypeVar("T")
 FORWARDED_HEADERS = ("authorization", "x-request-id")
 
 
-def make_context(config: ProxyConfig, client: httpx.AsyncClient) -> ProxyContext:
-    prefill = InstancePool(
-        "prefill", [normalize_url(u) for u in config.prefill_urls], make_policy(config.policy)
-    )
-    decode = InstancePool(
-        "decode", [normalize_url(u) for u in config.decode_urls], make_policy(config.policy)
-    )
+def make_context(
+    config: ProxyConfig, client: httpx.AsyncClient, routing: PrefixRouting | None = None
+) -> ProxyContext:
+    def policy() -> Policy:
+        if routing is not None:
+            return routing.policy(config.prefix_load_tokens)
+        return make_policy(config.policy)
+
+    prefill = InstancePool("prefill", [normalize_url(u) for u in config.prefill_urls], policy())
+    decode = InstancePool("decode", [normalize_url(u) for u in config.decode_urls], policy())
     metrics = ProxyMetrics([prefill, decode])
-    return ProxyContext(prefill, decode, Upstream(client, metrics), metrics, config.early_first_token)
+    return ProxyContext(
+        prefill,
+        decode,
+        Upstream(client, metrics),
+        metrics,
+        config.early_first_token,
+        prompt_hasher=None if routing is None else routing.hasher,
+        prefix_index=None if routing is None else routing.index,
+        local_prefill_tokens=config.local_prefill_tokens,
+    )
+
+
+def make_prefix_routing(config: ProxyConfig) -> PrefixRouting | None:
+    """--policy prefix: the instances' tokenizer, the index and where their events come from."""
+    if config.policy != "prefix" or config.tokenizer is None:
+        return None
+    sources = [
+        EventSource.parse(normalize_url(url), spec)
+        for urls, specs in (
+            (config.prefill_urls, config.prefill_kv_events),
+            (config.decode_urls, config.decode_kv_events),
+        )
+        for url, spec in zip(urls, specs, strict=False)
+    ]
+    return prefix_routing(config.tokenizer, config.block_size, sources)
 
 
 def make_client(config: ProxyConfig) -> httpx.AsyncClient:
@@ -73,7 +103,8 @@ def make_client(config: ProxyConfig) -> httpx.AsyncClient:
 def build_app(config: ProxyConfig) -> FastAPI:
     """The proxy app for ``config``; its httpx client and health checks live with the app."""
     client = make_client(config)
-    ctx = make_context(config, client)
+    routing = make_prefix_routing(config)
+    ctx = make_context(config, client, routing)
     decoder = BodyDecoder(config.limits)
 
     @contextlib.asynccontextmanager
@@ -81,11 +112,15 @@ def build_app(config: ProxyConfig) -> FastAPI:
         checks = asyncio.create_task(
             health_loop(client, ctx.pools, config.health_interval_s, config.health_timeout_s)
         )
+        zmq_ctx = zmq.asyncio.Context()
+        feeds = asyncio.create_task(follow_all(_feeds(ctx, routing, zmq_ctx)))
         try:
             yield
         finally:
             checks.cancel()
-            await asyncio.gather(checks, return_exceptions=True)
+            feeds.cancel()
+            await asyncio.gather(checks, feeds, return_exceptions=True)
+            zmq_ctx.term()
             await ctx.cancel_background()
             await client.aclose()
             decoder.close()
@@ -98,7 +133,7 @@ def build_app(config: ProxyConfig) -> FastAPI:
             ApiKeyMiddleware, api_key=config.api_key, protected=protected_paths(config.metrics_public)
         )
     _add_openai_routes(app, ctx, decoder)
-    _add_ops_routes(app, ctx)
+    _add_ops_routes(app, ctx, routing)
     return app
 
 
@@ -116,10 +151,10 @@ def _add_openai_routes(app: FastAPI, ctx: ProxyContext, decoder: BodyDecoder) ->
         return JSONResponse(await ctx.upstream.get_json(ctx.decode, "/v1/models", _forwarded(request)))
 
 
-def _add_ops_routes(app: FastAPI, ctx: ProxyContext) -> None:
+def _add_ops_routes(app: FastAPI, ctx: ProxyContext, routing: PrefixRouting | None) -> None:
     @app.get("/health")
     async def health() -> Response:
-        state = {pool.role: [i.describe() for i in pool.instances] for pool in ctx.pools}
+        state = {pool.role: [_described(i, routing) for i in pool.instances] for pool in ctx.pools}
         counts = {p.role: {"up": p.num_healthy, "down": len(p.instances) - p.num_healthy} for p in ctx.pools}
         missing = [pool.role for pool in ctx.pools if pool.num_healthy == 0]
         if missing:
@@ -130,6 +165,28 @@ def _add_ops_routes(app: FastAPI, ctx: ProxyContext) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _feeds(ctx: ProxyContext, routing: PrefixRouting | None, zmq_ctx: zmq.asyncio.Context) -> list[EventFeed]:
+    """One event feed per instance that publishes KV events; each learns of its restarts."""
+    if routing is None:
+        return []
+    instances = {inst.url: inst for pool in ctx.pools for inst in pool.instances}
+    return [
+        EventFeed(s, routing.index, zmq_ctx, runs=_restarts_of(instances[s.url])) for s in routing.sources
+    ]
+
+
+def _restarts_of(inst: Instance) -> Callable[[], int]:
+    return lambda: inst.restarts
+
+
+def _described(inst: Instance, routing: PrefixRouting | None) -> dict[str, Any]:
+    """An instance's state; with --policy prefix, the blocks the index knows it holds."""
+    described = inst.describe()
+    if routing is not None:
+        described["cached_blocks"] = routing.index.num_blocks(inst.url)
+    return described
 
 
 async def _generate(ctx: ProxyContext, path: str, request: Request, decoder: BodyDecoder) -> Response:

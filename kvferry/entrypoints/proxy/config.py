@@ -10,7 +10,9 @@ from kvferry.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-POLICIES = ("round_robin", "least_loaded")
+POLICIES = ("round_robin", "least_loaded", "prefix")
+DEFAULT_BLOCK_SIZE = 16  # the engine's (kvferry.config.CacheConfig)
+DEFAULT_LOAD_TOKENS = 512  # --prefix-load-tokens (kvferry/entrypoints/proxy/prefix_route.py)
 DEFAULT_READ_TIMEOUT_S = 600.0
 
 
@@ -34,6 +36,17 @@ class ProxyConfig:
     limits: EdgeLimits = field(default_factory=EdgeLimits)
     metrics_public: bool = False  # /metrics and /openapi.json without the API key
     proxy_secret: str | None = None  # sent to the instances: kv_transfer_params and releases need it
+    # --policy prefix: the instances' model (its tokenizer and chat template), their block
+    # size, and where each instance publishes KV events (ENDPOINT[,REPLAY], in URL order;
+    # none for a role: its instances are chosen by load alone).
+    tokenizer: str | None = None
+    block_size: int = DEFAULT_BLOCK_SIZE
+    prefill_kv_events: tuple[str, ...] = ()
+    decode_kv_events: tuple[str, ...] = ()
+    prefix_load_tokens: int = DEFAULT_LOAD_TOKENS
+    # Per-request disaggregation: a leg whose prompt has at most this many tokens not cached
+    # on the decoder holding most of it is prefilled by the decoder itself (0: never).
+    local_prefill_tokens: int = 0
 
     def __repr__(self) -> str:  # never print the secrets
         shown = {
@@ -52,9 +65,33 @@ class ProxyConfig:
             raise ConfigError("health check interval and timeout must be positive")
         if self.read_timeout_s is not None and self.read_timeout_s <= 0:
             raise ConfigError("the read timeout must be positive")
+        self._check_prefix_options()
         for url in self.prefill_urls + self.decode_urls:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"instance URL must start with http:// or https://: {url!r}")
+
+    def _check_prefix_options(self) -> None:
+        given = bool(self.prefill_kv_events or self.decode_kv_events)
+        if self.local_prefill_tokens < 0:
+            raise ConfigError("--local-prefill-tokens must not be negative")
+        if self.policy != "prefix":
+            if given or self.tokenizer is not None or self.local_prefill_tokens:
+                raise ConfigError(
+                    "--tokenizer, --*-kv-events and --local-prefill-tokens are options of --policy prefix"
+                )
+            return
+        if self.tokenizer is None:
+            raise ConfigError("--policy prefix needs --tokenizer (the instances' model)")
+        if self.block_size < 1 or self.prefix_load_tokens < 0:
+            raise ConfigError("--block-size must be positive and --prefix-load-tokens not negative")
+        for role, urls, events in (
+            ("prefill", self.prefill_urls, self.prefill_kv_events),
+            ("decode", self.decode_urls, self.decode_kv_events),
+        ):
+            if events and len(events) != len(urls):
+                raise ConfigError(f"--{role}-kv-events needs one endpoint per --{role} URL ({len(urls)})")
+        if not given:
+            logger.warning("--policy prefix without --prefill-kv-events: instances are chosen by load alone")
 
 
 def normalize_url(url: str) -> str:

@@ -7,7 +7,13 @@ import logging
 import signal
 
 from kvferry.entrypoints.edge_options import add_edge_args, limits_from_args
-from kvferry.entrypoints.proxy.config import DEFAULT_READ_TIMEOUT_S, POLICIES, ProxyConfig
+from kvferry.entrypoints.proxy.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_LOAD_TOKENS,
+    DEFAULT_READ_TIMEOUT_S,
+    POLICIES,
+    ProxyConfig,
+)
 from kvferry.entrypoints.proxy_secret import process_proxy_secret
 
 logger = logging.getLogger(__name__)
@@ -19,6 +25,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--policy", default="round_robin", choices=POLICIES, help="how an instance is picked")
+    add_prefix_args(parser)
     parser.add_argument("--api-key", default=None, help="clients must send it; forwarded to instances")
     parser.add_argument("--health-interval", type=float, default=5.0, help="seconds between health checks")
     parser.add_argument("--health-timeout", type=float, default=2.0)
@@ -44,6 +51,41 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_prefix_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tokenizer", help="--policy prefix: the instances' model (tokenizer and chat template)"
+    )
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=DEFAULT_BLOCK_SIZE,
+        help="--policy prefix: the instances' block size",
+    )
+    for role in ("prefill", "decode"):
+        parser.add_argument(
+            f"--{role}-kv-events",
+            nargs="+",
+            default=(),
+            metavar="ENDPOINT[,REPLAY]",
+            help=f"--policy prefix: where each --{role} instance publishes KV events "
+            "(its --kv-events-config endpoints, e.g. tcp://10.0.0.5:5557,tcp://10.0.0.5:5558)",
+        )
+    parser.add_argument(
+        "--prefix-load-tokens",
+        type=int,
+        default=DEFAULT_LOAD_TOKENS,
+        help="--policy prefix: one request in flight weighs as much as this many uncached "
+        f"prompt tokens (default {DEFAULT_LOAD_TOKENS})",
+    )
+    parser.add_argument(
+        "--local-prefill-tokens",
+        type=int,
+        default=0,
+        help="--policy prefix: a request with at most this many prompt tokens not cached on a "
+        "decoder is prefilled by the decoder itself, without a KV transfer (default 0: never)",
+    )
+
+
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     return ProxyConfig(
         prefill_urls=tuple(args.prefill),
@@ -58,6 +100,12 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         limits=limits_from_args(args),
         metrics_public=args.metrics_public,
         proxy_secret=process_proxy_secret(args.proxy_secret_file),
+        tokenizer=args.tokenizer,
+        block_size=args.block_size,
+        prefill_kv_events=tuple(args.prefill_kv_events),
+        decode_kv_events=tuple(args.decode_kv_events),
+        prefix_load_tokens=args.prefix_load_tokens,
+        local_prefill_tokens=args.local_prefill_tokens,
     )
 
 

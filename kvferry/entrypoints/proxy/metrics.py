@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-from enum import StrEnum
+from enum import Enum, StrEnum
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -64,6 +64,13 @@ class _PoolCollector(Collector):
         yield counts
 
 
+class PrefillPath(str, Enum):
+    """Where a leg's prompt is computed."""
+
+    REMOTE = "remote"  # a prefill instance, its KV transferred to the decoder
+    LOCAL = "local"  # the decoder itself (short or mostly cached on the decoders)
+
+
 class ProxyMetrics:
     def __init__(self, pools: Sequence[InstancePool]) -> None:
         self.registry = CollectorRegistry()
@@ -101,6 +108,14 @@ class ProxyMetrics:
             registry=self.registry,
         )
 
+        self._paths = Counter(
+            "kvferry_proxy:prefill_path",
+            "legs by where their prompt was computed: on a prefill instance (remote) or on the "
+            "decoder itself (local: --local-prefill-tokens)",
+            ["path"],
+            registry=self.registry,
+        )
+
         self._moved = Counter(
             "kvferry_proxy:requests_moved",
             "requests an instance never answered (refused, or lost before its status line) "
@@ -108,6 +123,9 @@ class ProxyMetrics:
             ["role", "cause"],
             registry=self.registry,
         )
+
+    def prefill_path(self, path: PrefillPath) -> None:
+        self._paths.labels(path.value).inc()
 
     def moved(self, role: str, cause: MoveCause) -> None:
         self._moved.labels(role, cause.value).inc()

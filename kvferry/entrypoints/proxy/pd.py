@@ -31,8 +31,10 @@ from typing import Any
 
 from kvferry.entrypoints.http_common import gather_or_cancel
 from kvferry.entrypoints.proxy.failover import DECODER_LOST
-from kvferry.entrypoints.proxy.metrics import ProxyMetrics
+from kvferry.entrypoints.proxy.metrics import PrefillPath, ProxyMetrics
 from kvferry.entrypoints.proxy.pool import Instance, InstancePool
+from kvferry.entrypoints.proxy.prefix_index import PrefixIndex, RouteKey
+from kvferry.entrypoints.proxy.prefix_route import PromptHasher
 from kvferry.entrypoints.proxy.upstream import Upstream
 
 logger = logging.getLogger(__name__)
@@ -50,6 +52,9 @@ class ProxyContext:
     upstream: Upstream
     metrics: ProxyMetrics
     early_first_token: bool = True
+    prompt_hasher: PromptHasher | None = None  # --policy prefix: a request's block hashes
+    prefix_index: PrefixIndex | None = None  # --policy prefix: the instances' cached blocks
+    local_prefill_tokens: int = 0  # legs with at most this many uncached tokens skip the prefiller
     pools: list[InstancePool] = field(init=False)
     background: set[asyncio.Future[None]] = field(init=False, default_factory=set)
 
@@ -155,7 +160,7 @@ def kept_request_id(prefill_response: dict[str, Any]) -> str | None:
 def release_abandoned(ctx: ProxyContext, prefill: Prefilled, headers: dict[str, str]) -> None:
     """No decoder answered for this leg: have the prefill instance free the KV it keeps."""
     request_id = kept_request_id(prefill.response)
-    if request_id is not None:
+    if request_id is not None and prefill.instance is not None:
         ctx.spawn(ctx.upstream.release_kv(ctx.prefill, prefill.instance, request_id, headers))
 
 
@@ -167,10 +172,13 @@ def wants_logprobs(path: str, body: dict[str, Any]) -> bool:
 
 @dataclass(frozen=True)
 class Prefilled:
-    """A prefill's answer and the instance that gave it (which keeps the leg's KV)."""
+    """A prefill's answer and the instance that gave it (which keeps the leg's KV); with no
+    instance and an empty answer, the decoder computes the prompt itself (local prefill).
+    ``route``: the prompt's blocks, for choosing the decoder too."""
 
-    instance: Instance
+    instance: Instance | None
     response: dict[str, Any]
+    route: RouteKey | None = None
 
 
 async def run_prefill(
@@ -181,7 +189,12 @@ async def run_prefill(
     with KV kept for it that only its ``remote_request_id`` can release. The answer is then
     awaited in the background and that KV released (see ``release_when_answered``)."""
     start = time.monotonic()
-    work = ctx.upstream.post_json(ctx.prefill, path, prefill_body(path, body), headers)
+    route = await route_key(ctx, path, body)
+    if prefills_locally(ctx, route):
+        ctx.metrics.prefill_path(PrefillPath.LOCAL)
+        return Prefilled(None, {}, route)
+    ctx.metrics.prefill_path(PrefillPath.REMOTE)
+    work = ctx.upstream.post_json(ctx.prefill, path, prefill_body(path, body), headers, route=route)
     task = asyncio.ensure_future(work)
     try:
         inst, response = await asyncio.shield(task)
@@ -189,7 +202,28 @@ async def run_prefill(
         ctx.spawn(release_when_answered(ctx, task, headers))
         raise
     ctx.metrics.prefill_done(time.monotonic() - start)
-    return Prefilled(inst, response)
+    return Prefilled(inst, response, route)
+
+
+async def route_key(ctx: ProxyContext, path: str, body: dict[str, Any]) -> RouteKey | None:
+    """The prompt's block hashes for --policy prefix (tokenized off the event loop); else None."""
+    if ctx.prompt_hasher is None:
+        return None
+    return await asyncio.to_thread(ctx.prompt_hasher.route_key, path, body)
+
+
+def prefills_locally(ctx: ProxyContext, route: RouteKey | None) -> bool:
+    """Per-request disaggregation: whether the leg's uncached prompt tokens on the decoder
+    holding most of it (by the KV events) are at most --local-prefill-tokens; then the
+    decoder computes the prompt itself and no KV is transferred."""
+    index = ctx.prefix_index
+    if ctx.local_prefill_tokens <= 0 or route is None or index is None:
+        return False
+    healthy = [inst for inst in ctx.decode.instances if inst.healthy]
+    if not healthy:
+        return False
+    cached = max(index.cached_blocks(inst.url, route.block_hashes) for inst in healthy)
+    return route.num_tokens - cached * index.block_size <= ctx.local_prefill_tokens
 
 
 async def release_when_answered(
@@ -213,7 +247,9 @@ async def run_leg(
     prefill = await run_prefill(ctx, path, body, headers)
     decode = decode_body(body, prefill.response)
     try:
-        _, answer = await ctx.upstream.post_json(ctx.decode, path, decode, headers, move_when_lost=False)
+        _, answer = await ctx.upstream.post_json(
+            ctx.decode, path, decode, headers, move_when_lost=False, route=prefill.route
+        )
     except DECODER_LOST as exc:
         release_abandoned(ctx, prefill, headers)
         return await fail_over(ctx, path, body, headers, exc)

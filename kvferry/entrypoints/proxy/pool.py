@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvferry.entrypoints.proxy.errors import NoHealthyInstanceError
+from kvferry.entrypoints.proxy.prefix_index import RouteKey
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +39,11 @@ class Instance:
 
 
 class Policy(Protocol):
-    def pick(self, instances: Sequence[Instance], candidates: Collection[Instance]) -> Instance:
-        """One of ``candidates`` (non-empty, all in ``instances``)."""
+    def pick(
+        self, instances: Sequence[Instance], candidates: Collection[Instance], route: RouteKey | None = None
+    ) -> Instance:
+        """One of ``candidates`` (non-empty, all in ``instances``); ``route``: the request's
+        prompt, for policies that place requests by where their KV is."""
         ...
 
 
@@ -49,7 +53,9 @@ class RoundRobin:
     def __init__(self) -> None:
         self._next = 0
 
-    def pick(self, instances: Sequence[Instance], candidates: Collection[Instance]) -> Instance:
+    def pick(
+        self, instances: Sequence[Instance], candidates: Collection[Instance], route: RouteKey | None = None
+    ) -> Instance:
         n = len(instances)
         for k in range(n):
             i = (self._next + k) % n
@@ -65,7 +71,9 @@ class LeastLoaded:
     def __init__(self) -> None:
         self._next = 0
 
-    def pick(self, instances: Sequence[Instance], candidates: Collection[Instance]) -> Instance:
+    def pick(
+        self, instances: Sequence[Instance], candidates: Collection[Instance], route: RouteKey | None = None
+    ) -> Instance:
         n = len(instances)
         order = {id(inst): (i - self._next) % n for i, inst in enumerate(instances)}
         best = min(candidates, key=lambda inst: (inst.in_flight, order[id(inst)]))
@@ -88,12 +96,12 @@ class InstancePool:
         self.instances = [Instance(url, role) for url in urls]
         self.policy = policy
 
-    def acquire(self, exclude: Collection[Instance] = ()) -> Instance:
+    def acquire(self, exclude: Collection[Instance] = (), route: RouteKey | None = None) -> Instance:
         """Pick a healthy instance (not in ``exclude``) and count a request in flight on it."""
         candidates = [i for i in self.instances if i.healthy and i not in exclude]
         if not candidates:
             raise NoHealthyInstanceError(self._none_healthy_message(exclude))
-        inst = self.policy.pick(self.instances, candidates)
+        inst = self.policy.pick(self.instances, candidates, route)
         inst.in_flight += 1
         inst.num_requests += 1
         return inst

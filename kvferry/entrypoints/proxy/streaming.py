@@ -99,10 +99,13 @@ class StreamLeg:
         )
 
     async def _open_decoder(self) -> None:
-        body = decode_body(self.body, self._prefilled().response)
+        prefilled = self._prefilled()
+        body = decode_body(self.body, prefilled.response)
         if self.can_fail_over:
             body["return_token_ids"] = True
-        self.stream = await self.ctx.upstream.open_stream(self.ctx.decode, self.path, body, self.headers)
+        self.stream = await self.ctx.upstream.open_stream(
+            self.ctx.decode, self.path, body, self.headers, route=prefilled.route
+        )
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
         """Chunks for the client; an ``{"error": ...}`` chunk ends the leg. A decoder lost

@@ -28,6 +28,7 @@ from kvferry.entrypoints.proxy.errors import (
 )
 from kvferry.entrypoints.proxy.metrics import MoveCause, ProxyMetrics
 from kvferry.entrypoints.proxy.pool import Instance, InstancePool
+from kvferry.entrypoints.proxy.prefix_index import RouteKey
 from kvferry.entrypoints.proxy.sse import sse_data
 
 logger = logging.getLogger(__name__)
@@ -104,9 +105,11 @@ class Upstream:
         body: dict[str, Any],
         headers: dict[str, str],
         move_when_lost: bool = True,
+        route: RouteKey | None = None,
     ) -> tuple[Instance, dict[str, Any]]:
-        """POST ``body`` to an instance of ``pool``; its JSON answer (HTTP 200 only)."""
-        inst, resp = await self._send(pool, "POST", path, body, headers, False, move_when_lost)
+        """POST ``body`` to an instance of ``pool``; its JSON answer (HTTP 200 only).
+        ``route``: the prompt, for a policy that places requests by where their KV is."""
+        inst, resp = await self._send(pool, "POST", path, body, headers, False, move_when_lost, route)
         try:
             data = resp.json()
         except ValueError as exc:
@@ -164,10 +167,15 @@ class Upstream:
         return answer
 
     async def open_stream(
-        self, pool: InstancePool, path: str, body: dict[str, Any], headers: dict[str, str]
+        self,
+        pool: InstancePool,
+        path: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        route: RouteKey | None = None,
     ) -> UpstreamStream:
         """POST ``body`` with stream=true; an open stream once the instance answered HTTP 200."""
-        inst, resp = await self._send(pool, "POST", path, body, headers, stream=True)
+        inst, resp = await self._send(pool, "POST", path, body, headers, stream=True, route=route)
         return UpstreamStream(pool, inst, resp)
 
     async def _send(
@@ -179,13 +187,14 @@ class Upstream:
         headers: dict[str, str],
         stream: bool,
         move_when_lost: bool = True,
+        route: RouteKey | None = None,
     ) -> tuple[Instance, httpx.Response]:
         """Try the pool's instances until one answers. One lost while holding the request
         is left like one that refused the connection, unless ``move_when_lost`` is false
         (the caller fails over itself): then InstanceLostError."""
         tried: list[Instance] = []
         while True:
-            inst = pool.acquire(exclude=tried)  # NoHealthyInstanceError (503) when none is left
+            inst = pool.acquire(exclude=tried, route=route)  # NoHealthyInstanceError (503) when none is left
             try:
                 resp = await self._attempt(pool, inst, method, path, body, headers, stream)
             except (*_RETRYABLE, InstanceLostError) as exc:
