@@ -92,7 +92,8 @@ class OutputProcessor:
         text_tokens = new_tokens[:-1] if finish_reason == FinishReason.STOP else new_tokens
         state.text += state.detokenizer.step(text_tokens, final=out.finished)
         stopped_by_string = False
-        if state.params.stop and finish_reason in (None, FinishReason.LENGTH):
+        past_min_tokens = len(state.token_ids) + len(new_tokens) > state.params.min_tokens  # as vLLM
+        if state.params.stop and finish_reason in (None, FinishReason.LENGTH) and past_min_tokens:
             hit = self._find_stop_string(state)
             if hit is not None:
                 finish_reason, stop_reason, stopped_by_string = FinishReason.STOP, hit, True

@@ -148,7 +148,9 @@ class ModelRunner:
             return {}
         rows = torch.tensor(inputs.sample_rows, dtype=torch.int64, device=hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
-        tokens, logprobs = self.sampler(logits, build_sampling_batch(inputs.sample_states))
+        tokens, logprobs = self.sampler(
+            logits, build_sampling_batch(inputs.sample_states, self.config.model.eos_token_ids)
+        )
         return {s.req_id: ([tok], lp) for s, tok, lp in zip(inputs.sample_states, tokens, logprobs)}
 
     def _update_states(self, so: SchedulerOutput) -> None:
