@@ -15,6 +15,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[SampleLogprobs] | None = None
+    index: int = 0  # of the answer among its prompt's n
 
 
 @dataclass

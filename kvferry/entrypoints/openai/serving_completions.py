@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -50,10 +49,8 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
     params = body.to_sampling_params()
     prompts = body.prompts()
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    gens = [
-        state.engine.generate(prompt, copy.copy(params), f"{request_id}-{i}", body.kv_transfer_params)
-        for i, prompt in enumerate(prompts)
-    ]
+    ids = [(f"{request_id}-{i}", prompt) for i, prompt in enumerate(prompts)]
+    gens = common.answer_streams(state.engine, ids, params, body.kv_transfer_params, body.stream)
     meta = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model}
     return await common.respond(
         request,
@@ -61,7 +58,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
         gens,
         body.stream,
         lambda firsts: _chunks(state, body, meta, firsts, gens),
-        lambda finals: _response(state, body, meta, finals),
+        lambda finals: _response(state, body, meta, common.chosen_answers(finals, params)),
     )
 
 
@@ -77,7 +74,7 @@ def _response(
         ids = common.token_id_fields(body.return_token_ids, out, list(comp.token_ids), True)
         content = {"text": comp.text, **ids}
         choices.append(common.final_choice(i, content, lps, out))
-    return common.response_body(meta, choices, finals)
+    return common.response_body(meta, choices, finals, body.n)
 
 
 async def _chunks(
@@ -94,7 +91,7 @@ async def _chunks(
             yield chunk
     if body.include_usage:
         finals = [c.final for c in choices if c.final is not None]
-        yield {**meta, "choices": [], "usage": common.usage(finals)}
+        yield {**meta, "choices": [], "usage": common.usage(finals, body.n)}
 
 
 def _chunk(
