@@ -61,6 +61,11 @@ class InputProcessor:
             params = dataclasses.replace(params, bad_words_token_ids=bad)
         self._validate(token_ids, params)
         check_token_ids_in_vocab(params, self.model_config.vocab_size)
+        if params.prompt_logprobs is not None and (kv_transfer_params or {}).get("do_remote_prefill"):
+            raise InvalidRequestError(
+                "prompt_logprobs needs the prompt computed here, not received over P/D",
+                param="prompt_logprobs",
+            )
         if self.kv_params_validator is not None and kv_transfer_params is not None:
             self.kv_params_validator(kv_transfer_params)
         return EngineCoreRequest(request_id, token_ids, params, time.time(), kv_transfer_params)

@@ -106,7 +106,8 @@ class LLM:
                 )
             self.engine.add_request(children[0])
             waiting[children[0].req_id] = children[1:]
-        finished = self._run(waiting)
+        order = [r.req_id for children in families for r in children]
+        finished = dict(zip(order, self._run(order, waiting), strict=True))
         return [
             merge_children([finished[r.req_id] for r in children], params)
             for children, params in zip(families, param_list)
@@ -126,9 +127,13 @@ class LLM:
         prompts = [self.inputs.apply_chat_template(conv) for conv in conversations]
         return self.generate(prompts, params)
 
-    def _run(self, waiting: dict[str, list[EngineCoreRequest]]) -> dict[str, RequestOutput]:
-        """Step until every request finished; a first child's siblings are added once it has
-        an output (its prompt's KV is then in the prefix cache)."""
+    def _run(
+        self, order: list[str], waiting: dict[str, list[EngineCoreRequest]] | None = None
+    ) -> list[RequestOutput]:
+        """Step until every request finished; the final outputs in ``order``. A first
+        child's siblings (``waiting``) are added once it has an output (its prompt's KV is
+        then in the prefix cache)."""
+        waiting = waiting or {}
         finished: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
             processed = self.outputs.process_outputs(self.engine.step())
@@ -139,7 +144,7 @@ class LLM:
                     self.engine.add_request(sibling)
                 if out.finished:
                     finished[out.request_id] = out
-        return finished
+        return [finished[request_id] for request_id in order]
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

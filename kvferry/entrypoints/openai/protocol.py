@@ -125,6 +125,7 @@ class CompletionRequest(_CommonRequest):
     logprobs: Int64 | None = None
     echo: bool = False
     suffix: str | None = None
+    prompt_logprobs: Int64 | None = None  # extra (vLLM's)
 
     def prompts(self) -> list[Prompt]:
         """The prompt as a batch: a string, a token list, or a list of either."""
@@ -143,7 +144,10 @@ class CompletionRequest(_CommonRequest):
         if self.suffix:
             raise InvalidRequestError("suffix is not supported", param="suffix")
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
-        return self._sampling_params(max_tokens, self.logprobs)
+        params = self._sampling_params(max_tokens, self.logprobs)
+        params.prompt_logprobs = self.prompt_logprobs
+        params.validate()
+        return params
 
 
 class TextPart(BaseModel):

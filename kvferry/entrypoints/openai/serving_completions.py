@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -14,7 +15,7 @@ from kvferry.entrypoints.openai import serving_common as common
 from kvferry.entrypoints.openai.protocol import CompletionRequest
 from kvferry.entrypoints.openai.serving_common import ServerState, Streams
 from kvferry.messages.model_runner import SampleLogprobs
-from kvferry.outputs import RequestOutput
+from kvferry.outputs import PromptLogprobsList, RequestOutput
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -33,6 +34,14 @@ def completion_logprobs(
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_logprobs_json(prompt_logprobs: PromptLogprobsList) -> list[dict[str, Any] | None]:
+    """vLLM's JSON of prompt_logprobs: token ids as keys, {logprob, rank, decoded_token}."""
+    return [
+        None if entry is None else {str(token): dataclasses.asdict(lp) for token, lp in entry.items()}
+        for entry in prompt_logprobs
+    ]
 
 
 class _Choice:
@@ -73,6 +82,8 @@ def _response(
             lps = completion_logprobs(state.engine.tokenizer, comp.token_ids, comp.logprobs)
         ids = common.token_id_fields(body.return_token_ids, out, list(comp.token_ids), True)
         content = {"text": comp.text, **ids}
+        if out.prompt_logprobs is not None:
+            content["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
         choices.append(common.final_choice(i, content, lps, out))
     return common.response_body(meta, choices, finals, body.n)
 
