@@ -8,6 +8,20 @@ from kvferry.messages.kv_connector import KVTransferParams
 from kvferry.messages.model_runner import SampleLogprobs
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """vLLM's Logprob: a token's logprob, its rank (1: most likely) and its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# Per prompt token: None for the first, then token id -> TokenLogprob (the prompt's token
+# and the top-k alternatives), as vLLM's prompt_logprobs.
+PromptLogprobsList = list[dict[int, TokenLogprob] | None]
+
+
 @dataclass
 class CompletionOutput:
     text: str
@@ -15,6 +29,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[SampleLogprobs] | None = None
+    index: int = 0  # of the answer among its prompt's n
 
 
 @dataclass
@@ -32,3 +47,4 @@ class RequestOutput:
     error: str | None = None
     invalid_param: str | None = None  # set when the error is the client's (HTTP 400)
     kv_transfer_params: KVTransferParams | None = None
+    prompt_logprobs: PromptLogprobsList | None = None  # when asked (SamplingParams.prompt_logprobs)

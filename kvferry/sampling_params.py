@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kvferry.constraint_params import validate_constraint_params
 from kvferry.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
@@ -29,6 +30,15 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives; 0 = only the sampled token
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's extras (validated in constraint_params.py; applied by worker/logits_constraints.py)
+    n: int = 1  # answers returned per prompt
+    best_of: int | None = None  # answers generated (>= n): the n of highest cumulative logprob kept
+    min_tokens: int = 0  # EOS and stop tokens masked (stop strings ignored) until this many outputs
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] = field(default_factory=list)  # never generated (multi-token: last token)
+    prompt_logprobs: int | None = None  # top alternatives per prompt token (LLM, completions)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # set by the input processor
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -61,6 +71,7 @@ class SamplingParams:
             "bad stop_token_ids",
             "stop_token_ids",
         )
+        validate_constraint_params(self)
 
     def _validate_floats(self) -> None:
         """Floats are finite and survive float32 (the batch tensors): a positive top_p or
@@ -94,6 +105,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @property
+    def uses_logits_constraints(self) -> bool:
+        """Whether the sampler masks or biases this request's logits (min_tokens aside)."""
+        return bool(self.logit_bias or self.allowed_token_ids is not None or self.bad_words_token_ids)
 
     @property
     def uses_penalties(self) -> bool:

@@ -87,6 +87,21 @@ def test_prefill_and_decode_bodies() -> None:
     assert "kv_transfer_params" not in decode_body(body, {"choices": []})  # no connector: recompute
 
 
+def test_prefill_body_keeps_first_token_constraints_and_drops_n() -> None:
+    body = {"prompt": "a", "max_tokens": 9, "n": 3, "best_of": 4, "min_tokens": 5, "logit_bias": {"7": -100}}
+    body |= {"allowed_token_ids": [1, 2], "bad_words": ["x"]}
+    pre = prefill_body("/v1/completions", body)
+    assert "n" not in pre and "best_of" not in pre and pre["min_tokens"] == 1
+    assert (pre["logit_bias"], pre["allowed_token_ids"], pre["bad_words"]) == ({"7": -100}, [1, 2], ["x"])
+    answers = [{"choices": [{"index": i, "text": f"{p}{i}"} for i in range(2)]} for p in "ab"]
+    assert [(c["index"], c["text"]) for c in merge_answers(answers)["choices"]] == [
+        (0, "a0"),
+        (1, "a1"),
+        (2, "b0"),
+        (3, "b1"),
+    ]
+
+
 def test_batches_split_into_legs_and_merge_back() -> None:
     body = {"prompt": ["a", [1, 2]], "max_tokens": 3}
     assert split_legs("/v1/completions", body) == [

@@ -146,6 +146,38 @@ def test_completion_batch(server: Server) -> None:
     assert texts == {0: resp.choices[0].text, 1: resp.choices[1].text}
 
 
+def test_n_answers_per_prompt_streamed_with_their_index(server: Server) -> None:
+    client = server.client()
+    resp = client.completions.create(model=MODEL, prompt=[[140], [150]], max_tokens=3, temperature=0, n=3)
+    tok = server.engine.tokenizer
+    assert [c.index for c in resp.choices] == list(range(6))
+    assert [c.text for c in resp.choices] == [tok.decode(expected_ids(140, 3))] * 3 + [
+        tok.decode(expected_ids(150, 3))
+    ] * 3
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (2, 18)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0, n=2
+    )
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content != ""
+    texts: dict[int, str] = {}
+    for chunk in client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        temperature=0,
+        n=2,
+        stream=True,
+    ):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+    assert texts == {0: chat.choices[0].message.content, 1: chat.choices[1].message.content}
+    with server.http() as http:
+        body = {"prompt": "hi", "n": 2, "best_of": 3, "stream": True}
+        assert http.post("/v1/completions", json=body).json()["error"]["param"] == "best_of"
+    wait_idle(server)
+
+
 def test_token_batch_and_single_token_stream(server: Server) -> None:
     client = server.client()
     resp = client.completions.create(model=MODEL, prompt=[[110, 111], [120]], max_tokens=2)
@@ -289,7 +321,15 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "temperature": -0.5}, "temperature"),
     ({"prompt": "hi", "top_p": 0}, "top_p"),
     ({"prompt": "hi", "top_p": 1.5}, "top_p"),
-    ({"prompt": "hi", "n": 2}, "n"),
+    ({"prompt": "hi", "n": 0}, "n"),
+    ({"prompt": "hi", "n": 2, "best_of": 1}, "best_of"),
+    ({"prompt": "hi", "min_tokens": 20, "max_tokens": 4}, "min_tokens"),
+    ({"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"x5": 1}}, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"5000": 1}}, "logit_bias"),
+    ({"prompt": "hi", "allowed_token_ids": [5000]}, "allowed_token_ids"),
+    ({"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids"),
+    ({"prompt": "hi", "bad_words": [""]}, "bad_words"),
     ({"prompt": "hi", "temperature": "hot"}, "temperature"),
     ({"prompt": 5}, "prompt"),
     ({"prompt": []}, "prompt"),

@@ -130,6 +130,25 @@ def test_completions_match_offline_engine(url: str, reference: dict[str, str]) -
     assert "".join(c.choices[0].text for c in chunks) == reference[prompt]
 
 
+def test_n_min_tokens_and_prompt_logprobs(url: str, reference: dict[str, str]) -> None:
+    prompt = PROMPTS[0]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0, "n": 2, "min_tokens": 12}
+    auth = {"Authorization": f"Bearer {KEY}"}
+    resp = httpx.post(url + "/v1/completions", json={**body, "prompt_logprobs": 1}, headers=auth).json()
+    assert [(c["index"], c["text"]) for c in resp["choices"]] == [
+        (0, reference[prompt]),
+        (1, reference[prompt]),
+    ]
+    prompt_logprobs = resp["choices"][0]["prompt_logprobs"]
+    assert prompt_logprobs[0] is None and len(prompt_logprobs) == resp["usage"]["prompt_tokens"]
+    assert all(
+        1 <= len(entry) <= 2 and all(v["rank"] >= 1 for v in entry.values()) for entry in prompt_logprobs[1:]
+    )
+    assert resp["usage"]["completion_tokens"] == 24
+    bad = httpx.post(url + "/v1/completions", json={**body, "logit_bias": {"1": 200}}, headers=auth)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias"
+
+
 def test_chat_stream_and_not(url: str) -> None:
     client = _client(url)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
@@ -212,7 +231,7 @@ def test_aborted_non_stream_frees_blocks(url: str) -> None:
         ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400),
         ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400),
         ("/v1/completions", {"prompt": "hi", "top_p": 1.01}, 400),
-        ("/v1/completions", {"prompt": "hi", "n": 3}, 400),
+        ("/v1/completions", {"prompt": "hi", "n": 3, "best_of": 2}, 400),
         ("/v1/completions", {"prompt": {"a": 1}}, 400),
         ("/v1/completions", {"prompt": "hi", "model": "nope"}, 404),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}, 400),

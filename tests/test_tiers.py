@@ -56,6 +56,9 @@ REPRESENTATIVES = {
     "the authenticated side channel": (
         "tests/test_side_channel_units.py::test_an_authenticated_client_is_served_and_knows_who_answered"
     ),
+    "vLLM's request extras over HTTP: n, min_tokens, logit_bias, prompt_logprobs": (
+        "tests/test_server_e2e.py::test_n_min_tokens_and_prompt_logprobs"
+    ),
     "KV layout negotiation with a connector": (
         "tests/test_layout_negotiation.py::test_an_hnd_only_connector_gets_hnd_tensors_and_the_same_answers"
     ),

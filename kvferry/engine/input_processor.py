@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvferry.config import ModelConfig
+from kvferry.constraint_params import check_token_ids_in_vocab, tokenize_bad_words
 from kvferry.errors import InvalidRequestError
 from kvferry.messages.engine_core import EngineCoreRequest
 from kvferry.messages.kv_connector import KVTransferParams
@@ -54,7 +56,16 @@ class InputProcessor:
         kv_transfer_params: KVTransferParams | None = None,
     ) -> EngineCoreRequest:
         token_ids = self.tokenize(prompt)
+        if params.bad_words and not params.bad_words_token_ids:
+            bad = tokenize_bad_words(self.tokenizer, params.bad_words)
+            params = dataclasses.replace(params, bad_words_token_ids=bad)
         self._validate(token_ids, params)
+        check_token_ids_in_vocab(params, self.model_config.vocab_size)
+        if params.prompt_logprobs is not None and (kv_transfer_params or {}).get("do_remote_prefill"):
+            raise InvalidRequestError(
+                "prompt_logprobs needs the prompt computed here, not received over P/D",
+                param="prompt_logprobs",
+            )
         if self.kv_params_validator is not None and kv_transfer_params is not None:
             self.kv_params_validator(kv_transfer_params)
         return EngineCoreRequest(request_id, token_ids, params, time.time(), kv_transfer_params)

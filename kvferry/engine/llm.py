@@ -12,7 +12,9 @@ from kvferry.engine.core import EngineCore, EngineStats
 from kvferry.engine.input_processor import ChatMessage, InputProcessor
 from kvferry.engine.options import engine_config
 from kvferry.engine.output_processor import OutputProcessor
+from kvferry.engine.parallel_sampling import child_params, merge_children, num_children
 from kvferry.errors import InvalidRequestError
+from kvferry.messages.engine_core import EngineCoreRequest
 from kvferry.model.tokenizer import load_tokenizer
 from kvferry.outputs import RequestOutput
 from kvferry.sampling_params import SamplingParams
@@ -94,12 +96,29 @@ class LLM:
         if len(param_list) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
         # Validate every prompt before queueing any, so a bad one leaves nothing behind.
-        requests = [self.inputs.process(str(next(self._ids)), pr, p) for pr, p in zip(prompts, param_list)]
-        for prompt, request in zip(prompts, requests):
+        families = [self._children(pr, p) for pr, p in zip(prompts, param_list)]
+        waiting: dict[str, list[EngineCoreRequest]] = {}  # first child -> its siblings (n > 1)
+        for prompt, children in zip(prompts, families):
             text = prompt if isinstance(prompt, str) else None
-            self.outputs.add_request(request.req_id, text, request.prompt_token_ids, request.sampling_params)
-            self.engine.add_request(request)
-        return self._run([r.req_id for r in requests])
+            for request in children:
+                self.outputs.add_request(
+                    request.req_id, text, request.prompt_token_ids, request.sampling_params
+                )
+            self.engine.add_request(children[0])
+            waiting[children[0].req_id] = children[1:]
+        order = [r.req_id for children in families for r in children]
+        finished = dict(zip(order, self._run(order, waiting), strict=True))
+        return [
+            merge_children([finished[r.req_id] for r in children], params)
+            for children, params in zip(families, param_list)
+        ]
+
+    def _children(self, prompt: str | list[int], params: SamplingParams) -> list[EngineCoreRequest]:
+        """One engine request per answer (parallel_sampling.py); ids unique to this LLM."""
+        base = str(next(self._ids))
+        count = num_children(params)
+        ids = [base] if count == 1 else [f"{base}-{c}" for c in range(count)]
+        return [self.inputs.process(rid, prompt, child_params(params, c)) for c, rid in enumerate(ids)]
 
     def chat(
         self, messages: list[ChatMessage] | list[list[ChatMessage]], params: SamplingParams | None = None
@@ -108,13 +127,21 @@ class LLM:
         prompts = [self.inputs.apply_chat_template(conv) for conv in conversations]
         return self.generate(prompts, params)
 
-    def _run(self, order: list[str]) -> list[RequestOutput]:
+    def _run(
+        self, order: list[str], waiting: dict[str, list[EngineCoreRequest]] | None = None
+    ) -> list[RequestOutput]:
+        """Step until every request finished; the final outputs in ``order``. A first
+        child's siblings (``waiting``) are added once it has an output (its prompt's KV is
+        then in the prefix cache)."""
+        waiting = waiting or {}
         finished: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
             processed = self.outputs.process_outputs(self.engine.step())
             if processed.reqs_to_abort:
                 self.engine.abort_requests(processed.reqs_to_abort)
             for out in processed.request_outputs:
+                for sibling in waiting.pop(out.request_id, []):
+                    self.engine.add_request(sibling)
                 if out.finished:
                     finished[out.request_id] = out
         return [finished[request_id] for request_id in order]

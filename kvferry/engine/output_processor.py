@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 from kvferry.engine.detokenizer import IncrementalDetokenizer
 from kvferry.messages.engine_core import EngineCoreOutput, FinishReason
-from kvferry.messages.model_runner import SampleLogprobs
-from kvferry.outputs import CompletionOutput, RequestOutput
+from kvferry.messages.model_runner import PromptLogprob, SampleLogprobs
+from kvferry.outputs import CompletionOutput, PromptLogprobsList, RequestOutput, TokenLogprob
 from kvferry.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -39,6 +39,7 @@ class _RequestState:
     boundaries: list[tuple[int, int]] = field(default_factory=list)
     logprobs: list[SampleLogprobs] = field(default_factory=list)
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobsList | None = None
 
     @property
     def holdback(self) -> int:
@@ -87,12 +88,15 @@ class OutputProcessor:
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
         if out.num_prompt_tokens:
             state.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            state.prompt_logprobs = prompt_logprobs_list(self.tokenizer, out.prompt_logprobs)
         new_tokens = list(out.new_token_ids)
         # The core stops only on tokens (EOS, stop_token_ids): such a token is not part of the text.
         text_tokens = new_tokens[:-1] if finish_reason == FinishReason.STOP else new_tokens
         state.text += state.detokenizer.step(text_tokens, final=out.finished)
         stopped_by_string = False
-        if state.params.stop and finish_reason in (None, FinishReason.LENGTH):
+        past_min_tokens = len(state.token_ids) + len(new_tokens) > state.params.min_tokens  # as vLLM
+        if state.params.stop and finish_reason in (None, FinishReason.LENGTH) and past_min_tokens:
             hit = self._find_stop_string(state)
             if hit is not None:
                 finish_reason, stop_reason, stopped_by_string = FinishReason.STOP, hit, True
@@ -165,4 +169,26 @@ class OutputProcessor:
             error=out.error,
             invalid_param=out.invalid_param,
             kv_transfer_params=out.kv_transfer_params,
+            prompt_logprobs=state.prompt_logprobs,
         )
+
+
+def prompt_logprobs_list(
+    tokenizer: PreTrainedTokenizerBase, entries: list[PromptLogprob]
+) -> PromptLogprobsList:
+    """vLLM's shape: None for the first prompt token, then per token its own logprob and
+    the top-k alternatives', each with rank and text."""
+    texts: dict[int, str] = {}
+
+    def text(token: int) -> str:
+        if token not in texts:
+            texts[token] = str(tokenizer.decode([token]))
+        return texts[token]
+
+    result: PromptLogprobsList = [None]
+    for entry in entries:
+        ranked = {entry.token_id: TokenLogprob(entry.logprob, entry.rank, text(entry.token_id))}
+        for rank, (token, logprob) in enumerate(entry.top, start=1):
+            ranked.setdefault(token, TokenLogprob(logprob, rank, text(token)))
+        result.append(ranked)
+    return result

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from kvferry.messages.kv_connector import KVTransferParams
-from kvferry.messages.model_runner import SampleLogprobs
+from kvferry.messages.model_runner import PromptLogprob, SampleLogprobs
 from kvferry.sampling_params import SamplingParams
 
 
@@ -39,6 +39,7 @@ class EngineCoreOutput:
     # Set (to the parameter's name, or "") when the error is the client's: HTTP 400, not 500.
     invalid_param: str | None = None
     kv_transfer_params: KVTransferParams | None = None
+    prompt_logprobs: list[PromptLogprob] | None = None  # with the first tokens, when asked
 
     @property
     def finished(self) -> bool:

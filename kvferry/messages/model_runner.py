@@ -16,6 +16,26 @@ class SampleLogprobs:
 
 
 @dataclass
+class PromptLogprob:
+    """A prompt token's logprob given the tokens before it, its rank in the distribution
+    (1: the most likely) and the top-k alternatives (token id -> logprob)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class PromptLogprobs:
+    """Prompt logprobs computed in one step: those of the prompt tokens at positions
+    ``first + 1``, ``first + 2``, ... (the first prompt token has none)."""
+
+    first: int
+    entries: list[PromptLogprob]
+
+
+@dataclass
 class ModelRunnerOutput:
     req_ids: list[str] = field(default_factory=list)
     # Per request, in req_ids order: the tokens sampled this step (empty for a prefill chunk
@@ -23,6 +43,7 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[SampleLogprobs | None] = field(default_factory=list)
     kv_connector_output: KVConnectorOutput | None = None  # this worker's; aggregated by the executor
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # req id -> this step's
 
     @classmethod
     def empty(cls) -> ModelRunnerOutput:

@@ -143,7 +143,8 @@ class KVCacheManager:
         produces logits for it. Hits are not referenced yet: pass them to allocate_slots
         before allocating anything else.
         """
-        if not self.enable_caching or self.block_hasher is None:
+        wants_prompt_logprobs = request.sampling_params.prompt_logprobs is not None  # every position computed
+        if not self.enable_caching or self.block_hasher is None or wants_prompt_logprobs:
             return self.empty_blocks(), 0
         num_blocks = (request.num_tokens - 1) // self.block_size
         while True:

@@ -10,6 +10,7 @@ from types import MappingProxyType
 from kvferry.errors import InvalidRequestError
 from kvferry.messages.engine_core import EngineCoreRequest, FinishReason
 from kvferry.messages.kv_connector import KVTransferParams
+from kvferry.messages.model_runner import PromptLogprob
 from kvferry.sampling_params import SamplingParams
 from kvferry.scheduler.hashing import BlockHash, BlockHasher
 
@@ -103,6 +104,7 @@ class Request:
         self.num_cached_tokens = -1  # set when first scheduled: prompt tokens served from a cache
         self.num_preemptions = 0
         self.forced_first_token_id: int | None = None  # see force_first_token
+        self.prompt_logprobs: list[PromptLogprob] = []  # entry i: of prompt token i + 1
         self.block_hashes: list[BlockHash] = []
         self._block_hasher = block_hasher
         if block_hasher is not None:

@@ -18,7 +18,7 @@ from kvferry.errors import InvalidRequestError
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.messages.engine_core import EngineCoreOutput, EngineCoreRequest
 from kvferry.messages.kv_connector import KVConnectorOutput, KVTransferParams, checked_output
-from kvferry.messages.model_runner import ModelRunnerOutput, SampleLogprobs
+from kvferry.messages.model_runner import ModelRunnerOutput, PromptLogprob, PromptLogprobs, SampleLogprobs
 from kvferry.messages.scheduler_output import SchedulerOutput
 from kvferry.scheduler.hashing import BlockHasher
 from kvferry.scheduler.interfaces import SchedulerConnector
@@ -327,7 +327,10 @@ class Scheduler:
                 if i is not None and i < len(model_runner_output.logprobs)
                 else None
             )
+            record_prompt_logprobs(request, model_runner_output.prompt_logprobs.get(req_id))
             output = self._apply_sampled(request, sampled, logprobs)
+            if output is not None and request.num_output_tokens == len(output.new_token_ids):
+                output.prompt_logprobs = prompt_logprobs_of(request)  # with the first tokens
             if output is not None:
                 outputs.append(output)
                 any_finished = any_finished or output.finished
@@ -478,3 +481,14 @@ class Scheduler:
                 if request.num_output_tokens == 0:
                     request.num_cached_tokens = -1  # measured again when it is admitted
         return {r.req_id for r in hit}
+
+
+def record_prompt_logprobs(request: Request, chunk: PromptLogprobs | None) -> None:
+    """Keep a step's prompt logprobs (a recomputed prompt, after preemption, replaces them)."""
+    if chunk is not None:
+        del request.prompt_logprobs[chunk.first :]
+        request.prompt_logprobs.extend(chunk.entries)
+
+
+def prompt_logprobs_of(request: Request) -> list[PromptLogprob] | None:
+    return None if request.sampling_params.prompt_logprobs is None else list(request.prompt_logprobs)

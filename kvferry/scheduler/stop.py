@@ -17,6 +17,8 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     """Whether the request's last token ends it; if so, sets its status and stop_reason."""
     last = request.output_token_ids[-1]
     params = request.sampling_params
+    if request.num_output_tokens < params.min_tokens:  # the sampler masked EOS and stop tokens
+        return _length_capped(request, max_model_len)
     if not params.ignore_eos and last in request.eos_token_ids:
         request.status = RequestStatus.FINISHED_STOPPED
         return True
@@ -24,6 +26,10 @@ def check_stop(request: Request, max_model_len: int) -> bool:
         request.status = RequestStatus.FINISHED_STOPPED
         request.stop_reason = last
         return True
+    return _length_capped(request, max_model_len)
+
+
+def _length_capped(request: Request, max_model_len: int) -> bool:
     if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return True

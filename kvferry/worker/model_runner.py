@@ -17,6 +17,7 @@ from kvferry.model.forward_context import ForwardContext, Workspace
 from kvferry.worker.capture import CapturedForward, hook_placement
 from kvferry.worker.connector_guard import ConnectorGuard
 from kvferry.worker.inputs import StepInputs, build_step_inputs
+from kvferry.worker.prompt_logprobs import compute_prompt_logprobs
 from kvferry.worker.request_state import RequestState, build_sampling_batch
 from kvferry.worker.sampler import Sampler
 
@@ -121,6 +122,10 @@ class ModelRunner:
         inputs = build_step_inputs(states, scheduler_output.num_scheduled_tokens, kv_config, self.device)
         hidden = self._forward(inputs, hooks)
         output = ModelRunnerOutput(req_ids=[s.req_id for s in inputs.ordered])
+        if any(s.params.prompt_logprobs is not None for s in inputs.ordered):
+            output.prompt_logprobs = compute_prompt_logprobs(
+                hidden, inputs.ordered, scheduler_output.num_scheduled_tokens, self.model.compute_logits
+            )
         sampled = self._sample(hidden, inputs)
         for state in inputs.ordered:
             state.num_computed_tokens += scheduler_output.num_scheduled_tokens[state.req_id]
@@ -148,7 +153,9 @@ class ModelRunner:
             return {}
         rows = torch.tensor(inputs.sample_rows, dtype=torch.int64, device=hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
-        tokens, logprobs = self.sampler(logits, build_sampling_batch(inputs.sample_states))
+        tokens, logprobs = self.sampler(
+            logits, build_sampling_batch(inputs.sample_states, self.config.model.eos_token_ids)
+        )
         return {s.req_id: ([tok], lp) for s, tok, lp in zip(inputs.sample_states, tokens, logprobs)}
 
     def _update_states(self, so: SchedulerOutput) -> None:

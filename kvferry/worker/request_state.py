@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvferry.messages.scheduler_output import NewRequestData
 from kvferry.sampling_params import SamplingParams
+from kvferry.worker.logits_constraints import build_logits_constraints, uses_logits_constraints
 from kvferry.worker.sampler import Penalties, SamplingBatch
 
 
@@ -48,7 +50,7 @@ class RequestState:
         return None if len(self.token_ids) > self.num_prompt_tokens else self.forced_first_token_id
 
 
-def build_sampling_batch(states: list[RequestState]) -> SamplingBatch:
+def build_sampling_batch(states: list[RequestState], eos_token_ids: Sequence[int] = ()) -> SamplingBatch:
     params = [s.params for s in states]
     batch = SamplingBatch(
         temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32),
@@ -62,6 +64,9 @@ def build_sampling_batch(states: list[RequestState]) -> SamplingBatch:
     forced = [s.forced_token_id for s in states]
     if any(token is not None for token in forced):
         batch.forced_token_ids = forced
+    if any(uses_logits_constraints(s.params, len(s.output_token_ids)) for s in states):
+        outputs = [s.output_token_ids for s in states]
+        batch.constraints = build_logits_constraints(params, outputs, eos_token_ids)
     if any(p.uses_penalties for p in params):
         batch.penalties = Penalties(
             repetition=torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32),

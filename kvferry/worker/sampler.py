@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kvferry.messages.model_runner import SampleLogprobs
+from kvferry.worker.logits_constraints import LogitsConstraints
 from kvferry.worker.seeded_draws import position_draws
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class SamplingBatch:
     penalties: Penalties | None = None  # None when no row uses them
     # Per row, the token to output instead of the sampled one (None when no row has one).
     forced_token_ids: list[int | None] | None = None
+    constraints: LogitsConstraints | None = None  # None when no row uses them
 
     @property
     def all_greedy(self) -> bool:
@@ -70,6 +72,8 @@ class Sampler:
         raw_logprobs = (
             torch.log_softmax(logits, dim=-1) if any(n is not None for n in batch.num_logprobs) else None
         )
+        if batch.constraints is not None:
+            logits = batch.constraints.apply(logits)
         if batch.penalties is not None:
             logits = apply_penalties(logits, batch.penalties)
         if batch.all_greedy:

@@ -66,14 +66,17 @@ class _CommonRequest(BaseModel):
     kv_transfer_params: dict[str, Any] | None = None
     # choices also carry token ids (the prompt's once, then the new ones)
     return_token_ids: bool = False
+    best_of: Int64 | None = None
+    min_tokens: Int64 = 0
+    logit_bias: dict[str, float] | None = None  # token id (as JSON keys are: a string) -> bias
+    allowed_token_ids: TokenIds | None = None
+    bad_words: Texts | None = None
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        if self.n != 1:
-            raise InvalidRequestError("only n=1 is supported", param="n")
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -90,7 +93,23 @@ class _CommonRequest(BaseModel):
             logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            n=self.n,
+            best_of=self.best_of,
+            min_tokens=self.min_tokens,
+            logit_bias=_token_biases(self.logit_bias),
+            allowed_token_ids=None if self.allowed_token_ids is None else list(self.allowed_token_ids),
+            bad_words=list(self.bad_words or []),
         )
+
+
+def _token_biases(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias (token ids as strings) with integer keys."""
+    out = {}
+    for key, value in (bias or {}).items():
+        if not key.isdigit() or len(key) > 19:
+            raise InvalidRequestError(f"logit_bias: {key!r:.40} is not a token id", param="logit_bias")
+        out[int(key)] = value
+    return out
 
 
 Prompt = str | list[int]
@@ -106,6 +125,7 @@ class CompletionRequest(_CommonRequest):
     logprobs: Int64 | None = None
     echo: bool = False
     suffix: str | None = None
+    prompt_logprobs: Int64 | None = None  # extra (vLLM's)
 
     def prompts(self) -> list[Prompt]:
         """The prompt as a batch: a string, a token list, or a list of either."""
@@ -124,7 +144,10 @@ class CompletionRequest(_CommonRequest):
         if self.suffix:
             raise InvalidRequestError("suffix is not supported", param="suffix")
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
-        return self._sampling_params(max_tokens, self.logprobs)
+        params = self._sampling_params(max_tokens, self.logprobs)
+        params.prompt_logprobs = self.prompt_logprobs
+        params.validate()
+        return params
 
 
 class TextPart(BaseModel):

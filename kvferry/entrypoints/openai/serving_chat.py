@@ -53,7 +53,7 @@ async def create_chat_completion(
     engine = state.engine
     prompt = await _prompt(body, state)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    gens = [engine.generate(prompt, params, request_id, body.kv_transfer_params)]
+    gens = common.answer_streams(engine, [(request_id, prompt)], params, body.kv_transfer_params, body.stream)
     meta = {"id": request_id, "created": int(time.time()), "model": model}
     return await common.respond(
         request,
@@ -61,7 +61,7 @@ async def create_chat_completion(
         gens,
         body.stream,
         lambda firsts: _chunks(state, body, meta, firsts, gens),
-        lambda finals: _response(state, body, meta, finals),
+        lambda finals: _response(state, body, meta, common.chosen_answers(finals, params)),
     )
 
 
@@ -76,14 +76,16 @@ async def _prompt(body: ChatCompletionRequest, state: ServerState) -> str | list
 def _response(
     state: ServerState, body: ChatCompletionRequest, meta: dict[str, Any], finals: list[RequestOutput]
 ) -> dict[str, Any]:
-    comp = finals[0].outputs[0]
-    lps = None
-    if body.logprobs and comp.logprobs is not None:
-        lps = chat_logprobs(state.engine.tokenizer, comp.token_ids, comp.logprobs)
-    message = {"role": "assistant", "content": comp.text}
-    ids = common.token_id_fields(body.return_token_ids, finals[0], list(comp.token_ids), True)
-    choice = common.final_choice(0, {"message": message, **ids}, lps, finals[0])
-    return common.response_body({**meta, "object": "chat.completion"}, [choice], finals)
+    choices = []
+    for index, final in enumerate(finals):
+        comp = final.outputs[0]
+        lps = None
+        if body.logprobs and comp.logprobs is not None:
+            lps = chat_logprobs(state.engine.tokenizer, comp.token_ids, comp.logprobs)
+        message = {"role": "assistant", "content": comp.text}
+        ids = common.token_id_fields(body.return_token_ids, final, list(comp.token_ids), True)
+        choices.append(common.final_choice(index, {"message": message, **ids}, lps, final))
+    return common.response_body({**meta, "object": "chat.completion"}, choices, finals, body.n)
 
 
 async def _chunks(
@@ -94,20 +96,24 @@ async def _chunks(
     gens: Streams,
 ) -> AsyncIterator[dict[str, Any]]:
     meta = {**meta, "object": "chat.completion.chunk"}
-    yield chat_role_chunk(meta)
-    final = None
-    sent_prompt_ids = False
-    async for _, out in common.merge(firsts, gens):
+    for index in range(len(gens)):  # one answer per stream (n; best_of > n is not streamed)
+        role = chat_role_chunk(meta)
+        role["choices"][0]["index"] = index
+        yield role
+    finals: dict[int, RequestOutput] = {}
+    sent_prompt_ids: set[int] = set()
+    async for index, out in common.merge(firsts, gens):
         if out.finished:
-            final = out
+            finals[index] = out
         lps = None
         if body.logprobs and out.delta_logprobs:
             lps = chat_logprobs(state.engine.tokenizer, out.delta_token_ids, out.delta_logprobs)
         delta = {"content": out.delta_text} if out.delta_text or lps is not None else {}
-        ids = common.delta_token_id_fields(body.return_token_ids, out, not sent_prompt_ids)
-        chunk = common.stream_chunk(meta, 0, {"delta": delta, **ids}, lps, out, bool(ids))
+        ids = common.delta_token_id_fields(body.return_token_ids, out, index not in sent_prompt_ids)
+        chunk = common.stream_chunk(meta, index, {"delta": delta, **ids}, lps, out, bool(ids))
         if chunk is not None:
-            sent_prompt_ids = sent_prompt_ids or bool(ids)
+            if ids:
+                sent_prompt_ids.add(index)
             yield chunk
-    if body.include_usage and final is not None:
-        yield {**meta, "choices": [], "usage": common.usage([final])}
+    if body.include_usage and finals:
+        yield {**meta, "choices": [], "usage": common.usage([finals[i] for i in sorted(finals)], body.n)}

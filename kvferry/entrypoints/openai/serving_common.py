@@ -3,6 +3,7 @@ disconnects), SSE framing and errors, choice and chunk shapes, usage, batches of
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -12,6 +13,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvferry.engine.async_engine import AsyncEngine
+from kvferry.engine.parallel_sampling import (
+    best_children,
+    child_params,
+    child_streams,
+    num_children,
+    ranks_children,
+)
 from kvferry.entrypoints.http_common import (
     CLIENT_CLOSED_STATUS,
     SSE_DONE,
@@ -22,8 +30,10 @@ from kvferry.entrypoints.http_common import (
     until_disconnect,
 )
 from kvferry.entrypoints.openai.errors import exception_body
-from kvferry.errors import ModelNotFoundError
+from kvferry.errors import InvalidRequestError, ModelNotFoundError
+from kvferry.messages.kv_connector import KVTransferParams
 from kvferry.outputs import RequestOutput
+from kvferry.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -107,10 +117,10 @@ def final_choice(index: int, content: dict[str, Any], logprobs: Any, out: Reques
 
 
 def response_body(
-    meta: dict[str, Any], choices: list[dict[str, Any]], finals: list[RequestOutput]
+    meta: dict[str, Any], choices: list[dict[str, Any]], finals: list[RequestOutput], per_prompt: int = 1
 ) -> dict[str, Any]:
     """A complete response: choices, usage and the KV transfer parameters (one, or a list)."""
-    result = {**meta, "choices": choices, "usage": usage(finals)}
+    result = {**meta, "choices": choices, "usage": usage(finals, per_prompt)}
     kv = [o.kv_transfer_params for o in finals if o.kv_transfer_params is not None]
     if kv:
         result["kv_transfer_params"] = kv[0] if len(finals) == 1 else kv
@@ -161,10 +171,12 @@ def delta_token_id_fields(wanted: bool, out: RequestOutput, with_prompt: bool) -
     return ids
 
 
-def usage(outputs: list[RequestOutput]) -> dict[str, Any]:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+def usage(outputs: list[RequestOutput], per_prompt: int = 1) -> dict[str, Any]:
+    """Usage of answers listed prompt by prompt, ``per_prompt`` each (n): a prompt counts once."""
+    firsts = outputs[::per_prompt]
+    prompt = sum(len(o.prompt_token_ids) for o in firsts)
     completion = sum(len(o.outputs[0].token_ids) for o in outputs if o.outputs)
-    cached = sum(o.num_cached_tokens for o in outputs)
+    cached = sum(o.num_cached_tokens for o in firsts)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -181,6 +193,41 @@ def token_text(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str:
 
 
 # -- several generate() streams -----------------------------------------------------------
+
+
+def answer_streams(
+    engine: AsyncEngine,
+    prompts: list[tuple[str, str | list[int]]],
+    params: SamplingParams,
+    kv_transfer_params: KVTransferParams | None,
+    stream: bool,
+) -> Streams:
+    """The generate() streams of a request's (request id, prompt)s: per prompt, one per
+    child (n, best_of)."""
+    if stream and ranks_children(params):
+        raise InvalidRequestError("best_of > n is not supported with stream", param="best_of")
+    count = num_children(params)
+    gens: Streams = []
+    for request_id, prompt in prompts:
+
+        def open_child(
+            c: int, rid: str = request_id, prompt: str | list[int] = prompt
+        ) -> AsyncIterator[RequestOutput]:
+            child_id = rid if count == 1 else f"{rid}-{c}"
+            kv = kv_transfer_params if c == 0 else None  # the prompt's KV crosses once
+            return engine.generate(prompt, copy.copy(child_params(params, c)), child_id, kv)
+
+        gens.extend(child_streams(params, open_child))
+    return gens
+
+
+def chosen_answers(finals: list[RequestOutput], params: SamplingParams) -> list[RequestOutput]:
+    """The answers returned, n per prompt, of every child's final output (prompt by prompt)."""
+    count = num_children(params)
+    chosen: list[RequestOutput] = []
+    for start in range(0, len(finals), count):
+        chosen.extend(best_children(finals[start : start + count], params))
+    return chosen
 
 
 async def final_output(gen: AsyncIterator[RequestOutput]) -> RequestOutput:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -15,7 +15,7 @@ from kvferry.entrypoints.openai import serving_common as common
 from kvferry.entrypoints.openai.protocol import CompletionRequest
 from kvferry.entrypoints.openai.serving_common import ServerState, Streams
 from kvferry.messages.model_runner import SampleLogprobs
-from kvferry.outputs import RequestOutput
+from kvferry.outputs import PromptLogprobsList, RequestOutput
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -36,6 +36,14 @@ def completion_logprobs(
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+def prompt_logprobs_json(prompt_logprobs: PromptLogprobsList) -> list[dict[str, Any] | None]:
+    """vLLM's JSON of prompt_logprobs: token ids as keys, {logprob, rank, decoded_token}."""
+    return [
+        None if entry is None else {str(token): dataclasses.asdict(lp) for token, lp in entry.items()}
+        for entry in prompt_logprobs
+    ]
+
+
 class _Choice:
     """Per-prompt state of a streamed completion."""
 
@@ -50,10 +58,8 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
     params = body.to_sampling_params()
     prompts = body.prompts()
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    gens = [
-        state.engine.generate(prompt, copy.copy(params), f"{request_id}-{i}", body.kv_transfer_params)
-        for i, prompt in enumerate(prompts)
-    ]
+    ids = [(f"{request_id}-{i}", prompt) for i, prompt in enumerate(prompts)]
+    gens = common.answer_streams(state.engine, ids, params, body.kv_transfer_params, body.stream)
     meta = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model}
     return await common.respond(
         request,
@@ -61,7 +67,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
         gens,
         body.stream,
         lambda firsts: _chunks(state, body, meta, firsts, gens),
-        lambda finals: _response(state, body, meta, finals),
+        lambda finals: _response(state, body, meta, common.chosen_answers(finals, params)),
     )
 
 
@@ -76,8 +82,10 @@ def _response(
             lps = completion_logprobs(state.engine.tokenizer, comp.token_ids, comp.logprobs)
         ids = common.token_id_fields(body.return_token_ids, out, list(comp.token_ids), True)
         content = {"text": comp.text, **ids}
+        if out.prompt_logprobs is not None:
+            content["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
         choices.append(common.final_choice(i, content, lps, out))
-    return common.response_body(meta, choices, finals)
+    return common.response_body(meta, choices, finals, body.n)
 
 
 async def _chunks(
@@ -94,7 +102,7 @@ async def _chunks(
             yield chunk
     if body.include_usage:
         finals = [c.final for c in choices if c.final is not None]
-        yield {**meta, "choices": [], "usage": common.usage(finals)}
+        yield {**meta, "choices": [], "usage": common.usage(finals, body.n)}
 
 
 def _chunk(

@@ -98,7 +98,19 @@ def prefill_body(path: str, body: dict[str, Any]) -> dict[str, Any]:
     out["stream"] = False
     out.pop("stream_options", None)
     out["kv_transfer_params"] = {"do_remote_decode": True}
+    # One answer: the decoder's n children share the prompt's KV it receives (prefix cache);
+    # the constraints on the first token (logit_bias, allowed_token_ids, bad_words) stay.
+    out.pop("n", None)
+    out.pop("best_of", None)
+    if isinstance(out.get("min_tokens"), int):
+        out["min_tokens"] = min(out["min_tokens"], 1)  # the first token is not EOS
     return out
+
+
+def answers_per_prompt(body: dict[str, Any]) -> int:
+    """The request's n (validated by the proxy's protocol models)."""
+    n = body.get("n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
 
 
 def decode_body(body: dict[str, Any], prefill_response: dict[str, Any]) -> dict[str, Any]:
@@ -289,7 +301,8 @@ def merge_answers(answers: list[dict[str, Any]]) -> dict[str, Any]:
     choices = []
     for i, answer in enumerate(answers):
         for choice in answer.get("choices", []):
-            choices.append({**choice, "index": i})
+            n = len(answer.get("choices", []))
+            choices.append({**choice, "index": i * n + choice.get("index", 0)})
     merged["choices"] = choices
     usages = [a["usage"] for a in answers if isinstance(a.get("usage"), dict)]
     if usages:

@@ -39,6 +39,7 @@ from kvferry.entrypoints.proxy.pd import (
     CHAT,
     Prefilled,
     ProxyContext,
+    answers_per_prompt,
     decode_body,
     decoder_repeats_first_token,
     first_text,
@@ -72,14 +73,17 @@ class StreamLeg:
         self.pending = ""  # early text still to drop from the decoder's stream
         self.stream: UpstreamStream | None = None
         self.sent = SentTokens(chat=path == CHAT)
-        self.can_fail_over = len(ctx.decode.instances) > 1
+        # n > 1: the decoder's answers are passed through as they come (no early text, no
+        # failover: both continue one answer)
+        self.answers = answers_per_prompt(body)
+        self.can_fail_over = len(ctx.decode.instances) > 1 and self.answers == 1
         self.role_sent = False  # chat: the client got the role chunk (a later decoder's is dropped)
         self.client_wants_ids = bool(body.get("return_token_ids"))
 
     async def prepare(self, allow_early: bool) -> None:
         self.prefill = await run_prefill(self.ctx, self.path, self.body, self.headers)
         text = first_text(self.path, self.prefill.response)
-        if allow_early and self._can_send_early(text):
+        if allow_early and self.answers == 1 and self._can_send_early(text):
             self.early = text
         else:
             await self._open_decoder()
@@ -159,7 +163,7 @@ class StreamLeg:
     def _role_again(self, chunk: dict[str, Any]) -> bool:
         """Whether ``chunk`` is a chat role chunk the client already got (from the prefill's
         early text, or from a decoder lost since)."""
-        if self.path != CHAT or not is_role_chunk(chunk):
+        if self.path != CHAT or self.answers > 1 or not is_role_chunk(chunk):
             return False
         again, self.role_sent = self.role_sent, True
         return again
@@ -267,7 +271,7 @@ async def _events(ctx: ProxyContext, path: str, legs: list[StreamLeg], start: fl
                     usages.append(chunk)
                     continue
                 for choice in chunk["choices"]:
-                    choice["index"] = leg.index
+                    choice["index"] = leg.index * leg.answers + choice.get("index", 0)
                 if first and _has_text(chunk):
                     first = False
                     ctx.metrics.first_chunk(time.monotonic() - start)

@@ -1,0 +1,105 @@
+"""Sampling constraints and n > 1 through `kvferry disagg` (NIXL P/D and the proxy): the
+prefiller honours min_tokens, logit_bias, allowed_token_ids and bad_words for the first
+token it samples, the decoder continues under them, and every greedy answer is
+byte-identical to a colocated engine's; n = 3 prefills the prompt once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvferry.engine.llm import LLM
+from kvferry.sampling_params import SamplingParams
+from tests.proxy_fakes import free_port, start_cli
+from tests.test_disagg import MODEL, Deployment, _disagg_args, _metric, _wait_blocks_free
+
+pytestmark = pytest.mark.slow  # a `kvferry disagg` deployment (make test-all)
+
+PROMPT = " ".join(["the old man reads a golden book by the sea"] * 3)
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def deployment(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    tmp = tmp_path_factory.mktemp("pd_sampling")
+    log = tmp / "disagg.log"
+    proc = start_cli(_disagg_args(tiny_llama, free_port(), tmp / "logs"), log)
+    try:
+        yield Deployment(proc, log)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_llama: Path, deployment: Deployment) -> LLM:
+    """The colocated reference engine (built while the deployment starts)."""
+    return LLM(str(tiny_llama), kv_cache_bytes=5 << 20)
+
+
+def _first_token(llm: LLM) -> int:
+    free = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))[0].outputs[0]
+    return free.token_ids[0]
+
+
+def _cases(llm: LLM, first: int) -> list[dict]:
+    """Request extras, each changing the first token of the unconstrained greedy answer."""
+    word = llm.get_tokenizer().decode([first]).strip()
+    return [
+        {"min_tokens": 6, "stop_token_ids": [first]},
+        {"logit_bias": {str(first): -100, "5": 0.5}},
+        {"allowed_token_ids": [5, 9, 17, 30]},
+        {"bad_words": [word], "min_tokens": MAX_TOKENS},
+    ]
+
+
+def _params(extra: dict) -> SamplingParams:
+    kw = dict(extra)
+    if "logit_bias" in kw:
+        kw["logit_bias"] = {int(k): float(v) for k, v in kw["logit_bias"].items()}
+    return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, **kw)
+
+
+def test_pd_answers_under_each_constraint_equal_colocated(colocated: LLM, deployment: Deployment) -> None:
+    llm = colocated
+    first = _first_token(llm)
+    cases = _cases(llm, first)
+    proxy, prefill, decode = deployment.ready()
+    with httpx.Client(base_url=proxy, timeout=60) as http:
+        for extra in cases:
+            want = llm.generate(PROMPT, _params(extra))[0].outputs[0]
+            assert want.token_ids[0] != first, extra  # the prefiller's token is constrained
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, **extra}
+            got = http.post("/v1/completions", json={**body, "return_token_ids": True}).json()["choices"][0]
+            assert (got["token_ids"], got["text"]) == (want.token_ids, want.text), extra
+            streamed = http.post("/v1/completions", json={**body, "stream": True}).text
+            chunks = [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: {")]
+            assert "".join(c["choices"][0]["text"] for c in chunks if c.get("choices")) == want.text, extra
+    _wait_blocks_free(prefill)
+    _wait_blocks_free(decode)
+
+
+def test_pd_n3_transfers_the_prompt_once(colocated: LLM, deployment: Deployment) -> None:
+    llm = colocated
+    want = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))[0].outputs[0].text
+    proxy, prefill, decode = deployment.ready()
+    prompt_len = len(llm.get_tokenizer().encode(PROMPT))
+    before = (
+        _metric(prefill, "kvferry:prompt_tokens_total"),
+        _metric(decode, "kvferry:prefix_cache_hits_total"),
+    )
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "n": 3}
+    resp = httpx.post(proxy + "/v1/completions", json=body, timeout=60).json()
+    assert [c["index"] for c in resp["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in resp["choices"]] == [want] * 3
+    assert _metric(prefill, "kvferry:prompt_tokens_total") - before[0] == prompt_len  # one prefill
+    assert _metric(decode, "kvferry:prefix_cache_hits_total") - before[1] >= 2 * (prompt_len // 16 * 16 - 16)
+    _wait_blocks_free(prefill)
+    _wait_blocks_free(decode)
