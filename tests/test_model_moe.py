@@ -11,16 +11,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvferry.kv.spec import LatentAttentionSpec
 from kvferry.model.layers.parallel import TPGroup
 from kvferry.model.moe import FusedExperts, Router, RouterKind
 from kvferry.sampling_params import SamplingParams
 from tests.engine_helpers import PROMPT_TEXTS, assert_pool_full, make_llm, tokenize_all
+from tests.fixtures.tiny_moe import KV_LORA_RANK, MLA_ARCHS, MOE_ARCHS, QK_ROPE_HEAD_DIM
 from tests.test_model_hybrid import hf_greedy
 
 MAX_NEW = 12
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-FAST_ARCH = "qwen3_moe"  # the fast tier's representative
-ARCHS = ("qwen3_moe",)
+FAST_ARCH = "deepseek_v3"  # the fast tier's representative: MLA and MoE together
+ARCHS = MOE_ARCHS
 
 
 @pytest.fixture(scope="module")
@@ -57,13 +59,27 @@ def test_chunked_prefill_with_prefix_cache_matches_hf(moe, arch: str) -> None:
     assert _tokens(first) == expected and _tokens(second) == expected
     assert sum(o.num_cached_tokens > 0 for o in second) >= 5
     assert_pool_full(llm)
+    if arch in MLA_ARCHS:
+        _assert_latent_cache(llm, block_size=4)
+
+
+def _assert_latent_cache(llm, block_size: int) -> None:  # noqa: ANN001 - LLM
+    """One latent row per token and layer, shared by the heads: a block of one layer holds
+    block_size x (kv_lora_rank + qk_rope_head_dim) values, not 2 x heads x head size."""
+    config = llm.engine.scheduler.kv_cache_manager.config
+    (group,) = config.groups
+    assert isinstance(group.spec, LatentAttentionSpec)
+    assert group.spec.latent_size == KV_LORA_RANK + QK_ROPE_HEAD_DIM
+    assert group.spec.page_size_bytes == block_size * (KV_LORA_RANK + QK_ROPE_HEAD_DIM) * 4
+    assert len(group.layer_names) == 3
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ARCHS)
-def test_batched_eager_greedy_matches_hf(moe, arch: str) -> None:
+@pytest.mark.parametrize("arch", ["deepseek_v3"])
+def test_batched_captured_greedy_matches_hf(moe, arch: str) -> None:
+    """The captured forward: experts and latent attention are operators inside the graph."""
     model_dir, prompts, expected = moe(arch)
-    llm = make_llm(model_dir, enforce_eager=True)
+    llm = make_llm(model_dir)
     assert _tokens(llm.generate(prompts, GREEDY)) == expected
     assert_pool_full(llm)
 
