@@ -54,8 +54,8 @@ class ModelConfig:
     vocab_size: int
     num_layers: int
     num_attention_heads: int
-    num_kv_heads: int
-    head_dim: int
+    num_kv_heads: int  # KV heads the cache stores (a latent-attention model: 1, its latent row)
+    head_dim: int  # their size (latent attention: half the row, kvferry.kv.spec.LatentAttentionSpec)
     hidden_size: int
     eos_token_ids: tuple[int, ...]
     gguf_file: str | None = None  # set when the weights come from a GGUF file

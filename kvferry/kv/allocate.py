@@ -35,6 +35,7 @@ from kvferry.kv.spec import (
     KVCacheGroup,
     KVCacheSpec,
     KVCacheTensor,
+    LatentAttentionSpec,
     Layout,
 )
 
@@ -187,6 +188,8 @@ def describe(config: KVCacheConfig) -> str:
 
 
 def _spec_name(spec: KVCacheSpec) -> str:
+    if isinstance(spec, LatentAttentionSpec):
+        return f"latent ({spec.latent_size} per token)"
     name = f"window {spec.window}" if spec.window else "full"
     heads = f"{spec.num_kv_heads}x{spec.head_size - spec.head_padding}"
     return f"{name} ({heads}, padded to {spec.head_size})" if spec.head_padding else f"{name} ({heads})"

@@ -76,19 +76,44 @@ class SlidingWindowSpec(KVCacheSpec):
 
 
 @dataclass(frozen=True)
+class LatentAttentionSpec(FullAttentionSpec):
+    """Multi-head latent attention (DeepSeek's MLA): per token one row of `latent_size`
+    values (the compressed KV, then the rotary key part), shared by every query head and
+    the same on every tensor-parallel rank. Its blocks are managed as full attention's
+    (every position kept).
+
+    The row is stored as one KV head whose K and V planes hold its two halves
+    (`head_size` = ceil(latent_size / 2)): every layout, page computation and connector
+    that moves [2, blocks, ...] tensors moves it unchanged, and a block's bytes are the
+    row's bytes (plus one value when latent_size is odd)."""
+
+    latent_size: int = 0
+
+
+def latent_head_size(latent_size: int) -> int:
+    """The head size a latent row of `latent_size` values is stored in (half of it, rounded up)."""
+    return -(-latent_size // 2)
+
+
+@dataclass(frozen=True)
 class AttentionLayerKV:
     """What one attention layer keeps in the KV cache, as its model states it.
 
     `num_kv_heads` is this tensor-parallel rank's share; `sliding_window` None is full
-    attention. The allocator turns it into the layer's KVCacheSpec.
+    attention; `latent_size` > 0 is a latent-attention layer (one KV head of
+    `latent_head_size(latent_size)`). The allocator turns it into the layer's KVCacheSpec.
     """
 
     name: str
     num_kv_heads: int
     head_size: int
     sliding_window: int | None = None
+    latent_size: int = 0
 
     def spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        if self.latent_size:
+            assert self.num_kv_heads == 1 and self.head_size == latent_head_size(self.latent_size)
+            return LatentAttentionSpec(block_size, 1, self.head_size, dtype, latent_size=self.latent_size)
         if self.sliding_window is None:
             return FullAttentionSpec(block_size, self.num_kv_heads, self.head_size, dtype)
         return SlidingWindowSpec(

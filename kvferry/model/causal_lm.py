@@ -20,7 +20,7 @@ from torch import nn
 from kvferry.errors import ModelLoadError
 from kvferry.kv.spec import AttentionLayerKV
 from kvferry.model.forward_context import ForwardContext, HookPlacement
-from kvferry.model.layers.attention import PagedAttention
+from kvferry.model.layers.attention import KVCacheLayer
 from kvferry.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvferry.model.layers.linear import copy_checked, weight_loader_of
 from kvferry.model.microbatch import MicroBatcher
@@ -49,6 +49,7 @@ class Skip(enum.Enum):
     TIED_LM_HEAD = "lm_head tied to the embeddings"
     OTHER_MODALITY = "vision/audio tower or projector (text only)"
     KV_SHARED_LAYER = "K/V weights of a layer reading another layer's KV"
+    NEXT_TOKEN_PREDICTION = "multi-token prediction layers (DeepSeek-V3: not run)"
 
 
 @dataclass(frozen=True)
@@ -158,8 +159,8 @@ class CausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
-    def attention_layers(self) -> list[PagedAttention]:
-        return [module for module in self.modules() if isinstance(module, PagedAttention)]
+    def attention_layers(self) -> list[KVCacheLayer]:
+        return [module for module in self.modules() if isinstance(module, KVCacheLayer)]
 
     def attention_layer_names(self) -> list[str]:
         return [attn.layer_name for attn in self.attention_layers()]
@@ -167,11 +168,7 @@ class CausalLM(nn.Module):
     def kv_layers(self) -> list[AttentionLayerKV]:
         """What each attention layer owning a KV cache caches on this rank (kvferry.kv.allocate
         groups them); layers sharing another layer's KV own none."""
-        return [
-            AttentionLayerKV(attn.layer_name, attn.num_kv_heads, attn.head_dim, attn.sliding_window)
-            for attn in self.attention_layers()
-            if attn.owns_kv
-        ]
+        return [attn.kv_layer() for attn in self.attention_layers() if attn.owns_kv]
 
     def set_hook_placement(self, placement: HookPlacement) -> None:
         """How every attention layer owning a KV cache calls the connector's per-layer hooks

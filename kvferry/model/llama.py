@@ -9,6 +9,7 @@ Module names mirror transformers' so checkpoint names map one to one, except the
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -82,10 +83,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, tp: TPGroup, dtype: torch.dtype):
+    """Gated SiLU MLP; `intermediate` overrides the config's width (MoE models' dense layers
+    and shared experts)."""
+
+    def __init__(self, config: Any, tp: TPGroup, dtype: torch.dtype, intermediate: int | None = None):
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        inter = config.intermediate_size
+        inter = intermediate or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias, tp, dtype)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, tp, dtype)
         self.act = SiluAndMul()
@@ -104,12 +108,13 @@ class LlamaDecoderLayer(nn.Module):
         dtype: torch.dtype,
         flags: dict[str, bool],
         sliding_window: int | None = None,
+        mlp: nn.Module | None = None,
     ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = LlamaAttention(config, f"{prefix}.self_attn", tp, dtype, flags, sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(config, tp, dtype)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config, tp, dtype)
 
     def forward(
         self,
@@ -128,15 +133,26 @@ class LlamaDecoderLayer(nn.Module):
         return out, residual
 
 
+# layer index -> that layer's MLP (None: the config's dense MLP)
+MLPFactory = Callable[[int], nn.Module | None]
+
+
 class LlamaModel(DecoderModel):
-    def __init__(self, config: Any, tp: TPGroup, dtype: torch.dtype, flags: dict[str, bool]):
+    def __init__(
+        self,
+        config: Any,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        flags: dict[str, bool],
+        mlp_of: MLPFactory = lambda index: None,
+    ):
         super().__init__()
         windows = layer_windows(config)  # checks the layer types first
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
         rope = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, rope_parameters(config))
         self.rotary_emb = rope
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, f"model.layers.{i}", tp, dtype, flags, window)
+            LlamaDecoderLayer(config, f"model.layers.{i}", tp, dtype, flags, window, mlp_of(i))
             for i, window in enumerate(windows)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -161,7 +177,7 @@ class LlamaForCausalLM(CausalLM):
         tp = tp or TPGroup()
         self.config = config
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.model = LlamaModel(config, tp, dtype, self.flags(config))
+        self.model = LlamaModel(config, tp, dtype, self.flags(config), self.mlp_factory(config, tp, dtype))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype)
         if self.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
@@ -170,6 +186,11 @@ class LlamaForCausalLM(CausalLM):
     def flags(config: Any) -> dict[str, bool]:
         bias = bool(getattr(config, "attention_bias", False))
         return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False}
+
+    @staticmethod
+    def mlp_factory(config: Any, tp: TPGroup, dtype: torch.dtype) -> MLPFactory:
+        """Each layer's MLP: the dense one (a mixture-of-experts subclass routes some)."""
+        return lambda index: None
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -15,6 +15,7 @@ import torch
 
 from kvferry.config import ModelConfig, WeightQuantization, parse_dtype, weight_quantization
 from kvferry.errors import ModelLoadError
+from kvferry.kv.spec import latent_head_size
 from kvferry.model.loader.gguf_config import gguf_model_info
 from kvferry.model.registry import MODEL_TYPES, check_supported
 
@@ -175,6 +176,17 @@ def _first_layer_config(text: Any) -> Any:
     return text
 
 
+def _cached_heads(layer: Any, heads: int, hidden: int) -> tuple[int, int]:
+    """(KV heads, head size) the KV cache stores per token: a latent-attention model (a
+    `kv_lora_rank`) caches one row shared by its heads (kvferry.kv.spec.LatentAttentionSpec),
+    every other model its KV heads."""
+    latent = getattr(layer, "kv_lora_rank", None)
+    if latent:
+        return 1, latent_head_size(int(latent) + int(layer.qk_rope_head_dim))
+    kv_heads = int(getattr(layer, "num_key_value_heads", None) or heads)
+    return kv_heads, int(getattr(layer, "head_dim", None) or hidden // heads)
+
+
 def _checkpoint_dtype(hf_config: Any) -> torch.dtype | None:
     value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(value, str):
@@ -214,6 +226,7 @@ def resolve_model_config(
     first_layer = _first_layer_config(text)
     heads = int(text.num_attention_heads)
     hidden = int(text.hidden_size)
+    kv_heads, head_dim = _cached_heads(first_layer, heads, hidden)
     return ModelConfig(
         model=model,
         served_model_name=served_model_name or model,
@@ -224,8 +237,8 @@ def resolve_model_config(
         vocab_size=int(text.vocab_size),
         num_layers=int(text.num_hidden_layers),
         num_attention_heads=heads,
-        num_kv_heads=int(getattr(first_layer, "num_key_value_heads", None) or heads),
-        head_dim=int(getattr(first_layer, "head_dim", None) or hidden // heads),
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
         hidden_size=hidden,
         eos_token_ids=eos_ids,
         gguf_file=str(source.gguf_file) if source.gguf_file is not None else None,

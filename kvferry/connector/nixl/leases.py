@@ -49,6 +49,22 @@ def readers_of(rank: int, tp: int, consumer_tp: int, total_heads: int) -> list[i
     return [d for d in range(consumer_tp) if overlaps(mine, kv_head_range(d, consumer_tp, total_heads))]
 
 
+def read_sources(rank: int, tp: int, producer_tp: int, total_heads: int) -> list[int]:
+    """The prefill ranks decode rank `rank` (of `tp`) READs from: for each of its KV heads,
+    one prefill rank holding it. A head replicated on several prefill ranks (fewer heads than
+    ranks; a latent-attention cache: one row every rank holds) is read once, from the
+    replica `rank` picks round-robin, never once per replica. The decode rank still reports
+    to every prefill rank whose heads overlap its own (`readers_of`): their leases end."""
+    start, count = kv_head_range(rank, tp, total_heads)
+    chosen: set[int] = set()
+    for head in range(start, start + count):
+        holders = [
+            p for p in range(producer_tp) if overlaps((head, 1), kv_head_range(p, producer_tp, total_heads))
+        ]
+        chosen.add(holders[rank % len(holders)])
+    return sorted(chosen)
+
+
 @dataclass
 class Verdict:
     known: bool  # False: not held here (yet) -- the caller may wait for the hold

@@ -19,6 +19,7 @@ import torch
 
 from kvferry.connector.nixl.agent import Agent, NixlError, Transfer, TransferState
 from kvferry.connector.nixl.channel import Address, Clients, Pending
+from kvferry.connector.nixl.leases import read_sources
 from kvferry.connector.nixl.metadata import LoadSpec, NixlSettings
 from kvferry.connector.nixl.plan import RankView, concat, plan_read, shared_heads
 from kvferry.connector.nixl.protocol import Ack, Done, EngineInfo, Handshake, HandshakeReply
@@ -189,7 +190,10 @@ class ConsumerLoads:
         load.stage = Stage.READ
         load.read_start = time.monotonic()
         load.readers = [p for p, views in engine.views.items() if _overlap(self.local[0], views[0])]
+        sources = read_sources(self.rank, self.tp, engine.info.tp_size, engine.info.total_kv_heads)
         for p in load.readers:
+            if p not in sources:
+                continue  # its heads are read from another replica; it is told DONE all the same
             plan = concat(
                 [
                     plan_read(local, remote, list(local.layers), lids, rids)

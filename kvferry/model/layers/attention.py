@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvferry.kv.spec import Layout
+from kvferry.kv.spec import AttentionLayerKV, Layout
 from kvferry.model import graph_ops
 from kvferry.model.forward_context import (
     AttentionMetadata,
@@ -211,14 +211,14 @@ def _decode_sdpa(
     kv = gather_kv(kv_cache, ctx.layout, attn.decode_block_table, ctx.workspace)  # [2, B, H, L, D]
     kv = kv[..., :head_dim].to(q.dtype)
     kv_heads, length = kv.shape[2], kv.shape[3]
-    mask = _decode_mask(attn, score, length, q.device)
+    mask = decode_mask(attn, score, length, q.device)
     # [B, heads, D] -> [B, kv_heads, group, D]: the group's queries attend the same KV
     grouped = q.view(batch, kv_heads, heads // kv_heads, head_dim)
     out = F.scaled_dot_product_attention(grouped, kv[0], kv[1], attn_mask=mask, scale=score.scale)
     return out.reshape(batch, heads, head_dim)
 
 
-def _decode_mask(attn: AttentionMetadata, score: Scores, length: int, device: torch.device) -> torch.Tensor:
+def decode_mask(attn: AttentionMetadata, score: Scores, length: int, device: torch.device) -> torch.Tensor:
     """Bool [B, 1, 1, length]: the keys each decode sees. Equal for every layer of a window
     in a step: built once per step and window, not once per layer."""
     cached = attn.decode_masks.get((score.window, length))
@@ -352,7 +352,29 @@ def _first_visible_block(first_query_pos: int, window: int, block_size: int) -> 
     return max(0, first_query_pos - window + 1) // block_size
 
 
-class PagedAttention(nn.Module):
+class KVCacheLayer(nn.Module):
+    """An attention layer over a paged KV cache, as the model runner and allocator see it:
+    its name (the cache it binds), what it caches (`kv_layer`), and its connector hooks.
+
+    `kv_owner`: the layer whose KV cache this one shares (Gemma 4's `num_kv_shared_layers`);
+    it owns no cache, writes nothing and calls no hooks (the owner's cover its KV)."""
+
+    def __init__(self, layer_name: str, kv_owner: str | None = None):
+        super().__init__()
+        self.layer_name = layer_name
+        self.kv_owner = kv_owner  # None: this layer owns its KV cache
+        self.hooks = HookPlacement.NONE
+
+    @property
+    def owns_kv(self) -> bool:
+        return self.kv_owner is None
+
+    def kv_layer(self) -> AttentionLayerKV:
+        """What this layer keeps per token on this rank (kvferry.kv.allocate groups them)."""
+        raise NotImplementedError
+
+
+class PagedAttention(KVCacheLayer):
     """Attention of one layer over its paged KV cache; heads are this rank's heads.
 
     The attention itself is the `kvferry::paged_attention` operator (kvferry.model.graph_ops):
@@ -373,21 +395,17 @@ class PagedAttention(nn.Module):
         sliding_window: int | None = None,
         kv_owner: str | None = None,
     ):
-        super().__init__()
+        super().__init__(layer_name, kv_owner)
         assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
         assert sliding_window is None or sliding_window > 0
-        self.layer_name = layer_name
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window  # None: full attention
-        self.kv_owner = kv_owner  # None: this layer owns its KV cache
-        self.hooks = HookPlacement.NONE
 
-    @property
-    def owns_kv(self) -> bool:
-        return self.kv_owner is None
+    def kv_layer(self) -> AttentionLayerKV:
+        return AttentionLayerKV(self.layer_name, self.num_kv_heads, self.head_dim, self.sliding_window)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """q [T, heads*D] or [T, heads, D]; k, v likewise with kv_heads. Returns [T, heads*D]."""

@@ -1,6 +1,7 @@
 """Rotary position embedding (rotate-half / NeoX style) with a precomputed cos/sin cache.
 
-Supported `rope_type`s: default, linear, llama3, proportional (Gemma 4).
+Supported `rope_type`s: default, linear, llama3, proportional (Gemma 4), yarn (DeepSeek;
+its attention factor scales cos and sin, as transformers scales them).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from kvferry.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
-ROPE_TYPES = ("default", "linear", "llama3", "proportional")
+ROPE_TYPES = ("default", "linear", "llama3", "proportional", "yarn")
 
 
 def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
@@ -69,6 +70,8 @@ def inverse_frequencies(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
         return _llama3_inv_freq(inv_freq, params)
     if kind == "proportional":
         return _proportional_inv_freq(head_dim, base, params)
+    if kind == "yarn":
+        return _yarn_inv_freq(head_dim, base, params)
     raise ModelLoadError(f"rope scaling type {kind!r} is not supported ({', '.join(ROPE_TYPES)})")
 
 
@@ -83,6 +86,56 @@ def _proportional_inv_freq(head_dim: int, base: float, params: dict[str, Any]) -
     return inv_freq / float(params.get("factor", 1.0))
 
 
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_attention_factor(params: dict[str, Any]) -> float:
+    """What yarn multiplies cos and sin by (1 for other rope types), as transformers
+    infers it when the config states none."""
+    if params["rope_type"] != "yarn":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor = float(params["factor"])
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all_dim))
+    return _yarn_mscale(factor)
+
+
+def yarn_softmax_scale(params: dict[str, Any], scale: float) -> float:
+    """DeepSeek's attention scale under a scaled rope: times mscale(factor, mscale_all_dim)^2."""
+    mscale_all_dim = params.get("mscale_all_dim") or 0
+    if params["rope_type"] == "default" or not mscale_all_dim:
+        return scale
+    mscale = _yarn_mscale(float(params["factor"]), float(mscale_all_dim))
+    return scale * mscale * mscale
+
+
+def _yarn_inv_freq(head_dim: int, base: float, params: dict[str, Any]) -> torch.Tensor:
+    """YaRN: interpolated (divided by `factor`) low frequencies, extrapolated high ones, a
+    linear ramp between the correction dims of `beta_fast` and `beta_slow` rotations."""
+    factor = float(params["factor"])
+    original = float(params["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(params.get("beta_fast") or 32), float(params.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return (head_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation_weight = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, head_dim, 2).to(torch.float32) / head_dim)
+    extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    return interpolated * (1 - extrapolation_weight) + extrapolated * extrapolation_weight
+
+
 class RotaryEmbedding(nn.Module):
     """Applies rope to q [T, heads, head_dim] and k [T, kv_heads, head_dim] at `positions`."""
 
@@ -94,6 +147,9 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         # [max_positions, head_dim]: cos in the first half, sin in the second
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        factor = yarn_attention_factor(params)
+        if factor != 1.0:
+            cache = cache * factor
         self.cos_sin_cache: torch.Tensor
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 

@@ -1,0 +1,135 @@
+"""Mixture-of-experts and latent-attention models on tiny random checkpoints built offline
+(tests/fixtures/tiny_moe): Qwen3-MoE, DeepSeek-V2, DeepSeek-V3. Greedy tokens identical to
+HF transformers (float32): batched with the captured forward, chunked, with a prefix-cache
+second pass, with preemption, over two tensor-parallel ranks; pools back to full."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvferry.kv.spec import LatentAttentionSpec
+from kvferry.model.layers.parallel import TPGroup
+from kvferry.model.moe import FusedExperts, Router, RouterKind
+from kvferry.sampling_params import SamplingParams
+from tests.engine_helpers import PROMPT_TEXTS, assert_pool_full, make_llm, tokenize_all
+from tests.fixtures.tiny_moe import KV_LORA_RANK, MLA_ARCHS, MOE_ARCHS, QK_ROPE_HEAD_DIM
+from tests.test_model_hybrid import hf_greedy
+
+MAX_NEW = 12
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+FAST_ARCH = "deepseek_v3"  # the fast tier's representative: MLA and MoE together
+ARCHS = MOE_ARCHS
+
+
+@pytest.fixture(scope="module")
+def moe(tiny_moe: Callable[[str], Path]):
+    """arch -> (model dir, prompts, HF greedy tokens), the references computed once per module."""
+    cache: dict[str, tuple[Path, list[list[int]], list[list[int]]]] = {}
+
+    def get(arch: str) -> tuple[Path, list[list[int]], list[list[int]]]:
+        if arch not in cache:
+            model_dir = tiny_moe(arch)
+            prompts = tokenize_all(model_dir, PROMPT_TEXTS)
+            cache[arch] = (model_dir, prompts, hf_greedy(model_dir, prompts))
+        return cache[arch]
+
+    return get
+
+
+def _tokens(outputs) -> list[list[int]]:  # noqa: ANN001 - RequestOutputs
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _slow_unless(arch: str) -> list[object]:
+    return [pytest.param(a, marks=() if a == arch else pytest.mark.slow) for a in ARCHS]
+
+
+@pytest.mark.parametrize("arch", _slow_unless(FAST_ARCH))
+def test_chunked_prefill_with_prefix_cache_matches_hf(moe, arch: str) -> None:
+    """Prompts in chunks of 16 tokens, then the same prompts again (prefix hits)."""
+    model_dir, prompts, expected = moe(arch)
+    assert max(len(p) for p in prompts) > 2 * 16  # the longest prompt takes three chunks
+    llm = make_llm(model_dir, budget=16, block_size=4, enforce_eager=True)
+    first = llm.generate(prompts, GREEDY)
+    second = llm.generate(prompts, GREEDY)
+    assert _tokens(first) == expected and _tokens(second) == expected
+    assert sum(o.num_cached_tokens > 0 for o in second) >= 5
+    assert_pool_full(llm)
+    if arch in MLA_ARCHS:
+        _assert_latent_cache(llm, block_size=4)
+
+
+def _assert_latent_cache(llm, block_size: int) -> None:  # noqa: ANN001 - LLM
+    """One latent row per token and layer, shared by the heads: a block of one layer holds
+    block_size x (kv_lora_rank + qk_rope_head_dim) values, not 2 x heads x head size."""
+    config = llm.engine.scheduler.kv_cache_manager.config
+    (group,) = config.groups
+    assert isinstance(group.spec, LatentAttentionSpec)
+    assert group.spec.latent_size == KV_LORA_RANK + QK_ROPE_HEAD_DIM
+    assert group.spec.page_size_bytes == block_size * (KV_LORA_RANK + QK_ROPE_HEAD_DIM) * 4
+    assert len(group.layer_names) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["deepseek_v3"])
+def test_batched_captured_greedy_matches_hf(moe, arch: str) -> None:
+    """The captured forward: experts and latent attention are operators inside the graph."""
+    model_dir, prompts, expected = moe(arch)
+    llm = make_llm(model_dir)
+    assert _tokens(llm.generate(prompts, GREEDY)) == expected
+    assert_pool_full(llm)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_preemption_with_tiny_kv_budget_matches_hf(moe, arch: str) -> None:
+    model_dir, prompts, expected = moe(arch)
+    llm = make_llm(model_dir, block_size=4, num_blocks=40, prefix_caching=False, enforce_eager=True)
+    assert _tokens(llm.generate(prompts, GREEDY)) == expected
+    assert llm.stats().num_preemptions > 0
+    assert_pool_full(llm)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tensor_parallel_matches_hf(moe, arch: str) -> None:
+    """Two ranks: each holds half of every expert's features (and half the heads)."""
+    model_dir, prompts, expected = moe(arch)
+    llm = make_llm(model_dir, tp=2, budget=16, block_size=8, enforce_eager=True)
+    try:
+        assert _tokens(llm.generate(prompts, GREEDY)) == expected
+        assert_pool_full(llm)
+    finally:
+        llm.engine.shutdown()
+
+
+def _naive_experts(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: FusedExperts
+) -> torch.Tensor:
+    """One token at a time: the definition the grouped operator must reproduce."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for e, w in zip(ids[t].tolist(), weights[t], strict=True):
+            gate, up = (experts.w13[e] @ x[t]).chunk(2)
+            out[t] += w * (experts.w2[e] @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+def test_grouped_experts_match_per_token_definition() -> None:
+    gen = torch.Generator().manual_seed(0)
+    experts = FusedExperts(num_experts=6, hidden=16, intermediate=8, tp=TPGroup(), dtype=torch.float32)
+    for param in (experts.w13, experts.w2):
+        param.data.copy_(torch.randn(param.shape, generator=gen))
+    router = Router(RouterKind.SOFTMAX_TOPK, 6, 16, top_k=2, norm_topk_prob=True)
+    router.weight.data.copy_(torch.randn(router.weight.shape, generator=gen))
+    x = torch.randn(11, 16, generator=gen)
+    ids, weights = router(x)
+    assert len(set(ids.flatten().tolist())) > 2  # several experts, several tokens each
+    torch.testing.assert_close(weights.sum(dim=-1), torch.ones(11))
+    got = experts(x, ids, weights)
+    torch.testing.assert_close(got, _naive_experts(x, ids, weights, experts), atol=1e-4, rtol=1e-5)
+    assert experts(x[:0], ids[:0], weights[:0]).shape == (0, 16)
