@@ -47,7 +47,9 @@ def _metric(server: Server, name: str) -> float:
 
 
 def _colocated(model: Path, prompt_sets: list[list[list[int]]]) -> list[list[str]]:
-    llm = LLM(str(model), dtype="float32", kv_cache_bytes=5 << 20, max_num_batched_tokens=64)
+    llm = LLM(
+        str(model), dtype="float32", kv_cache_bytes=5 << 20, max_num_batched_tokens=64, enforce_eager=True
+    )
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
     return [[o.outputs[0].text for o in llm.generate(prompts, greedy)] for prompts in prompt_sets]
 

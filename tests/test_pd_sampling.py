@@ -41,7 +41,7 @@ def deployment(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 @pytest.fixture(scope="module")
 def colocated(tiny_llama: Path, deployment: Deployment) -> LLM:
     """The colocated reference engine (built while the deployment starts)."""
-    return LLM(str(tiny_llama), kv_cache_bytes=5 << 20)
+    return LLM(str(tiny_llama), kv_cache_bytes=5 << 20, enforce_eager=True)
 
 
 def _first_token(llm: LLM) -> int:

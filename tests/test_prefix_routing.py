@@ -252,7 +252,7 @@ def test_disagg_routes_by_prefix_and_prefills_short_prompts_on_the_decoder(tiny_
     ]
     other = "completely different words about the sea and a boat " * 3
     log = tmp_path / "disagg.log"
-    extra = ("--policy", "prefix", "--local-prefill-tokens", "8", "--enforce-eager", "--block-size", "4")
+    extra = ("--policy", "prefix", "--local-prefill-tokens", "8", "--block-size", "4")  # eager: _disagg_args
     args = _disagg_args(tiny_llama, free_port(), tmp_path / "logs", *extra)
     args[args.index("--prefill") + 1] = "2"
     proc = start_cli(args, log)
