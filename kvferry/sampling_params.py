@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvferry.errors import InvalidRequestError
+from kvferry.structured.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what the engine's batch tensors hold
@@ -29,6 +30,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives; 0 = only the sampled token
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # kvferry/structured/
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -61,6 +63,8 @@ class SamplingParams:
             "bad stop_token_ids",
             "stop_token_ids",
         )
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
 
     def _validate_floats(self) -> None:
         """Floats are finite and survive float32 (the batch tensors): a positive top_p or

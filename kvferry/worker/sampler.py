@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kvferry.messages.model_runner import SampleLogprobs
+from kvferry.structured.backend import apply_token_bitmask
 from kvferry.worker.seeded_draws import position_draws
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,9 @@ class SamplingBatch:
     penalties: Penalties | None = None  # None when no row uses them
     # Per row, the token to output instead of the sampled one (None when no row has one).
     forced_token_ids: list[int | None] | None = None
+    # Structured outputs: per row, the tokens its grammar allows (packed int32 bits; None
+    # when no row has a grammar). kvferry/structured/backend.py
+    token_bitmask: torch.Tensor | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -72,6 +76,8 @@ class Sampler:
         )
         if batch.penalties is not None:
             logits = apply_penalties(logits, batch.penalties)
+        if batch.token_bitmask is not None:
+            logits = apply_token_bitmask(logits, batch.token_bitmask)
         if batch.all_greedy:
             tokens = logits.argmax(dim=-1)
         else:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvferry.entrypoints.openai.structured_protocol import StructuredOutputsFields
 from kvferry.errors import InvalidRequestError
 from kvferry.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
@@ -40,7 +41,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _CommonRequest(BaseModel):
+class _CommonRequest(StructuredOutputsFields):  # response_format, structured_outputs, guided_*
     model_config = _STRICT
 
     model: str | None = None
@@ -90,6 +91,7 @@ class _CommonRequest(BaseModel):
             logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=self.structured_outputs_params(),
         )
 
 
