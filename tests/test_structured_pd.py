@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from kvferry.engine.llm import LLM
+from kvferry.entrypoints.proxy.failover import SentTokens
 from kvferry.sampling_params import SamplingParams
 from kvferry.structured.params import StructuredOutputsParams
 from tests.proxy_fakes import free_port, start_cli
@@ -126,3 +127,23 @@ def test_invalid_schema_is_a_400_naming_the_field(deployment: Deployment) -> Non
         response = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == "response_format"
+
+
+def test_a_failover_continuation_resumes_the_grammar(deployment: Deployment) -> None:
+    """What the proxy sends another decoder when one dies mid-answer (SentTokens.resume_body):
+    the prompt's ids plus the tokens already sent; the grammar resumes after them, so the
+    continuation completes the same JSON (without resumed_output_tokens it starts over)."""
+    _, _, decode = deployment.ready()
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0}
+    body |= {"guided_json": SCHEMA, "return_token_ids": True}
+    whole = httpx.post(decode + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    sent_ids = whole["token_ids"][:5]
+    sent = SentTokens(chat=False)
+    sent.record({"choices": [{"token_ids": sent_ids, "prompt_token_ids": whole["prompt_token_ids"]}]}, False)
+    resumed = sent.resume_body(body)
+    rest = httpx.post(decode + "/v1/completions", json=resumed, timeout=60).json()["choices"][0]
+    assert sent_ids + rest["token_ids"] == whole["token_ids"]
+    _valid(whole["text"])
+    resumed.pop("resumed_output_tokens")
+    restarted = httpx.post(decode + "/v1/completions", json=resumed, timeout=60).json()["choices"][0]
+    assert sent_ids + restarted["token_ids"] != whole["token_ids"]

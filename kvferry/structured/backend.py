@@ -75,11 +75,13 @@ class GrammarBackend:
         self.num_compiled = 0
 
     def new_request(
-        self, req_id: str, spec: StructuredOutputsParams, outputs: Sequence[int]
+        self, req_id: str, spec: StructuredOutputsParams, token_ids: Sequence[int], num_prompt_tokens: int
     ) -> RequestGrammar:
-        """A matcher for the request, advanced over the outputs it already has."""
+        """A matcher for the request, advanced over the answer it already has: its outputs
+        (resumed after preemption) after the prompt's resumed tail (a failover's)."""
         grammar = RequestGrammar(self._compiled_matcher(spec).deep_copy(), req_id)
-        for token in outputs:
+        start = max(0, num_prompt_tokens - spec.resumed_output_tokens)
+        for token in token_ids[start:]:
             grammar.accept(token)
         return grammar
 

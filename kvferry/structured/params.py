@@ -13,7 +13,7 @@ import enum
 import functools
 import json
 import logging
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvferry.errors import InvalidRequestError
@@ -31,21 +31,27 @@ class StructureKind(enum.Enum):
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
-    """Exactly one of the fields is set. ``json``: a JSON schema (a dict or its JSON text);
-    ``json_object``: any JSON object; ``choice``: one of the strings, verbatim."""
+    """Exactly one of the grammar fields is set. ``json``: a JSON schema (a dict or its JSON
+    text); ``json_object``: any JSON object; ``choice``: one of the strings, verbatim.
+    ``resumed_output_tokens``: the prompt's last N tokens are the answer so far (a P/D
+    failover continues an answer on another decoder from them): the grammar starts after
+    them. It is not part of the grammar (nor of its cache key)."""
 
     json: str | dict[str, Any] | None = None
     regex: str | None = None
     choice: tuple[str, ...] | None = None  # a list is taken too
     grammar: str | None = None
     json_object: bool = False
+    resumed_output_tokens: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:
         if self.json is not None:
             object.__setattr__(self, "json", _canonical_json(self.json))
         if isinstance(self.choice, list):
             object.__setattr__(self, "choice", tuple(self.choice))
-        set_fields = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        set_fields = [
+            f.name for f in fields(self) if f.compare and getattr(self, f.name) not in (None, False)
+        ]
         if len(set_fields) != 1:
             raise InvalidRequestError(
                 f"structured outputs take exactly one of json, json_object, regex, choice, grammar; got {set_fields or 'none'}",
@@ -66,6 +72,9 @@ class StructuredOutputsParams:
 
     def validate(self, param: str = "structured_outputs") -> None:
         """InvalidRequestError naming ``param`` unless the grammar compiles."""
+        ok = isinstance(self.resumed_output_tokens, int) and self.resumed_output_tokens >= 0
+        if not ok:
+            raise InvalidRequestError("must be a non-negative integer", param="resumed_output_tokens")
         error = _grammar_error(self)
         if error:
             raise InvalidRequestError(

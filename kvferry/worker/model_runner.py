@@ -176,7 +176,10 @@ class ModelRunner:
             self.states[data.req_id] = state = RequestState.from_new(data)
             if data.sampling_params.structured_outputs is not None:
                 state.grammar = self._grammar_backend().new_request(
-                    data.req_id, data.sampling_params.structured_outputs, state.output_token_ids
+                    data.req_id,
+                    data.sampling_params.structured_outputs,
+                    data.token_ids,
+                    data.num_prompt_tokens,
                 )
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, num_computed in zip(

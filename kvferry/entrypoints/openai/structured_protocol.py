@@ -11,8 +11,9 @@ field it came in.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -65,6 +66,9 @@ class StructuredOutputsFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(default=None, fail_fast=True)
     guided_grammar: str | None = None
+    # extra: the prompt's last N tokens are the answer so far (the P/D proxy's failover
+    # continues an answer on another decoder from them): the grammar resumes after them
+    resumed_output_tokens: Annotated[int, Field(ge=0, le=2**31)] = 0
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The one structured-output spec the body asks for (validated), or None."""
@@ -76,7 +80,7 @@ class StructuredOutputsFields(BaseModel):
             return None
         name, spec = specs[0]
         spec.validate(param=name)
-        return spec
+        return dataclasses.replace(spec, resumed_output_tokens=self.resumed_output_tokens)
 
     def _specs(self) -> list[tuple[str, StructuredOutputsParams | None]]:
         return [
