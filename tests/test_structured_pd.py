@@ -24,6 +24,7 @@ from kvferry.structured.params import StructuredOutputsParams
 from tests.proxy_fakes import free_port, start_cli
 from tests.test_disagg import MODEL, Deployment, _disagg_args, _wait_blocks_free
 from tests.test_structured import CHOICES, REGEX, SCHEMA
+from tests.test_tools import TOOLS, WEATHER
 
 pytestmark = pytest.mark.slow  # a disagg deployment (make test-all); tests/test_structured.py is the fast one
 
@@ -147,3 +148,32 @@ def test_a_failover_continuation_resumes_the_grammar(deployment: Deployment) -> 
     resumed.pop("resumed_output_tokens")
     restarted = httpx.post(decode + "/v1/completions", json=resumed, timeout=60).json()["choices"][0]
     assert sent_ids + restarted["token_ids"] != whole["token_ids"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_required_returns_a_parsed_call(deployment: Deployment, stream: bool) -> None:
+    proxy, prefill, decode = deployment.ready()
+    for url in (proxy, decode):
+        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            kwargs = {"model": MODEL, "messages": MESSAGES, "max_tokens": MAX_TOKENS, "tools": TOOLS}
+            kwargs |= {"tool_choice": choice, "parallel_tool_calls": False, "temperature": 1.0}
+            calls, reason = _tool_calls(_client(url), kwargs, stream)
+            assert reason == "tool_calls" and len(calls) == 1
+            assert calls[0][0] in ("get_weather", "get_time")
+            if calls[0][0] == "get_weather":
+                jsonschema.validate(json.loads(calls[0][1]), WEATHER)
+    _wait_blocks_free(prefill)
+
+
+def _tool_calls(client: openai.OpenAI, kwargs: dict, stream: bool) -> tuple[list[tuple[str, str]], str]:
+    if not stream:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        calls = choice.message.tool_calls or []
+        return [(c.function.name, c.function.arguments) for c in calls], choice.finish_reason
+    found: list[tuple[str, str]] = []
+    reason = ""
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            found += [(c.function.name, c.function.arguments) for c in choice.delta.tool_calls or []]
+            reason = choice.finish_reason or reason
+    return found, reason

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvferry.entrypoints.openai.structured_protocol import StructuredOutputsFields
+from kvferry.entrypoints.openai.tools import ToolsFields
 from kvferry.errors import InvalidRequestError
 from kvferry.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
@@ -150,10 +151,13 @@ class ChatMessage(BaseModel):
         msg: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             msg["name"] = self.name
+        for key in ("tool_calls", "tool_call_id"):  # a conversation with tool calls and results
+            if self.model_extra and key in self.model_extra:
+                msg[key] = self.model_extra[key]
         return msg
 
 
-class ChatCompletionRequest(_CommonRequest):
+class ChatCompletionRequest(ToolsFields, _CommonRequest):  # tools, tool_choice
     messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
     max_completion_tokens: Int64 | None = None
     logprobs: bool = False
