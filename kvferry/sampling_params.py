@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from kvferry.constraint_params import validate_constraint_params
 from kvferry.errors import InvalidRequestError
+from kvferry.structured.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what the engine's batch tensors hold
@@ -39,6 +40,7 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)  # never generated (multi-token: last token)
     prompt_logprobs: int | None = None  # top alternatives per prompt token (LLM, completions)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # set by the input processor
+    structured_outputs: StructuredOutputsParams | None = None  # kvferry/structured/
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -72,6 +74,8 @@ class SamplingParams:
             "stop_token_ids",
         )
         validate_constraint_params(self)
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
 
     def _validate_floats(self) -> None:
         """Floats are finite and survive float32 (the batch tensors): a positive top_p or

@@ -1,4 +1,9 @@
-"""kvferry bench throughput: N prompts x M generated tokens (ignore_eos), tokens/s, JSON + plot."""
+"""kvferry bench throughput: N prompts x M generated tokens (ignore_eos), tokens/s, JSON + plot.
+
+``--json-schema`` constrains every answer to a schema (structured outputs): the difference
+to a run without it is the token mask's cost. Pick a schema whose answers do not end before
+``--output-len`` (e.g. an array of strings), or the rest are EOS tokens.
+"""
 
 from __future__ import annotations
 
@@ -16,13 +21,29 @@ from kvferry_bench.serve import make_prompts
 logger = logging.getLogger(__name__)
 
 
-def time_kvferry(config, prompts: list[list[int]], output_len: int, temperature: float, top_p: float) -> dict:
+def time_kvferry(
+    config,
+    prompts: list[list[int]],
+    output_len: int,
+    temperature: float,
+    top_p: float,
+    json_schema: str | None = None,
+) -> dict:
     from kvferry.engine.llm import LLM
     from kvferry.sampling_params import SamplingParams
+    from kvferry.structured.params import StructuredOutputsParams
 
     llm = LLM.from_config(config)
-    params = SamplingParams(max_tokens=output_len, temperature=temperature, top_p=top_p, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm caches
+    structured = StructuredOutputsParams(json=json_schema) if json_schema else None
+    params = SamplingParams(
+        max_tokens=output_len,
+        temperature=temperature,
+        top_p=top_p,
+        ignore_eos=True,
+        structured_outputs=structured,
+    )
+    # warm caches (and compile the grammar)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True, structured_outputs=structured))
     clipped_before = [g.blocks_clipped_total for g in llm.stats().kv_groups]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
@@ -65,6 +86,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--hf-reference", action="store_true", help="also time HF transformers generate")
+    parser.add_argument(
+        "--json-schema", default=None, help="constrain answers to this JSON schema (JSON text)"
+    )
     parser.add_argument("--output", default="bench-results/throughput.json")
 
 
@@ -85,8 +109,11 @@ def run(args: argparse.Namespace) -> dict:
         "output_len": args.output_len,
         "temperature": args.temperature,
         "top_p": args.top_p,
+        "json_schema": args.json_schema,
         **host_facts(),
-        "kvferry": time_kvferry(config, prompts, args.output_len, args.temperature, args.top_p),
+        "kvferry": time_kvferry(
+            config, prompts, args.output_len, args.temperature, args.top_p, args.json_schema
+        ),
     }
     logger.info("kvferry: %.1f tokens/s", result["kvferry"]["tokens_per_s"])
     if args.hf_reference:

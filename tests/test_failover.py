@@ -256,6 +256,7 @@ def test_resume_body_continues_from_the_sent_token_ids() -> None:
     body = {"prompt": "x y z", "max_tokens": 10, "kv_transfer_params": {"remote_request_id": "r"}}
     resumed = sent.resume_body(body)
     assert resumed["prompt"] == [1, 2, 3, 7, 8, 9] and resumed["max_tokens"] == 7
+    assert resumed["resumed_output_tokens"] == 3  # a structured-output grammar resumes after them
     assert "kv_transfer_params" not in resumed and resumed["return_token_ids"] is True
     # the second decoder names its longer prompt; a second failover still starts from the first's
     sent.record({"choices": [{"text": "c", "token_ids": [4], "prompt_token_ids": [1, 2, 3, 7, 8, 9]}]}, False)

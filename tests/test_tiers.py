@@ -56,6 +56,9 @@ REPRESENTATIVES = {
     ),
     "the CPU prefill kernel in an engine": "tests/test_prefill_kernel.py::test_an_engine_prefills_through_the_kernel[8]",
     "the CPU decode kernel in an engine": "tests/test_decode_kernel.py::test_an_engine_decodes_through_the_kernel",
+    "structured outputs: JSON-schema answers validate": (
+        "tests/test_structured.py::test_json_schema_answers_validate[0.0]"
+    ),
     "the authenticated side channel": (
         "tests/test_side_channel_units.py::test_an_authenticated_client_is_served_and_knows_who_answered"
     ),

@@ -90,15 +90,21 @@ class InputProcessor:
         if any(t < 0 or t >= vocab for t in token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
 
-    def apply_chat_template(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        tools: list[dict[Any, Any]] | None = None,  # function definitions, for templates that show them
+    ) -> str:
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages must be a non-empty list", param="messages")
         for msg in messages:
             if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
                 raise InvalidRequestError("each message needs a string 'role'", param="messages")
+        shown: list[dict[Any, Any] | Callable[..., Any]] | None = list(tools) if tools else None
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages, tools=shown, tokenize=False, add_generation_prompt=add_generation_prompt
             )
         except Exception as exc:  # jinja errors on odd message content
             raise InvalidRequestError(f"cannot apply the chat template: {exc}", param="messages") from exc

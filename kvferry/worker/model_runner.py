@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,6 +15,7 @@ from kvferry.messages.kv_connector import KVConnectorOutput, KVConnectorStats
 from kvferry.messages.model_runner import ModelRunnerOutput, SampleLogprobs
 from kvferry.messages.scheduler_output import SchedulerOutput
 from kvferry.model.forward_context import ForwardContext, Workspace
+from kvferry.structured.backend import GrammarBackend
 from kvferry.worker.capture import CapturedForward, hook_placement
 from kvferry.worker.connector_guard import ConnectorGuard
 from kvferry.worker.inputs import StepInputs, build_step_inputs
@@ -40,6 +42,7 @@ class ModelRunner:
         self.connector: KVConnectorBase | None = None
         self.workspace = Workspace()  # scratch for gathered KV, shared by every layer
         self.forward: CapturedForward | None = None  # set with the KV caches
+        self.grammars: GrammarBackend | None = None  # built with the first structured request
 
     def bind_kv_caches(
         self,
@@ -120,13 +123,15 @@ class ModelRunner:
         states = [self.states[req_id] for req_id in scheduler_output.num_scheduled_tokens]
         kv_config = self._bound_kv_config()
         inputs = build_step_inputs(states, scheduler_output.num_scheduled_tokens, kv_config, self.device)
+        # structured outputs: the grammars' masks are filled while the forward runs
+        masks = self.grammars.start_fill([s.grammar for s in inputs.sample_states]) if self.grammars else None
         hidden = self._forward(inputs, hooks)
         output = ModelRunnerOutput(req_ids=[s.req_id for s in inputs.ordered])
         if any(s.params.prompt_logprobs is not None for s in inputs.ordered):
             output.prompt_logprobs = compute_prompt_logprobs(
                 hidden, inputs.ordered, scheduler_output.num_scheduled_tokens, self.model.compute_logits
             )
-        sampled = self._sample(hidden, inputs)
+        sampled = self._sample(hidden, inputs, masks)
         for state in inputs.ordered:
             state.num_computed_tokens += scheduler_output.num_scheduled_tokens[state.req_id]
             tokens, logprobs = sampled.get(state.req_id, ([], None))
@@ -147,22 +152,40 @@ class ModelRunner:
         return self.bound_forward()(inputs.input_ids, inputs.positions, ctx)
 
     def _sample(
-        self, hidden: torch.Tensor, inputs: StepInputs
+        self, hidden: torch.Tensor, inputs: StepInputs, masks: Future[torch.Tensor] | None = None
     ) -> dict[str, tuple[list[int], SampleLogprobs | None]]:
         if not inputs.sample_rows:
             return {}
         rows = torch.tensor(inputs.sample_rows, dtype=torch.int64, device=hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
-        tokens, logprobs = self.sampler(
-            logits, build_sampling_batch(inputs.sample_states, self.config.model.eos_token_ids)
-        )
+        batch = build_sampling_batch(inputs.sample_states, self.config.model.eos_token_ids)
+        batch.token_bitmask = masks.result() if masks is not None else None
+        tokens, logprobs = self.sampler(logits, batch)
+        for state, token in zip(inputs.sample_states, tokens):
+            if state.grammar is not None:
+                state.grammar.accept(token)
         return {s.req_id: ([tok], lp) for s, tok, lp in zip(inputs.sample_states, tokens, logprobs)}
+
+    def _grammar_backend(self) -> GrammarBackend:
+        if self.grammars is None:
+            from kvferry.model.tokenizer import load_tokenizer
+
+            model = self.config.model
+            self.grammars = GrammarBackend(load_tokenizer(model), model.vocab_size, model.eos_token_ids)
+        return self.grammars
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             self.states.pop(req_id, None)
         for data in so.scheduled_new_reqs:
-            self.states[data.req_id] = RequestState.from_new(data)
+            self.states[data.req_id] = state = RequestState.from_new(data)
+            if data.sampling_params.structured_outputs is not None:
+                state.grammar = self._grammar_backend().new_request(
+                    data.req_id,
+                    data.sampling_params.structured_outputs,
+                    data.token_ids,
+                    data.num_prompt_tokens,
+                )
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, num_computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True

@@ -9,6 +9,7 @@ import torch
 
 from kvferry.messages.scheduler_output import NewRequestData
 from kvferry.sampling_params import SamplingParams
+from kvferry.structured.backend import RequestGrammar
 from kvferry.worker.logits_constraints import build_logits_constraints, uses_logits_constraints
 from kvferry.worker.sampler import Penalties, SamplingBatch
 
@@ -22,6 +23,7 @@ class RequestState:
     block_ids: list[list[int]]  # per KV cache group
     num_computed_tokens: int
     forced_first_token_id: int | None = None  # the first sample yields this token
+    grammar: RequestGrammar | None = None  # structured outputs: set by the model runner
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> RequestState:

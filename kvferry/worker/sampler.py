@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kvferry.messages.model_runner import SampleLogprobs
+from kvferry.structured.backend import apply_token_bitmask
 from kvferry.worker.logits_constraints import LogitsConstraints
 from kvferry.worker.seeded_draws import position_draws
 
@@ -55,6 +56,9 @@ class SamplingBatch:
     # Per row, the token to output instead of the sampled one (None when no row has one).
     forced_token_ids: list[int | None] | None = None
     constraints: LogitsConstraints | None = None  # None when no row uses them
+    # Structured outputs: per row, the tokens its grammar allows (packed int32 bits; None
+    # when no row has a grammar). kvferry/structured/backend.py
+    token_bitmask: torch.Tensor | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -76,6 +80,8 @@ class Sampler:
             logits = batch.constraints.apply(logits)
         if batch.penalties is not None:
             logits = apply_penalties(logits, batch.penalties)
+        if batch.token_bitmask is not None:
+            logits = apply_token_bitmask(logits, batch.token_bitmask)
         if batch.all_greedy:
             tokens = logits.argmax(dim=-1)
         else:

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvferry.entrypoints.openai.structured_protocol import StructuredOutputsFields
+from kvferry.entrypoints.openai.tools import ToolsFields
 from kvferry.errors import InvalidRequestError
 from kvferry.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
@@ -40,7 +42,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _CommonRequest(BaseModel):
+class _CommonRequest(StructuredOutputsFields):  # response_format, structured_outputs, guided_*
     model_config = _STRICT
 
     model: str | None = None
@@ -99,6 +101,7 @@ class _CommonRequest(BaseModel):
             logit_bias=_token_biases(self.logit_bias),
             allowed_token_ids=None if self.allowed_token_ids is None else list(self.allowed_token_ids),
             bad_words=list(self.bad_words or []),
+            structured_outputs=self.structured_outputs_params(),
         )
 
 
@@ -171,10 +174,13 @@ class ChatMessage(BaseModel):
         msg: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             msg["name"] = self.name
+        for key in ("tool_calls", "tool_call_id"):  # a conversation with tool calls and results
+            if self.model_extra and key in self.model_extra:
+                msg[key] = self.model_extra[key]
         return msg
 
 
-class ChatCompletionRequest(_CommonRequest):
+class ChatCompletionRequest(ToolsFields, _CommonRequest):  # tools, tool_choice
     messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
     max_completion_tokens: Int64 | None = None
     logprobs: bool = False

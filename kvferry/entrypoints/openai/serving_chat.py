@@ -21,6 +21,7 @@ from kvferry.entrypoints.http_common import chat_role_chunk
 from kvferry.entrypoints.openai import serving_common as common
 from kvferry.entrypoints.openai.protocol import ChatCompletionRequest
 from kvferry.entrypoints.openai.serving_common import ServerState, Streams
+from kvferry.entrypoints.openai.tools import ToolCallFormat, parse_answer
 from kvferry.messages.model_runner import SampleLogprobs
 from kvferry.outputs import RequestOutput
 
@@ -69,8 +70,23 @@ async def _prompt(body: ChatCompletionRequest, state: ServerState) -> str | list
     if body.prompt_token_ids is not None:
         return list(body.prompt_token_ids)
     return await asyncio.to_thread(  # a long conversation takes a while: off the event loop
-        state.engine.input_processor.apply_chat_template, body.template_messages(), body.add_generation_prompt
+        state.engine.input_processor.apply_chat_template,
+        body.template_messages(),
+        body.add_generation_prompt,
+        body.template_tools(),
     )
+
+
+def _message(state: ServerState, body: ChatCompletionRequest, text: str) -> tuple[dict[str, Any], bool]:
+    """The assistant's message (content, and tool calls parsed from the text when the
+    request has tools) and whether it calls tools."""
+    if not body.uses_tools:
+        return {"role": "assistant", "content": text}, False
+    parsed = parse_answer(text, body, ToolCallFormat.of_template(state.engine.tokenizer.chat_template))
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if parsed.tool_calls:
+        message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
+    return message, bool(parsed.tool_calls)
 
 
 def _response(
@@ -82,9 +98,12 @@ def _response(
         lps = None
         if body.logprobs and comp.logprobs is not None:
             lps = chat_logprobs(state.engine.tokenizer, comp.token_ids, comp.logprobs)
-        message = {"role": "assistant", "content": comp.text}
+        message, calls = _message(state, body, comp.text)
         ids = common.token_id_fields(body.return_token_ids, final, list(comp.token_ids), True)
-        choices.append(common.final_choice(index, {"message": message, **ids}, lps, final))
+        choice = common.final_choice(index, {"message": message, **ids}, lps, final)
+        if calls and choice["finish_reason"] == "stop":
+            choice["finish_reason"] = "tool_calls"
+        choices.append(choice)
     return common.response_body({**meta, "object": "chat.completion"}, choices, finals, body.n)
 
 
@@ -102,6 +121,8 @@ async def _chunks(
         yield role
     finals: dict[int, RequestOutput] = {}
     sent_prompt_ids: set[int] = set()
+    # with tools, each answer is parsed once complete: its calls come in its last chunk
+    texts: dict[int, str] = {}
     async for index, out in common.merge(firsts, gens):
         if out.finished:
             finals[index] = out
@@ -110,10 +131,25 @@ async def _chunks(
             lps = chat_logprobs(state.engine.tokenizer, out.delta_token_ids, out.delta_logprobs)
         delta = {"content": out.delta_text} if out.delta_text or lps is not None else {}
         ids = common.delta_token_id_fields(body.return_token_ids, out, index not in sent_prompt_ids)
+        if body.uses_tools:
+            texts[index] = texts.get(index, "") + out.delta_text
+            delta = _tool_delta(state, body, texts[index]) if out.finished else {}
         chunk = common.stream_chunk(meta, index, {"delta": delta, **ids}, lps, out, bool(ids))
+        if chunk is not None and "tool_calls" in delta and chunk["choices"][0]["finish_reason"] == "stop":
+            chunk["choices"][0]["finish_reason"] = "tool_calls"
         if chunk is not None:
             if ids:
                 sent_prompt_ids.add(index)
             yield chunk
     if body.include_usage and finals:
         yield {**meta, "choices": [], "usage": common.usage([finals[i] for i in sorted(finals)], body.n)}
+
+
+def _tool_delta(state: ServerState, body: ChatCompletionRequest, text: str) -> dict[str, Any]:
+    """The last delta of a streamed answer with tools: its content and its tool calls."""
+    message, _ = _message(state, body, text)
+    delta: dict[str, Any] = {"content": message["content"]} if message["content"] else {}
+    calls = message.get("tool_calls") or []
+    if calls:
+        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+    return delta

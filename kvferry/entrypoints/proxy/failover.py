@@ -15,8 +15,10 @@ back into the same ids): a completion's ``prompt``, a chat request's ``prompt_to
 (the chat template's output plus the sent tokens, used instead of the messages; the
 answer stays a chat stream, its repeated role chunk dropped). ``max_tokens`` (and chat's
 ``max_completion_tokens``) shrinks by the tokens already sent, and usage is corrected to
-count them as completion tokens. A greedy answer is then byte-identical to an undisturbed
-one, and so is a seeded sampled one: an engine's seeded draw for a token is keyed by the
+count them as completion tokens; ``resumed_output_tokens`` tells the new decoder how
+many of the prompt's tokens are the answer so far, so a structured-output grammar resumes
+after them instead of starting over (docs/structured.md). A greedy answer is then
+byte-identical to an undisturbed one, and so is a seeded sampled one: an engine's seeded draw for a token is keyed by the
 seed and the token's position in the sequence (kvferry/worker/seeded_draws.py), so the
 new decoder draws what the lost one would have. (Unseeded sampled answers continue
 coherently but are not reproducible anyway. Presence and frequency penalties count only
@@ -74,7 +76,7 @@ class SentTokens:
         for name in ("max_tokens", "max_completion_tokens") if self.chat else ("max_tokens",):
             if isinstance(out.get(name), int):
                 out[name] = max(1, out[name] - len(self.generated))
-        self.resumed_after = len(self.generated)
+        out["resumed_output_tokens"] = self.resumed_after = len(self.generated)  # a grammar resumes there
         return out
 
     def fix_usage(self, chunk: dict[str, Any]) -> None:

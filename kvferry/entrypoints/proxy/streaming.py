@@ -33,6 +33,7 @@ from typing import Any
 
 from kvferry.entrypoints.http_common import SSE_DONE as SSE_DONE_EVENT
 from kvferry.entrypoints.http_common import chat_role_chunk, gather_or_cancel, interleave, sse
+from kvferry.entrypoints.openai.tools import body_uses_tools
 from kvferry.entrypoints.proxy.errors import exception_event_body
 from kvferry.entrypoints.proxy.failover import DECODER_LOST, SentTokens, is_role_chunk
 from kvferry.entrypoints.proxy.pd import (
@@ -247,6 +248,7 @@ async def open_stream(
     """Run the prefills (errors raise here, before any response); the SSE lines to send."""
     legs = [StreamLeg(ctx, path, i, leg, headers) for i, leg in enumerate(split_legs(path, body))]
     allow_early = ctx.early_first_token and not wants_logprobs(path, body) and ctx.decode.num_healthy > 0
+    allow_early = allow_early and not body_uses_tools(body)  # tool calls are parsed from the whole answer
     try:
         await gather_or_cancel([leg.prepare(allow_early) for leg in legs])
     except BaseException:

@@ -1,0 +1,179 @@
+"""Structured outputs over HTTP, colocated (a decode instance asked directly, as any
+`kvferry serve`) and through `kvferry disagg` (the prefiller samples the first token under
+the grammar, the decoder resumes the grammar after it): every answer matches its spec,
+streamed or not, greedy or sampled, and P/D answers are byte-identical to colocated ones."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from kvferry.engine.llm import LLM
+from kvferry.entrypoints.proxy.failover import SentTokens
+from kvferry.sampling_params import SamplingParams
+from kvferry.structured.params import StructuredOutputsParams
+from tests.proxy_fakes import free_port, start_cli
+from tests.test_disagg import MODEL, Deployment, _disagg_args, _wait_blocks_free
+from tests.test_structured import CHOICES, REGEX, SCHEMA
+from tests.test_tools import TOOLS, WEATHER
+
+pytestmark = pytest.mark.slow  # a disagg deployment (make test-all); tests/test_structured.py is the fast one
+
+PROMPTS = ["The cat sees a small bird", "What is the capital of France?"]
+MESSAGES = [{"role": "user", "content": "Tell me a story about a cat."}]
+RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+MAX_TOKENS = 100
+
+
+@pytest.fixture(scope="module")
+def deployment(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    tmp = tmp_path_factory.mktemp("structured_disagg")
+    proc = start_cli(
+        _disagg_args(tiny_llama, free_port(), tmp / "logs", "--enforce-eager"), tmp / "disagg.log"
+    )
+    try:
+        yield Deployment(proc, tmp / "disagg.log")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama: Path, deployment: Deployment) -> dict[str, str]:
+    """Greedy schema-constrained answers of the offline engine (while the deployment starts)."""
+    llm = LLM(str(tiny_llama), kv_cache_bytes=5 << 20)
+    params = SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0, structured_outputs=StructuredOutputsParams(json=SCHEMA)
+    )
+    answers = {p: o.outputs[0].text for p, o in zip(PROMPTS, llm.generate(PROMPTS, params))}
+    answers["chat"] = llm.chat(MESSAGES, params)[0].outputs[0].text
+    return answers
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+
+def _complete(url: str, prompt: str, stream: bool, **kwargs: object) -> str:
+    args = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, **kwargs}
+    client = _client(url)
+    if not stream:
+        return client.completions.create(**args).choices[0].text
+    return "".join(c.choices[0].text for c in client.completions.create(**args, stream=True))
+
+
+def _chat(url: str, stream: bool, **kwargs: object) -> str:
+    args = {"model": MODEL, "messages": MESSAGES, "max_tokens": MAX_TOKENS, **kwargs}
+    client = _client(url)
+    if not stream:
+        return client.chat.completions.create(**args).choices[0].message.content or ""
+    chunks = client.chat.completions.create(**args, stream=True)
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def _valid(text: str) -> str:
+    jsonschema.validate(json.loads(text), SCHEMA)
+    return text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_schema_greedy_pd_equals_colocated(
+    deployment: Deployment, reference: dict, stream: bool
+) -> None:
+    proxy, prefill, decode = deployment.ready()
+    for url in (proxy, decode):
+        for prompt in PROMPTS:
+            extra = {"extra_body": {"guided_json": SCHEMA}}
+            assert _valid(_complete(url, prompt, stream, temperature=0, **extra)) == reference[prompt]
+        chat = _chat(url, stream, temperature=0, response_format=RESPONSE_FORMAT)
+        assert _valid(chat) == reference["chat"]
+    _wait_blocks_free(prefill)
+    _wait_blocks_free(decode)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_schema_sampled_answers_validate(deployment: Deployment, stream: bool) -> None:
+    proxy, _, decode = deployment.ready()
+    for seed in range(3):
+        kwargs = {"temperature": 1.0, "seed": seed, "response_format": RESPONSE_FORMAT}
+        pd = _valid(_chat(proxy, stream, **kwargs))
+        assert pd == _valid(_chat(decode, stream, **kwargs))  # seeded: the same draws either way
+
+
+def test_regex_and_choice_through_pd(deployment: Deployment) -> None:
+    proxy, _, decode = deployment.ready()
+    for url in (proxy, decode):
+        regex = {"structured_outputs": {"regex": REGEX}}
+        for stream in (False, True):
+            assert re.fullmatch(REGEX, _complete(url, PROMPTS[0], stream, temperature=1.0, extra_body=regex))
+            choice = {"guided_choice": CHOICES}
+            assert _chat(url, stream, temperature=1.0, extra_body=choice) in CHOICES
+
+
+def test_invalid_schema_is_a_400_naming_the_field(deployment: Deployment) -> None:
+    proxy, _, decode = deployment.ready()
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nosuch"}}}
+    for url in (proxy, decode):
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 5, "response_format": bad}
+        response = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == "response_format"
+
+
+def test_a_failover_continuation_resumes_the_grammar(deployment: Deployment) -> None:
+    """What the proxy sends another decoder when one dies mid-answer (SentTokens.resume_body):
+    the prompt's ids plus the tokens already sent; the grammar resumes after them, so the
+    continuation completes the same JSON (without resumed_output_tokens it starts over)."""
+    _, _, decode = deployment.ready()
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0}
+    body |= {"guided_json": SCHEMA, "return_token_ids": True}
+    whole = httpx.post(decode + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    sent_ids = whole["token_ids"][:5]
+    sent = SentTokens(chat=False)
+    sent.record({"choices": [{"token_ids": sent_ids, "prompt_token_ids": whole["prompt_token_ids"]}]}, False)
+    resumed = sent.resume_body(body)
+    rest = httpx.post(decode + "/v1/completions", json=resumed, timeout=60).json()["choices"][0]
+    assert sent_ids + rest["token_ids"] == whole["token_ids"]
+    _valid(whole["text"])
+    resumed.pop("resumed_output_tokens")
+    restarted = httpx.post(decode + "/v1/completions", json=resumed, timeout=60).json()["choices"][0]
+    assert sent_ids + restarted["token_ids"] != whole["token_ids"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_required_returns_a_parsed_call(deployment: Deployment, stream: bool) -> None:
+    proxy, prefill, decode = deployment.ready()
+    for url in (proxy, decode):
+        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            kwargs = {"model": MODEL, "messages": MESSAGES, "max_tokens": MAX_TOKENS, "tools": TOOLS}
+            kwargs |= {"tool_choice": choice, "parallel_tool_calls": False, "temperature": 1.0}
+            calls, reason = _tool_calls(_client(url), kwargs, stream)
+            assert reason == "tool_calls" and len(calls) == 1
+            assert calls[0][0] in ("get_weather", "get_time")
+            if calls[0][0] == "get_weather":
+                jsonschema.validate(json.loads(calls[0][1]), WEATHER)
+    _wait_blocks_free(prefill)
+
+
+def _tool_calls(client: openai.OpenAI, kwargs: dict, stream: bool) -> tuple[list[tuple[str, str]], str]:
+    if not stream:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        calls = choice.message.tool_calls or []
+        return [(c.function.name, c.function.arguments) for c in calls], choice.finish_reason
+    found: list[tuple[str, str]] = []
+    reason = ""
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            found += [(c.function.name, c.function.arguments) for c in choice.delta.tool_calls or []]
+            reason = choice.finish_reason or reason
+    return found, reason

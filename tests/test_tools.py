@@ -1,0 +1,122 @@
+"""Tool calling: tool_choice to a grammar, and tool calls parsed from each family's format."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from kvferry.entrypoints.openai.protocol import ChatCompletionRequest
+from kvferry.entrypoints.openai.tools import ToolCallFormat, parse_answer
+from kvferry.errors import InvalidRequestError
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 10},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Forecast", "parameters": WEATHER},
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+        },
+    },
+]
+
+
+def _request(**fields: object) -> ChatCompletionRequest:
+    body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": TOOLS, **fields}
+    return ChatCompletionRequest.model_validate(body)
+
+
+def test_required_and_named_choices_become_schemas() -> None:
+    required = (
+        _request(tool_choice="required", parallel_tool_calls=False).to_sampling_params().structured_outputs
+    )
+    assert required is not None and required.json is not None
+    schema = json.loads(required.json)
+    jsonschema.validate([{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}], schema)
+    with pytest.raises(jsonschema.ValidationError):  # one call only, and a known name
+        jsonschema.validate([{"name": "get_time", "parameters": {}}] * 2, schema)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    spec = _request(tool_choice=named).to_sampling_params().structured_outputs
+    assert spec is not None and json.loads(spec.json or "") == WEATHER
+    for choice in ("auto", "none", None):
+        assert _request(tool_choice=choice).to_sampling_params().structured_outputs is None
+    assert _request(tool_choice="none").template_tools() is None
+    assert _request().template_tools() == TOOLS
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        {"tool_choice": "required", "tools": None},
+        {"tool_choice": "required", "guided_regex": "a"},
+    ],
+)
+def test_bad_tool_choices_are_400s(fields: dict) -> None:
+    with pytest.raises(InvalidRequestError) as err:
+        _request(**fields).to_sampling_params()
+    assert err.value.param == "tool_choice"
+
+
+CALL = {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}
+ARGS = json.dumps(CALL["arguments"])
+
+
+@pytest.mark.parametrize(
+    ("fmt", "text", "content"),
+    [
+        (
+            ToolCallFormat.HERMES,
+            f"Let me look.\n<tool_call>\n{json.dumps(CALL)}\n</tool_call>",
+            "Let me look.",
+        ),
+        (ToolCallFormat.MISTRAL, f"[TOOL_CALLS][{json.dumps(CALL)}]", None),
+        (ToolCallFormat.JSON, '<|python_tag|>{"name": "get_weather", "parameters": ' + ARGS + "}", None),
+        (ToolCallFormat.JSON, f"```tool_code\n{json.dumps(CALL)}\n```", None),  # Gemma's fence
+    ],
+)
+def test_auto_parses_each_family(fmt: ToolCallFormat, text: str, content: str | None) -> None:
+    parsed = parse_answer(text, _request(tool_choice="auto"), fmt)
+    assert parsed.content == content
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [
+        ("get_weather", CALL["arguments"])
+    ]
+
+
+def test_text_that_is_no_call_stays_content() -> None:
+    for fmt in ToolCallFormat:
+        for text in ("Paris is sunny.", '{"city": "Paris"}', "<tool_call>{broken"):
+            parsed = parse_answer(text, _request(), fmt)
+            assert (parsed.content, parsed.tool_calls) == (text, [])
+
+
+def test_forced_answers_are_the_calls() -> None:
+    required = parse_answer(
+        json.dumps([{"name": "get_time", "parameters": {}}]),
+        _request(tool_choice="required"),
+        ToolCallFormat.JSON,
+    )
+    assert [(c.name, c.arguments) for c in required.tool_calls] == [("get_time", "{}")]
+    named = _request(tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert parse_answer(ARGS, named, ToolCallFormat.HERMES).tool_calls[0].name == "get_weather"
+
+
+def test_template_formats() -> None:
+    assert ToolCallFormat.of_template("{% if tools %}<tool_call>{% endif %}") is ToolCallFormat.HERMES
+    assert ToolCallFormat.of_template("[AVAILABLE_TOOLS] [TOOL_CALLS]") is ToolCallFormat.MISTRAL
+    assert ToolCallFormat.of_template("<|python_tag|>") is ToolCallFormat.JSON
+    assert ToolCallFormat.of_template(None) is ToolCallFormat.JSON
