@@ -7,19 +7,31 @@ Bounds that need the model (token ids inside its vocabulary) are the input proce
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvferry.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from kvferry.sampling_params import SamplingParams
-
 MAX_N = 128  # answers (n, best_of) one request may ask for: each is an engine request
 MAX_PROMPT_LOGPROBS = 20
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range: [-100, 100]
 _INT64_MAX = 2**63 - 1
+
+
+class ConstrainedParams(Protocol):
+    """The fields of SamplingParams checked here (sampling_params sits above this module)."""
+
+    n: int
+    best_of: int | None
+    max_tokens: int | None
+    min_tokens: int
+    logit_bias: dict[int, float]
+    allowed_token_ids: list[int] | None
+    bad_words: list[str]
+    bad_words_token_ids: list[list[int]]
+    prompt_logprobs: int | None
 
 
 def _is_int(value: object, low: int = 0, high: int = _INT64_MAX) -> bool:
@@ -31,7 +43,7 @@ def _check(ok: bool, message: str, param: str) -> None:
         raise InvalidRequestError(message, param=param)
 
 
-def validate_constraint_params(params: SamplingParams) -> None:
+def validate_constraint_params(params: ConstrainedParams) -> None:
     _check(_is_int(params.n, 1, MAX_N), f"n must be an integer in [1, {MAX_N}]", "n")
     best_of = params.best_of
     _check(
@@ -81,7 +93,7 @@ def _validate_logit_bias(bias: dict[int, float]) -> None:
         )
 
 
-def check_token_ids_in_vocab(params: SamplingParams, vocab_size: int) -> None:
+def check_token_ids_in_vocab(params: ConstrainedParams, vocab_size: int) -> None:
     """Every token id the constraints name is inside the model's vocabulary."""
     named = {
         "logit_bias": list(params.logit_bias),

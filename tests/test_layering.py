@@ -21,6 +21,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
     for layer in (
         "errors cpu_features ports",
         "kv",  # KV specs, layouts, allocators: the vocabulary both halves share
+        "constraint_params structured",  # request options sampling_params holds (limits, grammars)
         "config sampling_params",
         "messages",  # what crosses layers: requests, finish reasons, runner and connector outputs
         "outputs",  # the public result types
