@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass
 from types import ModuleType
 
-from kvferry_bench import hybrid, pd, serve, soak, throughput, transfer
+from kvferry_bench import goodput, hybrid, pd, serve, soak, throughput, transfer
 from kvferry_bench.peers import command as peers
 
 logger = logging.getLogger(__name__)
@@ -29,6 +29,9 @@ BENCHES: tuple[Bench, ...] = (
     Bench("serve", serve, "serving client: rate, TTFT, ITL, throughput"),
     Bench("transfer", transfer, "KV transfer GB/s over NIXL vs memcpy"),
     Bench("pd", pd, "colocated vs P/D deployments under the same serving load"),
+    Bench(
+        "goodput", goodput, "request-rate sweeps of serve / disagg / disagg-prefix: SLO attainment, goodput"
+    ),
     Bench("hybrid", hybrid, "sliding window vs forced full attention: KV bytes, P/D, capacity"),
     Bench("peers", peers, "kvferry vs vLLM's CPU engine, side by side on the same cores"),
     Bench("soak", soak, "many streaming clients against kvferry disagg: held blocks, mismatches, RSS"),

@@ -42,7 +42,7 @@ def help_of(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
 def test_every_benchmark_is_listed_by_kvferry_bench_help(capsys: pytest.CaptureFixture[str]) -> None:
     out = help_of(capsys, "bench", "--help")
     assert out.startswith("usage: kvferry bench")
-    assert set(BENCH_NAMES) == {"throughput", "serve", "pd", "transfer", "hybrid", "peers", "soak"}
+    assert set(BENCH_NAMES) == {"throughput", "serve", "pd", "transfer", "hybrid", "peers", "soak", "goodput"}
     for name in BENCH_NAMES:
         assert name in out
 
@@ -57,6 +57,7 @@ def test_every_benchmark_is_listed_by_kvferry_bench_help(capsys: pytest.CaptureF
         ("hybrid", "--prompt-tokens"),
         ("peers", "--vllm-venv"),
         ("soak", "--clients"),
+        ("goodput", "--slo-ttft-ms"),
     ],
 )
 def test_a_benchmarks_own_options_reach_its_help(

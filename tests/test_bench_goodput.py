@@ -1,0 +1,132 @@
+"""`kvferry bench goodput`: its workloads and its goodput arithmetic (fast, pure), and one
+sweep of all three deployments on the tiny model (slow)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvferry_bench.cli import build_parser
+from kvferry_bench.goodput_metrics import (
+    RequestTiming,
+    Slo,
+    attainment,
+    goodput,
+    percentiles_ms,
+    prefill_paths,
+    prefix_cache_counts,
+)
+from kvferry_bench.goodput_workload import WorkloadKind, WorkloadSpec, make_workload, poisson_gaps
+
+SHARED = WorkloadSpec(
+    WorkloadKind.SHARED_PREFIX, 100, num_system=2, users_per_system=3, system_len=20, turn_len=5, turns=3
+)
+
+
+def test_shared_prefix_turns_extend_the_previous_prompt_and_share_the_system_prompt() -> None:
+    requests = make_workload(SHARED, seed=1)
+    assert len(requests) == 2 * 3 * 3
+    assert [r.turn for r in requests] == [0] * 6 + [1] * 6 + [2] * 6  # a turn after the one it extends
+    by_conversation: dict[int, list[tuple[int, ...]]] = {}
+    for r in requests:
+        by_conversation.setdefault(r.conversation, []).append(r.prompt)
+    for prompts in by_conversation.values():
+        assert [len(p) for p in prompts] == [25, 30, 35]
+        assert prompts[1][:25] == prompts[0] and prompts[2][:30] == prompts[1]
+    groups: dict[str, set[tuple[int, ...]]] = {}
+    for r in requests:
+        groups.setdefault(r.group, set()).add(r.prompt[:20])
+    assert len(groups) == 2 and all(len(prefixes) == 1 for prefixes in groups.values())
+    assert len({r.prompt[20:25] for r in requests if r.turn == 0}) == 6  # users differ after it
+    assert all(100 <= t < 32000 for r in requests for t in r.prompt)
+
+
+def test_workloads_are_functions_of_their_seed_and_differ_between_seeds() -> None:
+    assert make_workload(SHARED, 1) == make_workload(SHARED, 1) != make_workload(SHARED, 2)
+    assert len(make_workload(WorkloadSpec(WorkloadKind.SHARED_PREFIX, 4), 0)) == 4  # capped
+    spec = WorkloadSpec(WorkloadKind.RANDOM, 5, input_len=50, vocab_size=200)
+    prompts = make_workload(spec, 3)
+    assert [len(r.prompt) for r in prompts] == [50] * 5 and len({r.prompt[:8] for r in prompts}) == 5
+    assert all(100 <= t < 200 for r in prompts for t in r.prompt)
+    with pytest.raises(ValueError, match="turns"):
+        WorkloadSpec(WorkloadKind.SHARED_PREFIX, 4, turns=0)
+
+
+def test_poisson_gaps_average_one_over_the_rate() -> None:
+    gaps = poisson_gaps(4000, 2.0, seed=0)
+    assert gaps[0] == 0.0 and 0.45 < sum(gaps) / len(gaps) < 0.55
+    assert poisson_gaps(3, float("inf"), 0) == [0.0, 0.0, 0.0]
+
+
+def test_attainment_counts_both_objectives_and_failures() -> None:
+    slo = Slo(ttft_ms=100, tpot_ms=10)
+    timings = [
+        RequestTiming(True, 0.050, 0.005),  # meets both
+        RequestTiming(True, 0.100, 0.010),  # exactly at both: meets
+        RequestTiming(True, 0.150, 0.005),  # TTFT too slow
+        RequestTiming(True, 0.050, 0.020),  # TPOT too slow
+        RequestTiming(False, 0.0, 0.0),  # failed
+    ]
+    assert attainment(timings, slo) == pytest.approx(2 / 5)
+    assert attainment([], slo) == 0.0
+
+
+def test_goodput_is_the_highest_rate_meeting_the_attainment() -> None:
+    assert goodput([(0.5, 1.0), (1.0, 0.95), (2.0, 0.8), (4.0, 0.1)]) == 1.0
+    assert goodput([(0.5, 1.0), (1.0, 0.89), (2.0, 0.9)]) == 2.0  # the highest passing, even past a dip
+    assert goodput([(0.5, 0.5)]) is None
+    assert goodput([(0.5, 0.85), (1.0, 0.5)], threshold=0.8) == 0.5
+
+
+def test_percentiles_are_nearest_rank_in_ms() -> None:
+    stats = percentiles_ms([i / 1000 for i in range(1, 101)])  # 1..100 ms
+    assert stats == {"mean": pytest.approx(50.5), "p50": 50.0, "p90": 90.0, "p99": 99.0}
+    assert percentiles_ms([]) == {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+
+
+def test_counters_are_read_from_prometheus_text() -> None:
+    instance = (
+        '# TYPE kvferry:prefix_cache_queries counter\nkvferry:prefix_cache_queries_total{model_name="m"} 200.0\n'
+        '# TYPE kvferry:prefix_cache_hits counter\nkvferry:prefix_cache_hits_total{model_name="m"} 150.0\n'
+    )
+    counts = prefix_cache_counts(instance)
+    assert (counts.queries, counts.hits, counts.hit_rate) == (200.0, 150.0, 0.75)
+    proxy = (
+        "# TYPE kvferry_proxy:prefill_path counter\n"
+        'kvferry_proxy:prefill_path_total{path="local"} 3.0\nkvferry_proxy:prefill_path_total{path="remote"} 2.0\n'
+    )
+    assert prefill_paths(proxy) == {"local": 3.0, "remote": 2.0}
+    assert prefix_cache_counts("").hit_rate is None
+
+
+@pytest.mark.slow
+def test_goodput_sweeps_three_deployments_on_the_same_prompts(tiny_llama: Path, tmp_path: Path) -> None:
+    out = tmp_path / "goodput.json"
+    argv = ["goodput", str(tiny_llama), "--deployments", "serve,disagg,disagg-prefix"]
+    argv += ["--workload", "shared-prefix", "--num-system", "1", "--users", "2", "--turns", "2"]
+    argv += ["--system-len", "48", "--turn-len", "8", "--num-prompts", "4", "--output-len", "4"]
+    argv += ["--request-rate", "2", "4", "--local-prefill-tokens", "16", "--slo-ttft-ms", "600000"]
+    argv += ["--slo-tpot-ms", "600000", "--output", str(out), "--log-dir", str(tmp_path / "logs")]
+    argv += ["--engine-args", "--kv-cache-memory 0.005 --enforce-eager"]
+    args = build_parser().parse_args(argv)
+    args.func(args)
+
+    doc = json.loads(out.read_text())
+    assert [run["label"] for run in doc["runs"]] == ["serve", "disagg", "disagg-prefix"]
+    for run in doc["runs"]:
+        assert run["goodput"] == 4.0  # generous SLOs: every request meets them at both rates
+        for result in run["results"]:
+            assert result["completed"] == 4 and result["failed"] == 0, result["errors"]
+            assert result["slo_attainment"] == 1.0 and result["ttft_ms"]["p90"] > 0
+            hit_rates = [r for r in result["prefix_cache_hit_rate"].values() if r is not None]
+            assert hit_rates and max(hit_rates) > 0  # turn 2 and the second user reuse the prefix
+    serve_run, disagg_run, prefix_run = doc["runs"]
+    assert list(serve_run["results"][0]["prefix_cache_hit_rate"]) == ["serve"]
+    assert all(r["prefill_paths"] == {} for r in serve_run["results"])
+    assert all(r["prefill_paths"].get("remote", 0) == 4 for r in disagg_run["results"])
+    # with 16 local tokens the second turns (8 new tokens on a prefix the decoder holds) stay local
+    assert all(r["prefill_paths"].get("local", 0) >= 1 for r in prefix_run["results"])
+    assert "--policy prefix" in prefix_run["deployment"]
+    assert out.with_suffix(".png").stat().st_size > 10_000
