@@ -7,11 +7,17 @@ import torch
 
 from kvferry.config import KVTransferConfig
 from kvferry.connector.offload.blocks import BlockCopier
-from kvferry.connector.offload.config import OffloadConfig, instance_block_bytes, slot_bytes_per_rank
+from kvferry.connector.offload.config import (
+    OffloadConfig,
+    instance_block_bytes,
+    slot_bytes_per_rank,
+    tier_owner,
+)
 from kvferry.connector.offload.index import TierIndex
 from kvferry.connector.offload.jobs import JobQueue
-from kvferry.connector.offload.metadata import DemoteOp, Tier
+from kvferry.connector.offload.metadata import DemoteOp, OffloadMetadata, SaveOp, Tier
 from kvferry.connector.offload.tiers import DiskTier, DramTier, Tag, payload_crc
+from kvferry.connector.offload.worker_side import OffloadWorker
 from kvferry.errors import ConfigError
 from kvferry.kv.allocate import allocate_kv_caches
 from kvferry.kv.spec import (
@@ -102,16 +108,55 @@ def test_disk_config_checks(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "local_heads, total_heads, tp, expected_heads", [(1, 2, 2, 2), (2, 3, 2, 3), (1, 3, 2, 3), (1, 2, 4, 4)]
+    "local_heads, total_heads, tp, expected_heads",
+    [(1, 2, 2, 2), (2, 3, 2, 3), (1, 3, 2, 3), (1, 2, 4, 2), (1, 1, 2, 1)],
 )
 def test_block_bytes_are_the_same_on_every_rank(local_heads, total_heads, tp, expected_heads):
-    """Capacities are per instance: uneven head splits and replicated heads included."""
+    """Capacities are per instance: uneven head splits; a replicated head (2 heads over 4
+    ranks, a latent-attention cache's one row over 2) counts once, as the tiers store it."""
     spec = FullAttentionSpec(16, local_heads, 64, torch.float32)
     kv = KVCacheConfig(
         (KVCacheGroup(spec, ("a", "b")),), tuple(KVCacheTensor(1, (n,)) for n in "ab"), Layout.NHD, 4, 4
     )
     per_head = 2 * 16 * 64 * 4 * 2  # K and V, 2 layers
     assert instance_block_bytes(kv, total_heads, tp) == per_head * expected_heads
+
+
+@pytest.mark.parametrize(
+    "total_heads, tp, owners",
+    [(1, 1, [0]), (1, 2, [0, 0]), (2, 4, [0, 0, 2, 2]), (1, 4, [0, 0, 0, 0]), (4, 2, [0, 1]), (3, 2, [0, 1])],
+)
+def test_only_the_lowest_rank_holding_a_kv_head_saves_it(tmp_path, total_heads, tp, owners):
+    """A replicated KV head (MLA's latent row at TP 2: total 1; GQA with fewer heads than
+    ranks) is saved by one rank, the lowest holding it; replicas get no tier and save nothing."""
+    assert [tier_owner(r, tp, total_heads) for r in range(tp)] == owners
+    local = max(1, total_heads // tp)
+    kv = KVCacheConfig(
+        (KVCacheGroup(FullAttentionSpec(16, local, 8, torch.float32), ("a",)),),
+        (KVCacheTensor(2 * 2 * 16 * local * 8 * 4, ("a",)),),
+        Layout.NHD,
+        2,
+        2,
+    )
+    config = OffloadConfig.from_extra({"dram_blocks": 4, "disk_dir": str(tmp_path), "disk_blocks": 4})
+    for rank in range(tp):
+        worker = OffloadWorker(config, kv, total_heads, tp, rank)
+        try:
+            worker.register({"a": torch.zeros(2, 2, 16, local, 8)}, kv)
+            saves = rank == owners[rank]
+            assert worker.owns is saves
+            assert (worker.dram is not None, worker.disk is not None) == (saves, saves)
+            op = SaveOp("r", Tier.DRAM, 0, b"h" * 32, 1, (0,))
+            worker.submit_ops(OffloadMetadata(ops=[op], instance_id="i"))
+            done = worker.finished_sending({"r"}, idle=True)
+            while not done:  # a replica's (empty) job reports the request finished too
+                done = worker.finished_sending(set(), idle=True)
+            assert done == {"r"}
+            assert worker.take_stats().get("offload_bytes_saved", 0) == (
+                16 * local * 8 * 4 * 2 if saves else 0
+            )
+        finally:
+            worker.close()
 
 
 def test_engine_start_up_rejects_bad_offload_config(tiny_llama):

@@ -4,7 +4,9 @@ Capacities are for the whole instance. With tensor parallelism every rank stores
 own KV heads of a block, at the same slot index as the other ranks, so a tier of
 `dram_gib` GiB holds `dram_gib GiB / (bytes of one block over all ranks)` blocks, and each
 rank allocates that many slots of its own size (ranks may hold different numbers of KV
-heads: 3 heads over 2 ranks are 2 + 1; with fewer KV heads than ranks each rank holds one).
+heads: 3 heads over 2 ranks are 2 + 1). A KV head replicated on several ranks (fewer KV
+heads than ranks; a latent-attention cache: one row every rank holds) is stored once, by
+its owner rank (`tier_owner`); its replicas allocate no tier and receive the owner's copy.
 `dram_blocks` / `disk_blocks` give the block count directly instead (tests, benchmarks).
 """
 
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 
 from kvferry.errors import ConfigError
 from kvferry.kv.spec import KVCacheConfig
+from kvferry.model.layers.parallel import kv_head_range
 
 logger = logging.getLogger(__name__)
 
@@ -122,8 +125,9 @@ def instance_block_bytes(kv_cache_config: KVCacheConfig, total_kv_heads: int, tp
     """Bytes one block position takes over every rank: the same number in every half and rank.
 
     Ranks differ only in their KV head count, so bytes per head are common; the ranks
-    together hold every KV head once, or one each when there are fewer heads than ranks.
-    One rank holds them all. Groups with different KV head counts (Gemma 4's global layers)
+    together hold every KV head at least once.
+    Every KV head is stored once: a head replicated on several ranks is saved by one of
+    them (`tier_owner`). One rank holds them all. Groups with different KV head counts (Gemma 4's global layers)
     give no common count over several ranks (a rank knows only its own heads): refused.
     """
     if tp_size == 1:
@@ -135,7 +139,22 @@ def instance_block_bytes(kv_cache_config: KVCacheConfig, total_kv_heads: int, tp
             f"supported with tensor parallelism ({tp_size} ranks)"
         )
     per_head = slot_bytes_per_rank(kv_cache_config) // heads.pop()
-    return per_head * max(total_kv_heads, tp_size)
+    return per_head * total_kv_heads
+
+
+def tier_owner(rank: int, tp_size: int, total_kv_heads: int) -> int:
+    """The rank whose tiers hold rank `rank`'s KV heads: itself, or for a replicated head
+    (fewer KV heads than ranks; a latent-attention cache's one row) the lowest rank holding
+    it. Only owners save; a replica receives the owner's copy on every load."""
+    if total_kv_heads >= tp_size:
+        return rank
+    head = kv_head_range(rank, tp_size, total_kv_heads)[0]
+    return min(r for r in range(tp_size) if kv_head_range(r, tp_size, total_kv_heads)[0] == head)
+
+
+def tier_owners(tp_size: int, total_kv_heads: int) -> list[int]:
+    """The ranks that own a copy in the tiers, ascending (every rank without replicas)."""
+    return sorted({tier_owner(r, tp_size, total_kv_heads) for r in range(tp_size)})
 
 
 def check_kv_cache_config(kv_cache_config: KVCacheConfig) -> None:

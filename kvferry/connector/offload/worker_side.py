@@ -6,6 +6,11 @@ job submitted after the forward (wait_for_save), so the forward never waits for 
 the scheduler keeps the request's device blocks until this worker reports the request in
 finished_sending. With tensor parallelism every rank runs this on its own KV-head slice;
 block counts are reported by rank 0 only, byte counts by every rank (their sum is the total).
+A KV head replicated on several ranks (fewer KV heads than ranks; a latent-attention
+cache) is stored once: only its owner rank (`tier_owner`, the lowest holding it) has tiers
+and saves; on a load the owner reads its slot and broadcasts the rows and their check
+results to its replicas over the tensor-parallel group (all ranks run the same loads in
+the same step), so every rank fills its blocks, or reports the same load errors.
 
 Sliding-window groups: a load or save moves only the groups whose block id is not SKIP (a
 load: the groups the window sees; bytes count those alone). A sliding group's block is
@@ -30,6 +35,8 @@ from kvferry.connector.offload.config import (
     check_kv_cache_config,
     instance_block_bytes,
     slot_bytes_per_rank,
+    tier_owner,
+    tier_owners,
 )
 from kvferry.connector.offload.jobs import JobQueue
 from kvferry.connector.offload.metadata import DemoteOp, LoadOp, OffloadMetadata, SaveFailed, SaveOp, Tier
@@ -52,15 +59,20 @@ class OffloadWorker:
     ):
         check_kv_cache_config(kv_cache_config)
         self.rank = rank
+        self.owner = tier_owner(rank, tp_size, total_kv_heads)  # whose tiers hold my heads
+        self.owns = self.owner == rank  # False: a replica, saves nothing, has no tiers
+        # Owners broadcasting loads to replicas (none when no head is replicated).
+        self._broadcasters = tier_owners(tp_size, total_kv_heads) if total_kv_heads < tp_size else []
         self.verify = config.verify_checksum
         self.slot_bytes = slot_bytes_per_rank(kv_cache_config)  # this rank's KV heads only
         dram_slots, disk_slots = config.num_slots(
             instance_block_bytes(kv_cache_config, total_kv_heads, tp_size)
         )
-        self._dram_slots = dram_slots
+        self._dram_slots = dram_slots if self.owns else 0
         self.dram: DramTier | None = None  # allocated at registration (pinned for CUDA KV)
         disk_dir = config.disk_dir
-        self.disk = DiskTier(disk_dir, disk_slots, self.slot_bytes, rank) if disk_slots and disk_dir else None
+        has_disk = self.owns and disk_slots and disk_dir
+        self.disk = DiskTier(disk_dir, disk_slots, self.slot_bytes, rank) if has_disk and disk_dir else None
         self.copier: BlockCopier | None = None
         # Grow-only staging rows, one per thread (remade pinned at registration for CUDA KV).
         self._load_rows = Staging(self.slot_bytes)  # main thread
@@ -103,9 +115,14 @@ class OffloadWorker:
         if not meta.loads:
             return
         start = time.perf_counter()
-        self._wait_slots((load.tier, load.slot) for load in meta.loads)
         rows = self._load_rows.take(len(meta.loads))
-        ok = [self._read(load, rows[i]) for i, load in enumerate(meta.loads)]
+        if self.owns:
+            self._wait_slots((load.tier, load.slot) for load in meta.loads)
+            ok = [self._read(load, rows[i]) for i, load in enumerate(meta.loads)]
+        else:
+            ok = [False] * len(meta.loads)
+        if self._broadcasters:
+            rows, ok = self._share(rows, ok)
         good = [i for i, fine in enumerate(ok) if fine]
         if good:
             rows = rows if len(good) == len(ok) else rows[good]
@@ -116,6 +133,22 @@ class OffloadWorker:
                 self._load_errors.update(b for b in load.block_ids if b != SKIP)
         self._count_loads([meta.loads[i] for i in good], len(meta.loads) - len(good))
         self._add_stats(Counter({"offload_load_seconds": time.perf_counter() - start}))
+
+    def _share(self, rows: torch.Tensor, ok: list[bool]) -> tuple[torch.Tensor, list[bool]]:
+        """Each owner broadcasts its rows and check results; a rank keeps its owner's. Every
+        rank takes part in every broadcast (one per owner, in rank order)."""
+        import torch.distributed as dist
+
+        device = self._copier().device
+        mine = rows.to(device)
+        flags = torch.tensor(ok, dtype=torch.uint8, device=device)
+        for owner in self._broadcasters:
+            keep = owner == self.owner
+            data = mine if keep else torch.empty_like(mine)
+            checks = flags if keep else torch.empty_like(flags)
+            dist.broadcast(data, src=owner)
+            dist.broadcast(checks, src=owner)
+        return mine, [bool(x) for x in flags.tolist()]
 
     def _read(self, load: LoadOp, out: torch.Tensor) -> bool:
         """The groups the load needs (with checksums: all the save wrote, as checked)."""
@@ -162,7 +195,8 @@ class OffloadWorker:
         if not meta.ops:
             return
         skipped = self._failed_reqs
-        ops = [op for op in meta.ops if not (isinstance(op, SaveOp) and op.req_id in skipped)]
+        # A replica's job is empty: its requests are still reported finished through it.
+        ops = [op for op in meta.ops if self.owns and not (isinstance(op, SaveOp) and op.req_id in skipped)]
         seq = self.jobs.submit(lambda: self._run_ops(ops, meta.instance_id))
         for op in meta.ops:
             if isinstance(op, SaveOp):
