@@ -76,12 +76,14 @@ def test_bad_inputs_are_refused_up_front_and_others_finish(proxy_url: str, tiny_
 @pytest.mark.parametrize("count", [4_000_000, 20_000])
 def test_a_costly_integer_body_does_not_stall_health(proxy_url: str, count: int) -> None:
     """4 million token ids in 8 MB (under the body limit; over the JSON value limit) and
-    20,000 (under both: decoded in a worker thread, the last id refused): /health answers
-    within 100 ms meanwhile."""
+    20,000 (under both: decoded in a worker thread, the last id refused): /health keeps
+    answering meanwhile. Decoding 4 million ids on the event loop would stall it for
+    seconds; the 0.5 s bound leaves room for one slow probe on a busy 2-vCPU host (a full
+    suite run saw one of 187 ms)."""
     resp, took, health = post_while_polling_health(proxy_url, integer_body(count))
     assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error", resp.text
     assert took < 30, took  # generous: the bound that matters is the next one
-    assert health and max(health) < 0.1, (took, health)
+    assert health and max(health) < 0.5, (took, health)
 
 
 def test_a_client_leaving_mid_body_is_one_line_and_a_499(proxy_and_log: tuple[str, Path]) -> None:
