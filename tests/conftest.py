@@ -47,28 +47,29 @@ def tiny_llama_kv3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_hybrid(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """arch (one of HYBRID_ARCHS) -> its tiny sliding-window checkpoint, built on first use."""
-    built: dict[str, Path] = {}
-
-    def get(arch: str) -> Path:
-        if arch not in HYBRID_ARCHS:
-            raise ValueError(f"unknown hybrid tiny arch {arch!r}; choose one of {HYBRID_ARCHS}")
-        if arch not in built:
-            built[arch] = build_hybrid_model(arch, tmp_path_factory.mktemp(f"tiny_{arch}"))
-        return built[arch]
-
-    return get
+    return _built_on_first_use(tmp_path_factory, HYBRID_ARCHS, build_hybrid_model, "hybrid")
 
 
 @pytest.fixture(scope="session")
 def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """arch (one of MOE_ARCHS: Qwen3-MoE, DeepSeek-V2/V3) -> its tiny checkpoint, built on first use."""
+    return _built_on_first_use(tmp_path_factory, MOE_ARCHS, build_moe_model, "MoE")
+
+
+def _built_on_first_use(
+    tmp_path_factory: pytest.TempPathFactory,
+    archs: tuple[str, ...],
+    build: Callable[[str, Path], Path],
+    kind: str,
+) -> Callable[[str], Path]:
+    """arch -> its tiny checkpoint, built once per test run on first use."""
     built: dict[str, Path] = {}
 
     def get(arch: str) -> Path:
-        if arch not in MOE_ARCHS:
-            raise ValueError(f"unknown MoE tiny arch {arch!r}; choose one of {MOE_ARCHS}")
+        if arch not in archs:
+            raise ValueError(f"unknown {kind} tiny arch {arch!r}; choose one of {archs}")
         if arch not in built:
-            built[arch] = build_moe_model(arch, tmp_path_factory.mktemp(f"tiny_{arch}"))
+            built[arch] = build(arch, tmp_path_factory.mktemp(f"tiny_{arch}"))
         return built[arch]
 
     return get
