@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -147,6 +148,35 @@ def test_n_min_tokens_and_prompt_logprobs(url: str, reference: dict[str, str]) -
     assert resp["usage"]["completion_tokens"] == 24
     bad = httpx.post(url + "/v1/completions", json={**body, "logit_bias": {"1": 200}}, headers=auth)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias"
+
+
+def _sse(text: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+def test_prompt_logprobs_streamed_and_in_chat(url: str) -> None:
+    """Streamed, a choice's first chunk carries its prompt_logprobs (vLLM's place); chat
+    returns them at the top of the response (streamed: of the first chunk)."""
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0, "prompt_logprobs": 2}
+    with _http(url) as http:
+        whole = http.post("/v1/completions", json={**body, "n": 2}).json()
+        want = whole["choices"][0]["prompt_logprobs"]
+        assert len(want) == whole["usage"]["prompt_tokens"] and want[0] is None
+        chunks = _sse(http.post("/v1/completions", json={**body, "n": 2, "stream": True}).text)
+        sent = [(c["choices"][0]["index"], c["choices"][0].get("prompt_logprobs")) for c in chunks]
+        assert sorted(index for index, plp in sent if plp is not None) == [0, 1]  # once per choice
+        firsts = {index: plp for index, plp in reversed(sent)}  # each choice's first chunk
+        assert firsts == {0: want, 1: want}
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        chat_whole = http.post("/v1/chat/completions", json={**chat, "prompt_logprobs": 1}).json()
+        chat_want = chat_whole["prompt_logprobs"]
+        assert len(chat_want) == chat_whole["usage"]["prompt_tokens"]
+        chat_chunks = _sse(
+            http.post("/v1/chat/completions", json={**chat, "prompt_logprobs": 1, "stream": True}).text
+        )
+        assert chat_chunks[0]["prompt_logprobs"] == chat_want
+        assert all("prompt_logprobs" not in c for c in chat_chunks[1:])
+    _wait_idle(url)
 
 
 def test_chat_stream_and_not(url: str) -> None:

@@ -189,13 +189,17 @@ class ChatCompletionRequest(ToolsFields, _CommonRequest):  # tools, tool_choice
     # extras: the prompt as token ids, used instead of the messages' chat template (the P/D
     # proxy continues a chat answer on another decoder from the ids already sent)
     prompt_token_ids: TokenIds | None = Field(default=None, min_length=1)
+    prompt_logprobs: Int64 | None = None  # vLLM's extra: the response's top-level prompt_logprobs
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling_params(max_tokens, logprobs)  # None: up to the end of the context
+        params = self._sampling_params(max_tokens, logprobs)  # None: up to the end of the context
+        params.prompt_logprobs = self.prompt_logprobs
+        params.validate()
+        return params
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.to_template_dict() for m in self.messages]

@@ -21,6 +21,7 @@ from kvferry.entrypoints.http_common import chat_role_chunk
 from kvferry.entrypoints.openai import serving_common as common
 from kvferry.entrypoints.openai.protocol import ChatCompletionRequest
 from kvferry.entrypoints.openai.serving_common import ServerState, Streams
+from kvferry.entrypoints.openai.serving_completions import prompt_logprobs_json
 from kvferry.entrypoints.openai.tools import ToolCallFormat, parse_answer
 from kvferry.messages.model_runner import SampleLogprobs
 from kvferry.outputs import RequestOutput
@@ -104,7 +105,16 @@ def _response(
         if calls and choice["finish_reason"] == "stop":
             choice["finish_reason"] = "tool_calls"
         choices.append(choice)
-    return common.response_body({**meta, "object": "chat.completion"}, choices, finals, body.n)
+    result = common.response_body({**meta, "object": "chat.completion"}, choices, finals, body.n)
+    return {**result, **_prompt_logprobs_field(finals[0])}
+
+
+def _prompt_logprobs_field(out: RequestOutput) -> dict[str, Any]:
+    """vLLM's chat shape: the prompt's logprobs once, at the top of the response (or, streamed,
+    of the first chunk), when asked."""
+    if out.prompt_logprobs is None:
+        return {}
+    return {"prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)}
 
 
 async def _chunks(
@@ -118,7 +128,7 @@ async def _chunks(
     for index in range(len(gens)):  # one answer per stream (n; best_of > n is not streamed)
         role = chat_role_chunk(meta)
         role["choices"][0]["index"] = index
-        yield role
+        yield {**role, **_prompt_logprobs_field(firsts[0])} if index == 0 else role
     finals: dict[int, RequestOutput] = {}
     sent_prompt_ids: set[int] = set()
     # with tools, each answer is parsed once complete: its calls come in its last chunk

@@ -135,7 +135,8 @@ def stream_chunk(
     out: RequestOutput,
     has_token_ids: bool = False,
 ) -> dict[str, Any] | None:
-    """A stream chunk with one choice; None when ``out`` brings nothing to send.
+    """A stream chunk with one choice; None when ``out`` brings nothing to send
+    (``has_token_ids``: ``content`` carries more than the text, to be sent anyway).
 
     The last chunk of a choice carries its finish and stop reasons and the request's KV
     transfer parameters.

@@ -50,6 +50,7 @@ class _Choice:
     def __init__(self) -> None:
         self.offset = 0
         self.sent_prompt_ids = False
+        self.sent_prompt_logprobs = False  # vLLM sends them in a choice's first chunk
         self.final: RequestOutput | None = None
 
 
@@ -122,7 +123,11 @@ def _chunk(
     if out.finished:
         choice.final = out
     ids = common.delta_token_id_fields(body.return_token_ids, out, not choice.sent_prompt_ids)
-    chunk = common.stream_chunk(meta, index, {"text": out.delta_text, **ids}, lps, out, bool(ids))
-    if chunk is not None and ids:
-        choice.sent_prompt_ids = True
+    content: dict[str, Any] = {"text": out.delta_text, **ids}
+    if out.prompt_logprobs is not None and not choice.sent_prompt_logprobs:
+        content["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+    chunk = common.stream_chunk(meta, index, content, lps, out, len(content) > 1)
+    if chunk is not None:
+        choice.sent_prompt_ids = choice.sent_prompt_ids or bool(ids)
+        choice.sent_prompt_logprobs = choice.sent_prompt_logprobs or "prompt_logprobs" in content
     return chunk
