@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from kvferry.engine.llm import LLM
+from kvferry.entrypoints.openai.serving_completions import prompt_logprobs_json
 from kvferry.sampling_params import SamplingParams
 from tests.proxy_fakes import free_port, start_cli
 from tests.test_disagg import MODEL, Deployment, _disagg_args, _metric, _wait_blocks_free
@@ -101,5 +102,62 @@ def test_pd_n3_transfers_the_prompt_once(colocated: LLM, deployment: Deployment)
     assert [c["text"] for c in resp["choices"]] == [want] * 3
     assert _metric(prefill, "kvferry:prompt_tokens_total") - before[0] == prompt_len  # one prefill
     assert _metric(decode, "kvferry:prefix_cache_hits_total") - before[1] >= 2 * (prompt_len // 16 * 16 - 16)
+    _wait_blocks_free(prefill)
+    _wait_blocks_free(decode)
+
+
+def _events(text: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+def _colocated_prompt_logprobs(llm: LLM, prompt: str | list[int], k: int) -> list:
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=k)
+    plp = llm.generate(prompt, params)[0].prompt_logprobs
+    assert plp is not None
+    return json.loads(json.dumps(prompt_logprobs_json(plp)))
+
+
+def _hf_prompt_logprobs(model_dir: Path, prompt: list[int]) -> list[float]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    return [logprobs[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
+
+
+def test_pd_prompt_logprobs_are_the_prefillers_and_equal_colocated(
+    tiny_llama: Path, colocated: LLM, deployment: Deployment
+) -> None:
+    """The decoder handed the KV never computes the prompt: the prefiller's prompt_logprobs
+    reach the client, identical to a colocated engine's (and to HF's log-softmax), in every
+    choice of a completion, streamed or not, and in chat (top level)."""
+    proxy, prefill, decode = deployment.ready()
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "prompt_logprobs": 2, "n": 2}
+    with httpx.Client(base_url=proxy, timeout=60) as http:
+        whole = http.post("/v1/completions", json={**body, "return_token_ids": True}).json()
+        prompt_ids = whole["choices"][0]["prompt_token_ids"]
+        want = _colocated_prompt_logprobs(colocated, prompt_ids, 2)
+        assert [c["prompt_logprobs"] for c in whole["choices"]] == [want, want]
+        hf = _hf_prompt_logprobs(tiny_llama, prompt_ids)
+        got = [entry[str(token)]["logprob"] for entry, token in zip(want[1:], prompt_ids[1:])]
+        assert max(abs(a - b) for a, b in zip(got, hf)) < 1e-4
+        chunks = _events(http.post("/v1/completions", json={**body, "stream": True}).text)
+        firsts: dict[int, object] = {}
+        for chunk in chunks:
+            for choice in chunk["choices"]:
+                firsts.setdefault(choice["index"], choice.get("prompt_logprobs"))
+        assert firsts == {0: want, 1: want}  # each choice's first chunk carries them
+        sent = [c.get("prompt_logprobs") for chunk in chunks for c in chunk["choices"]]
+        assert sum(plp is not None for plp in sent) == 2
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4}
+        chat |= {"temperature": 0, "prompt_logprobs": 1}
+        answer = http.post("/v1/chat/completions", json={**chat, "return_token_ids": True}).json()
+        chat_want = _colocated_prompt_logprobs(colocated, answer["choices"][0]["prompt_token_ids"], 1)
+        assert answer["prompt_logprobs"] == chat_want
+        chat_chunks = _events(http.post("/v1/chat/completions", json={**chat, "stream": True}).text)
+        assert chat_chunks[0]["prompt_logprobs"] == chat_want
+        assert all("prompt_logprobs" not in c for c in chat_chunks[1:])
     _wait_blocks_free(prefill)
     _wait_blocks_free(decode)

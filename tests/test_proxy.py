@@ -22,8 +22,10 @@ from kvferry.entrypoints.proxy.pd import (
     decoder_repeats_first_token,
     merge_answers,
     prefill_body,
+    prefill_prompt_logprobs,
     split_legs,
     stop_may_cut,
+    with_prompt_logprobs,
 )
 from kvferry.entrypoints.proxy.pool import InstancePool, LeastLoaded, RoundRobin
 from kvferry.entrypoints.proxy.streaming import strip_sent
@@ -100,6 +102,25 @@ def test_prefill_body_keeps_first_token_constraints_and_drops_n() -> None:
         (2, "b0"),
         (3, "b1"),
     ]
+
+
+def test_prompt_logprobs_come_from_the_prefiller_when_it_hands_over_the_kv() -> None:
+    """The decoder handed the KV does not compute the prompt: it is not asked for its
+    logprobs; the prefiller's go into every choice (chat: the response)."""
+    body = {"prompt": "a b", "max_tokens": 9, "n": 2, "prompt_logprobs": 1}
+    plp = [None, {"7": {"logprob": -1.5, "rank": 2, "decoded_token": " b"}}]
+    assert prefill_body("/v1/completions", body)["prompt_logprobs"] == 1
+    kept = {"choices": [{"index": 0, "text": "x", "prompt_logprobs": plp}], "kv_transfer_params": {"x": 1}}
+    assert "prompt_logprobs" not in decode_body(body, kept)
+    assert prefill_prompt_logprobs("/v1/completions", body, kept) == plp
+    answer = {"choices": [{"index": 0, "text": "u"}, {"index": 1, "text": "v"}]}
+    spliced = with_prompt_logprobs("/v1/completions", answer, plp)
+    assert [c["prompt_logprobs"] for c in spliced["choices"]] == [plp, plp]
+    assert with_prompt_logprobs("/v1/chat/completions", answer, plp)["prompt_logprobs"] == plp
+    recompute = {"choices": [{"index": 0, "text": "x", "prompt_logprobs": plp}]}  # no connector
+    assert decode_body(body, recompute)["prompt_logprobs"] == 1  # the decoder computes them
+    assert prefill_prompt_logprobs("/v1/completions", body, recompute) is None
+    assert prefill_prompt_logprobs("/v1/completions", {**body, "prompt_logprobs": None}, kept) is None
 
 
 def test_batches_split_into_legs_and_merge_back() -> None:

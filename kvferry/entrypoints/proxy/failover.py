@@ -72,6 +72,7 @@ class SentTokens:
         out["return_token_ids"] = True
         if self.prompt is None:  # the lost decoder sent nothing: start over
             return out
+        out.pop("prompt_logprobs", None)  # the client has them (a choice's first chunk)
         out["prompt_token_ids" if self.chat else "prompt"] = self.prompt + self.generated
         for name in ("max_tokens", "max_completion_tokens") if self.chat else ("max_tokens",):
             if isinstance(out.get(name), int):

@@ -114,13 +114,43 @@ def answers_per_prompt(body: dict[str, Any]) -> int:
 
 
 def decode_body(body: dict[str, Any], prefill_response: dict[str, Any]) -> dict[str, Any]:
-    """The original request plus the prefill's kv_transfer_params (none: the decoder recomputes)."""
+    """The original request plus the prefill's kv_transfer_params (none: the decoder recomputes).
+    A decoder handed the prompt's KV does not compute the prompt: its prompt_logprobs are the
+    prefiller's (see ``prefill_prompt_logprobs``)."""
     out = dict(body)
     out.pop("kv_transfer_params", None)
     params = prefill_response.get("kv_transfer_params")
     if isinstance(params, dict):
         out["kv_transfer_params"] = params
+        out.pop("prompt_logprobs", None)
     return out
+
+
+def prefill_prompt_logprobs(
+    path: str, body: dict[str, Any], prefill_response: dict[str, Any]
+) -> list[Any] | None:
+    """The prompt_logprobs the client asked for, when the prefiller computed them for the
+    decoder that will not (it is handed the KV): a completion choice's, or chat's top-level."""
+    if body.get("prompt_logprobs") is None or "prompt_logprobs" in decode_body(body, prefill_response):
+        return None
+    if path == CHAT:
+        found = prefill_response.get("prompt_logprobs")
+    else:
+        found = ((prefill_response.get("choices") or [{}])[0]).get("prompt_logprobs")
+    return found if isinstance(found, list) else None
+
+
+def with_prompt_logprobs(
+    path: str, answer: dict[str, Any], prompt_logprobs: list[Any] | None
+) -> dict[str, Any]:
+    """A decoder's complete answer with the prefiller's prompt_logprobs (vLLM's places: each
+    completion choice; chat's response)."""
+    if prompt_logprobs is None:
+        return answer
+    if path == CHAT:
+        return {**answer, "prompt_logprobs": prompt_logprobs}
+    choices = [{**choice, "prompt_logprobs": prompt_logprobs} for choice in answer.get("choices") or []]
+    return {**answer, "choices": choices}
 
 
 def first_text(path: str, prefill_response: dict[str, Any]) -> str:
@@ -268,7 +298,7 @@ async def run_leg(
     except BaseException:  # also a cancellation: the client left
         release_abandoned(ctx, prefill, headers)
         raise
-    return answer
+    return with_prompt_logprobs(path, answer, prefill_prompt_logprobs(path, body, prefill.response))
 
 
 async def fail_over(

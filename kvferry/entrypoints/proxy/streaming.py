@@ -44,6 +44,7 @@ from kvferry.entrypoints.proxy.pd import (
     decode_body,
     decoder_repeats_first_token,
     first_text,
+    prefill_prompt_logprobs,
     release_abandoned,
     run_prefill,
     split_legs,
@@ -80,9 +81,12 @@ class StreamLeg:
         self.can_fail_over = len(ctx.decode.instances) > 1 and self.answers == 1
         self.role_sent = False  # chat: the client got the role chunk (a later decoder's is dropped)
         self.client_wants_ids = bool(body.get("return_token_ids"))
+        self.prompt_logprobs: list[Any] | None = None  # the prefiller's, for the decoder's chunks
+        self.prompt_logprobs_sent: set[int] = set()  # choices that got them (chat: index 0, once)
 
     async def prepare(self, allow_early: bool) -> None:
         self.prefill = await run_prefill(self.ctx, self.path, self.body, self.headers)
+        self.prompt_logprobs = prefill_prompt_logprobs(self.path, self.body, self.prefill.response)
         text = first_text(self.path, self.prefill.response)
         if allow_early and self.answers == 1 and self._can_send_early(text):
             self.early = text
@@ -117,7 +121,7 @@ class StreamLeg:
         mid-stream is replaced by another one continuing the answer (see failover.py)."""
         if self.early is not None:
             for chunk in early_chunks(self.path, self._prefilled().response, self.early):
-                yield chunk
+                yield self._with_prompt_logprobs(chunk)
             self.role_sent = self.path == CHAT
             self.pending = self.early
             await self._open_decoder()
@@ -146,7 +150,24 @@ class StreamLeg:
                 self.sent.fix_usage(obj)
             chunk = self._strip_early(obj)
             if chunk is not None and not self._role_again(chunk):
-                yield chunk
+                yield self._with_prompt_logprobs(chunk)
+
+    def _with_prompt_logprobs(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        """The prefiller's prompt_logprobs in the first chunk of each choice (chat: at the top
+        of the stream's first chunk), where a colocated server sends them."""
+        if self.prompt_logprobs is None:
+            return chunk
+        if self.path == CHAT:
+            if not self.prompt_logprobs_sent:
+                self.prompt_logprobs_sent.add(0)
+                return {**chunk, "prompt_logprobs": self.prompt_logprobs}
+            return chunk
+        for choice in chunk.get("choices") or []:
+            index = choice.get("index", 0)
+            if index not in self.prompt_logprobs_sent:
+                self.prompt_logprobs_sent.add(index)
+                choice["prompt_logprobs"] = self.prompt_logprobs
+        return chunk
 
     async def _fail_over(self, exc: Exception) -> None:
         """Drop the lost decoder's stream and continue the answer on another decoder."""
