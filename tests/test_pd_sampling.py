@@ -161,3 +161,28 @@ def test_pd_prompt_logprobs_are_the_prefillers_and_equal_colocated(
         assert all("prompt_logprobs" not in c for c in chat_chunks[1:])
     _wait_blocks_free(prefill)
     _wait_blocks_free(decode)
+
+
+def test_pd_n3_streamed_equals_colocated_and_prefills_once(colocated: LLM, deployment: Deployment) -> None:
+    """Streamed n = 3 through P/D: every choice equals the colocated greedy answer, and the
+    prompt is prefilled once (the decoder's siblings hit the KV received for the first)."""
+    want = colocated.generate(PROMPT, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))[0].outputs[0].text
+    proxy, prefill, decode = deployment.ready()
+    prompt_len = len(colocated.get_tokenizer().encode(PROMPT))
+    before = _metric(prefill, "kvferry:prompt_tokens_total")
+    body = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "n": 3,
+        "stream": True,
+    }
+    texts: dict[int, str] = {}
+    for chunk in _events(httpx.post(proxy + "/v1/completions", json=body, timeout=60).text):
+        for choice in chunk["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    assert texts == {0: want, 1: want, 2: want}
+    assert _metric(prefill, "kvferry:prompt_tokens_total") - before == prompt_len  # one prefill
+    _wait_blocks_free(prefill)
+    _wait_blocks_free(decode)
