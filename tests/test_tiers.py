@@ -65,6 +65,7 @@ REPRESENTATIVES = {
     "vLLM's request extras over HTTP: n, min_tokens, logit_bias, prompt_logprobs": (
         "tests/test_server_e2e.py::test_n_min_tokens_and_prompt_logprobs"
     ),
+    "prompt_logprobs streamed and in chat": "tests/test_server_e2e.py::test_prompt_logprobs_streamed_and_in_chat",
     "KV layout negotiation with a connector": (
         "tests/test_layout_negotiation.py::test_an_hnd_only_connector_gets_hnd_tensors_and_the_same_answers"
     ),
