@@ -136,6 +136,7 @@ def deployment_command(args: argparse.Namespace, name: str, port: int) -> list[s
     if name == "serve":
         return [*cli, "serve", args.model, *common]
     sizes = ["--prefill", str(args.prefill), "--decode", str(args.decode)]
+    sizes += ["--startup-timeout", str(args.startup_timeout)]  # disagg's own wait for its instances
     routing = ["--policy", "prefix", "--local-prefill-tokens", str(args.local_prefill_tokens)]
     return [*cli, "disagg", args.model, *sizes, *(routing if name == "disagg-prefix" else []), *common]
 
