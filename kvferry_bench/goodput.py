@@ -8,11 +8,14 @@ Each deployment in ``--deployments`` is started on localhost, swept, and stopped
 - ``disagg-prefix``: ``kvferry disagg --policy prefix --local-prefill-tokens N``.
 
 For each request rate the workload's requests (``goodput_workload``: random long prompts,
-or shared-prefix multi-turn traffic) arrive as a Poisson process, streamed, ``--output-len``
+shared-prefix multi-turn traffic, or multi-turn conversations that share nothing but their
+own earlier turns) arrive as a Poisson process, streamed, ``--output-len``
 tokens each (ignore_eos). Prompts differ between rates (new seed per rate) unless
 ``--same-prompts``. Per rate: TTFT / TPOT / ITL percentiles, the fraction of requests
 meeting both ``--slo-ttft-ms`` and ``--slo-tpot-ms``, each instance's prefix-cache hit rate
-(its /metrics, before and after the rate), and the proxy's legs by path
+(its /metrics, before and after the rate), the hit rate of the pool that computes prompts
+(prefillers, or the lone server) next to an oracle's on the same trace, instance count and
+cache size (``goodput_oracle``), and the proxy's legs by path
 (``kvferry_proxy:prefill_path_total``). Per deployment: the goodput, the highest rate
 with at least ``--attainment`` (0.9) of requests meeting both. One JSON file and a PNG:
 
@@ -43,10 +46,13 @@ from kvferry_bench.goodput_metrics import (
     attainment,
     counts_delta,
     goodput,
+    num_blocks,
     percentiles_ms,
+    pooled_hit_rate,
     prefill_paths,
     prefix_cache_counts,
 )
+from kvferry_bench.goodput_oracle import oracle_hit_rate
 from kvferry_bench.goodput_workload import (
     WorkloadKind,
     WorkloadRequest,
@@ -81,11 +87,24 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-rate", nargs="+", type=serve.parse_rate, default=[0.1, 0.2, 0.4])
     parser.add_argument("--num-prompts", type=int, default=16, help="requests per rate (at most)")
     parser.add_argument("--input-len", type=int, default=1000, help="random: prompt tokens")
-    parser.add_argument("--num-system", type=int, default=2, help="shared-prefix: system prompts")
+    parser.add_argument(
+        "--num-system",
+        type=int,
+        default=2,
+        help="shared-prefix: system prompts (multi-turn: x --users conversations)",
+    )
     parser.add_argument("--users", type=int, default=4, help="shared-prefix: users per system prompt")
-    parser.add_argument("--system-len", type=int, default=512, help="shared-prefix: system prompt tokens")
+    parser.add_argument(
+        "--system-len",
+        type=int,
+        default=512,
+        help="shared-prefix: system prompt tokens (multi-turn: first message)",
+    )
     parser.add_argument("--turn-len", type=int, default=64, help="shared-prefix: tokens added per turn")
     parser.add_argument("--turns", type=int, default=2, help="shared-prefix: turns per conversation")
+    parser.add_argument(
+        "--block-size", type=int, default=16, help="the instances' KV block size (the oracle's hit rate)"
+    )
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=200.0)
@@ -117,6 +136,7 @@ def deployment_command(args: argparse.Namespace, name: str, port: int) -> list[s
     if name == "serve":
         return [*cli, "serve", args.model, *common]
     sizes = ["--prefill", str(args.prefill), "--decode", str(args.decode)]
+    sizes += ["--startup-timeout", str(args.startup_timeout)]  # disagg's own wait for its instances
     routing = ["--policy", "prefix", "--local-prefill-tokens", str(args.local_prefill_tokens)]
     return [*cli, "disagg", args.model, *sizes, *(routing if name == "disagg-prefix" else []), *common]
 
@@ -139,6 +159,37 @@ async def instance_urls(client, url: str, name: str) -> dict[str, str]:  # noqa:
         f"{role}-{i}": inst["url"]
         for role, insts in health["instances"].items()
         for i, inst in enumerate(insts)
+    }
+
+
+async def pool_capacity(client, instances: dict[str, str], pool: str) -> int:  # noqa: ANN001
+    """The smallest KV cache (blocks) among the instances whose label starts with ``pool``."""
+    sizes = [
+        num_blocks(await _get_text(client, u + "/metrics"))
+        for label, u in instances.items()
+        if label.startswith(pool)
+    ]
+    return min(sizes)
+
+
+def routed_pool(name: str) -> str:
+    """The label prefix of the instances that compute prompts: prefillers, or the lone server."""
+    return "serve" if name == "serve" else "prefill"
+
+
+def hit_rates(
+    args: argparse.Namespace, name: str, requests: list[WorkloadRequest], deltas: dict, capacity: int
+) -> dict:
+    """The routed pool's measured hit rate (tokens pooled) next to the oracle's on the same
+    trace, cache size and number of instances."""
+    pool = routed_pool(name)
+    size = sum(label.startswith(pool) for label in deltas)
+    oracle = oracle_hit_rate([r.prompt for r in requests], size, capacity, args.block_size)
+    return {
+        "prefix_cache_hit_rate": {label: counts.hit_rate for label, counts in deltas.items()},
+        "pool_hit_rate": pooled_hit_rate(deltas, pool),
+        "oracle_hit_rate": oracle.hit_rate,
+        "pool_capacity_blocks": capacity,
     }
 
 
@@ -179,6 +230,7 @@ async def run_rate(
     async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0)) as client:
         instances = await instance_urls(client, url, name)
         completions = url + "/v1/completions"
+        capacity = await pool_capacity(client, instances, routed_pool(name))
         caches_before, paths_before = await _scrape(client, url, instances, name != "serve")
         start = time.perf_counter()
         tasks = []
@@ -191,7 +243,7 @@ async def run_rate(
         caches_after, paths_after = await _scrape(client, url, instances, name != "serve")
     timings = [_timing(r) for r in results]
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
-    hit_rates = {label: caches_after[label].minus(caches_before[label]).hit_rate for label in instances}
+    deltas = {label: caches_after[label].minus(caches_before[label]) for label in instances}
     return {
         "request_rate": rate if rate != float("inf") else "inf",
         "completed": sum(r.ok for r in results),
@@ -202,7 +254,7 @@ async def run_rate(
         "tpot_ms": percentiles_ms([t.tpot for t in timings if t.ok]),
         "itl_ms": percentiles_ms([gap for t in timings if t.ok for gap in t.itls]),
         "slo_attainment": attainment(timings, slo),
-        "prefix_cache_hit_rate": hit_rates,
+        **hit_rates(args, name, requests, deltas, capacity),
         "prefill_paths": counts_delta(paths_after, paths_before),
     }
 
@@ -230,13 +282,16 @@ def bench_deployment(args: argparse.Namespace, name: str, workloads: list, log_d
         for index, (rate, requests) in enumerate(zip(args.request_rate, workloads)):
             summary = asyncio.run(run_rate(args, child.url, name, requests, rate, args.seed + index))
             logger.info(
-                "%s rate %s: attainment %.2f, TTFT p90 %.0f ms, TPOT p90 %.0f ms, hits %s, paths %s",
+                "%s rate %s: attainment %.2f, TTFT p90 %.0f ms, TPOT p90 %.0f ms, hits %s "
+                "(pool %s, oracle %s), paths %s",
                 name,
                 summary["request_rate"],
                 summary["slo_attainment"],
                 summary["ttft_ms"]["p90"],
                 summary["tpot_ms"]["p90"],
                 summary["prefix_cache_hit_rate"],
+                summary["pool_hit_rate"],
+                summary["oracle_hit_rate"],
                 summary["prefill_paths"],
             )
             results.append(summary)

@@ -89,6 +89,17 @@ def prefix_cache_counts(metrics_text: str) -> PrefixCacheCounts:
     return PrefixCacheCounts(totals["prefix_cache_queries"], totals["prefix_cache_hits"])
 
 
+def num_blocks(metrics_text: str) -> int:
+    """An instance's KV cache blocks in total (``kvferry:num_blocks``) from its /metrics; 0 if absent."""
+    return int(sum(value for name, _labels, value in _samples(metrics_text) if name == "kvferry:num_blocks"))
+
+
+def pooled_hit_rate(counts: dict[str, PrefixCacheCounts], prefix: str) -> float | None:
+    """The hit rate of the instances whose label starts with ``prefix``, their tokens pooled."""
+    pooled = [c for label, c in counts.items() if label.startswith(prefix)]
+    return PrefixCacheCounts(sum(c.queries for c in pooled), sum(c.hits for c in pooled)).hit_rate
+
+
 def prefill_paths(metrics_text: str) -> dict[str, float]:
     """The proxy's legs by path (local / remote) from its /metrics; empty for a lone server."""
     return {

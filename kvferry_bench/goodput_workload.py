@@ -6,6 +6,9 @@
   the previous one plus a reply and a new user message (``turn_len`` tokens), so turn k+1
   extends turn k's prompt. Requests are ordered turn by turn (every conversation's turn 1,
   then every turn 2, ...) so a turn is sent after the one it extends.
+- ``multi-turn``: the same conversations, but each opens with its own first message of
+  ``system_len`` tokens (nothing shared between conversations): only a conversation's
+  earlier turns are reusable, so a router must send each turn where the previous one went.
 
 Token ids are drawn from ``[low_id, vocab_size)`` (ids below ``low_id`` are left out: they
 hold a tokenizer's special tokens), so every deployment gets the same ids.
@@ -24,6 +27,7 @@ logger = logging.getLogger(__name__)
 class WorkloadKind(enum.Enum):
     RANDOM = "random"
     SHARED_PREFIX = "shared-prefix"
+    MULTI_TURN = "multi-turn"
 
 
 @dataclass(frozen=True)
@@ -77,11 +81,16 @@ def random_prompts(spec: WorkloadSpec, seed: int) -> list[WorkloadRequest]:
     ]
 
 
-def shared_prefix_prompts(spec: WorkloadSpec, seed: int) -> list[WorkloadRequest]:
+def shared_prefix_prompts(spec: WorkloadSpec, seed: int, shared: bool = True) -> list[WorkloadRequest]:
+    """Conversations turn by turn; ``shared``: users of a system prompt share it, else each
+    conversation opens with its own (multi-turn)."""
     rng = random.Random(seed)
-    systems = [_tokens(rng, spec, spec.system_len) for _ in range(spec.num_system)]
+    num_users = spec.num_system * spec.users_per_system
+    systems = [_tokens(rng, spec, spec.system_len) for _ in range(spec.num_system if shared else num_users)]
+    owners = [s for s in range(spec.num_system) for _ in range(spec.users_per_system)]
     conversations = [
-        (s, list(systems[s])) for s in range(spec.num_system) for _ in range(spec.users_per_system)
+        (owner if shared else user, list(systems[owner if shared else user]))
+        for user, owner in enumerate(owners)
     ]
     rng.shuffle(conversations)  # users of one system prompt arrive interleaved with others'
     requests: list[WorkloadRequest] = []
@@ -95,7 +104,7 @@ def shared_prefix_prompts(spec: WorkloadSpec, seed: int) -> list[WorkloadRequest
 def make_workload(spec: WorkloadSpec, seed: int) -> list[WorkloadRequest]:
     if spec.kind is WorkloadKind.RANDOM:
         return random_prompts(spec, seed)
-    return shared_prefix_prompts(spec, seed)
+    return shared_prefix_prompts(spec, seed, shared=spec.kind is WorkloadKind.SHARED_PREFIX)
 
 
 def poisson_gaps(num: int, rate: float, seed: int) -> list[float]:

@@ -10,14 +10,18 @@ import pytest
 
 from kvferry_bench.cli import build_parser
 from kvferry_bench.goodput_metrics import (
+    PrefixCacheCounts,
     RequestTiming,
     Slo,
     attainment,
     goodput,
+    num_blocks,
     percentiles_ms,
+    pooled_hit_rate,
     prefill_paths,
     prefix_cache_counts,
 )
+from kvferry_bench.goodput_oracle import oracle_hit_rate
 from kvferry_bench.goodput_workload import WorkloadKind, WorkloadSpec, make_workload, poisson_gaps
 
 SHARED = WorkloadSpec(
@@ -41,6 +45,43 @@ def test_shared_prefix_turns_extend_the_previous_prompt_and_share_the_system_pro
     assert len(groups) == 2 and all(len(prefixes) == 1 for prefixes in groups.values())
     assert len({r.prompt[20:25] for r in requests if r.turn == 0}) == 6  # users differ after it
     assert all(100 <= t < 32000 for r in requests for t in r.prompt)
+
+
+def test_multi_turn_conversations_extend_their_own_turns_and_share_nothing_else() -> None:
+    spec = WorkloadSpec(
+        WorkloadKind.MULTI_TURN, 100, num_system=2, users_per_system=2, system_len=20, turn_len=5, turns=3
+    )
+    requests = make_workload(spec, seed=1)
+    assert len(requests) == 4 * 3 and [r.turn for r in requests] == [0] * 4 + [1] * 4 + [2] * 4
+    first_turns = [r.prompt for r in requests if r.turn == 0]
+    assert len({p[:1] for p in first_turns}) == 4  # every conversation opens differently
+    for r in requests[4:]:
+        earlier = next(e for e in requests if e.conversation == r.conversation and e.turn == r.turn - 1)
+        assert r.prompt[: len(earlier.prompt)] == earlier.prompt and len(r.prompt) == len(earlier.prompt) + 5
+
+
+def test_oracle_sends_each_prompt_where_its_prefix_is_and_counts_the_engines_hits() -> None:
+    a, b = list(range(100, 132)), list(range(200, 232))  # two prefixes of 2 blocks of 16
+    trace = [a + [1], b + [2], a + [3], b + [4], a + [5]]
+    result = oracle_hit_rate(trace, num_instances=2, capacity_blocks=100, block_size=16)
+    # the first a and b land on different instances (fewest requests), the rest hit 2 blocks each
+    assert (result.hits, result.queries, result.requests_per_instance) == (3 * 32, 5 * 33, (3, 2))
+    # the last token is never a hit: a prompt of exactly 2 blocks, seen before, hits 1 block
+    assert oracle_hit_rate([a, a], 1, 100, 16).hits == 16
+    # one instance that holds a single block keeps only the newest prompt's last block
+    assert oracle_hit_rate([a + [1], b + [2], a + [3]], 1, 1, 16).hits == 0
+    assert oracle_hit_rate([a + [1], a + [2]], 1, 2, 16).hit_rate == 32 / 66
+    with pytest.raises(ValueError, match="capacity"):
+        oracle_hit_rate(trace, 2, 0, 16)
+
+
+def test_oracle_bounds_round_robin_on_shared_prefix_traffic() -> None:
+    requests = make_workload(SHARED, seed=4)
+    prompts = [r.prompt for r in requests]
+    two = oracle_hit_rate(prompts, 2, 1000, 4).hit_rate
+    one = oracle_hit_rate(prompts, 1, 1000, 4).hit_rate
+    assert two is not None and one is not None and two == one  # with room, 2 instances lose nothing
+    assert oracle_hit_rate(prompts, 2, 3, 4).hit_rate < two  # a small cache evicts prefixes
 
 
 def test_workloads_are_functions_of_their_seed_and_differ_between_seeds() -> None:
@@ -99,6 +140,11 @@ def test_counters_are_read_from_prometheus_text() -> None:
     )
     assert prefill_paths(proxy) == {"local": 3.0, "remote": 2.0}
     assert prefix_cache_counts("").hit_rate is None
+    blocks = '# TYPE kvferry:num_blocks gauge\nkvferry:num_blocks{model_name="m"} 812.0\n'
+    assert num_blocks(blocks) == 812 and num_blocks("") == 0
+    counts = {"prefill-0": PrefixCacheCounts(100, 50), "prefill-1": PrefixCacheCounts(300, 0)}
+    assert pooled_hit_rate({**counts, "decode-0": PrefixCacheCounts(10, 10)}, "prefill") == 50 / 400
+    assert pooled_hit_rate(counts, "serve") is None
 
 
 @pytest.mark.slow
@@ -126,6 +172,8 @@ def test_goodput_sweeps_colocated_and_prefix_routed_pd_on_the_same_prompts(
             assert result["slo_attainment"] == 1.0 and result["ttft_ms"]["p90"] > 0
             hit_rates = [r for r in result["prefix_cache_hit_rate"].values() if r is not None]
             assert hit_rates and max(hit_rates) > 0  # turn 2 and the second user reuse the prefix
+            assert result["pool_hit_rate"] > 0 and result["oracle_hit_rate"] > 0
+            assert result["pool_capacity_blocks"] > 0
     serve_run, prefix_run = doc["runs"]
     assert list(serve_run["results"][0]["prefix_cache_hit_rate"]) == ["serve"]
     assert all(r["prefill_paths"] == {} for r in serve_run["results"])

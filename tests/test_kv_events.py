@@ -9,9 +9,14 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
+from prometheus_client import CollectorRegistry, generate_latest
 
 from kvferry.config import KVEventsConfig
+from kvferry.engine.async_engine import _stats_from_wire
+from kvferry.engine.core import EngineStats
+from kvferry.engine.core_protocol import stats_to_wire
 from kvferry.engine.kv_event_publisher import END_OF_REPLAY, KVEventPublisher, should_bind
+from kvferry.entrypoints.openai.metrics import EngineStatsCollector
 from kvferry.errors import ConfigError
 from kvferry.sampling_params import SamplingParams
 from kvferry.scheduler.block_pool import BlockPool
@@ -288,3 +293,38 @@ def test_a_full_queue_drops_and_the_next_batch_starts_cleared(tmp_path: Path):
     assert publisher.publish([removed])
     batch = publisher._queue.get_nowait()
     assert batch is not None and batch.events == [AllBlocksCleared(), removed]
+
+
+class _StatsOnly:
+    """What the /metrics collector reads of an async engine: its latest stats."""
+
+    def __init__(self, stats: EngineStats) -> None:
+        self.stats = stats
+        self.is_dead = False
+
+
+def test_dropped_event_batches_are_counted_in_the_servers_metrics(tiny_llama: Path, tmp_path: Path):
+    """An engine whose publisher cannot keep up (its thread stopped, a queue of one batch):
+    the steps' batches past the first are dropped, and /metrics counts them, through the
+    stats the engine core sends the server."""
+    config = KVEventsConfig(
+        enable_kv_cache_events=True, publisher="zmq", endpoint=f"ipc://{tmp_path}/pub", max_queue_size=1
+    )
+    llm = make_llm(tiny_llama, block_size=4, num_blocks=16, kv_events=config, enforce_eager=True)
+    publisher = llm.engine.kv_events
+    assert publisher is not None
+    try:
+        publisher.shutdown()  # nothing drains the queue from now on
+        greedy = SamplingParams(max_tokens=1, temperature=0.0)
+        for start in (10, 40, 70):  # each prompt stores new blocks: one batch per prompt's step
+            llm.generate(list(range(start, start + 12)), greedy)
+        stats = _stats_from_wire(stats_to_wire(llm.engine.stats()))
+        assert (stats.kv_event_batches_published, stats.kv_event_batches_dropped) == (1, 2)
+        registry = CollectorRegistry()
+        registry.register(EngineStatsCollector(_StatsOnly(stats), "tiny"))  # type: ignore[arg-type]
+        text = generate_latest(registry).decode()
+        assert 'kvferry:kv_event_batches_dropped_total{model_name="tiny"} 2.0' in text
+        assert 'kvferry:kv_event_batches_published_total{model_name="tiny"} 1.0' in text
+        assert_pool_full(llm)
+    finally:
+        llm.engine.shutdown()

@@ -48,6 +48,21 @@ def test_index_follows_stores_removals_clears_and_stays_bounded():
     assert index.num_blocks("a") == 0
 
 
+def test_proxy_metrics_export_the_blocks_the_index_knows_per_instance():
+    from prometheus_client import generate_latest
+
+    from kvferry.entrypoints.proxy.metrics import ProxyMetrics
+    from kvferry.entrypoints.proxy.pool import InstancePool, RoundRobin
+
+    index = PrefixIndex(block_size=4)
+    index.apply("http://a", KVEventBatch(0.0, [stored(H[:3])]))
+    pool = InstancePool("prefill", ["http://a", "http://b"], RoundRobin())
+    text = generate_latest(ProxyMetrics([pool], index.num_blocks).registry).decode()
+    assert 'kvferry_proxy:instance_cached_blocks{instance="http://a",role="prefill"} 3.0' in text
+    assert 'kvferry_proxy:instance_cached_blocks{instance="http://b",role="prefill"} 0.0' in text
+    assert "instance_cached_blocks" not in generate_latest(ProxyMetrics([pool]).registry).decode()
+
+
 def test_policy_prefers_the_longest_prefix_until_load_outweighs_it():
     index = PrefixIndex(block_size=4)
     a, b = Instance("a", "prefill"), Instance("b", "prefill")

@@ -39,6 +39,8 @@ class EngineStats:
     kv_connector: dict[str, float] = field(default_factory=dict)  # running totals of connector stats
     kv_memory: KVMemoryStats = field(default_factory=KVMemoryStats)
     kv_groups: list[KVGroupStats] = field(default_factory=list)  # one per KV cache group
+    kv_event_batches_published: int = 0  # KV event batches queued for the publisher's socket
+    kv_event_batches_dropped: int = 0  # batches dropped because the publisher's queue was full
 
 
 def make_executor(config: EngineConfig) -> Executor:
@@ -155,6 +157,8 @@ class EngineCore:
             kv_connector=dict(self._connector_totals),
             kv_memory=s.kv_cache_manager.memory_stats(),
             kv_groups=list(s.kv_cache_manager.group_stats()),
+            kv_event_batches_published=0 if self.kv_events is None else self.kv_events.num_queued,
+            kv_event_batches_dropped=0 if self.kv_events is None else self.kv_events.num_dropped,
         )
 
     def _maybe_log(self) -> None:

@@ -50,6 +50,7 @@ class KVEventPublisher:
     def __init__(self, config: KVEventsConfig):
         self.config = config
         self.num_dropped = 0  # batches the queue had no room for
+        self.num_queued = 0  # batches publish() put on the queue (counted on the engine's thread)
         self.num_published = 0
         self._lost = False  # a batch was dropped: the next one starts with AllBlocksCleared
         self._queue: queue.Queue[KVEventBatch | None] = queue.Queue(maxsize=config.max_queue_size)
@@ -87,6 +88,7 @@ class KVEventPublisher:
             self._lost = True
             return False
         self._lost = False
+        self.num_queued += 1
         return True
 
     def shutdown(self, timeout_s: float = 2.0) -> None:

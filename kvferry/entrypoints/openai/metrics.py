@@ -115,6 +115,16 @@ class EngineStatsCollector(Collector):
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
             ("num_preemptions", "Requests preempted.", s.num_preemptions),
+            (
+                "kv_event_batches_published",
+                "KV event batches (one per step with events) queued for the publisher.",
+                s.kv_event_batches_published,
+            ),
+            (
+                "kv_event_batches_dropped",
+                "KV event batches dropped because the publisher's queue was full (max_queue_size).",
+                s.kv_event_batches_dropped,
+            ),
         ]
         gauges += _kv_memory_gauges(s.kv_memory)
         counters += [

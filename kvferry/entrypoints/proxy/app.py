@@ -61,7 +61,7 @@ def make_context(
 
     prefill = InstancePool("prefill", [normalize_url(u) for u in config.prefill_urls], policy())
     decode = InstancePool("decode", [normalize_url(u) for u in config.decode_urls], policy())
-    metrics = ProxyMetrics([prefill, decode])
+    metrics = ProxyMetrics([prefill, decode], None if routing is None else routing.index.num_blocks)
     return ProxyContext(
         prefill,
         decode,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from enum import Enum, StrEnum
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -27,8 +27,9 @@ class MoveCause(StrEnum):
 class _PoolCollector(Collector):
     """Health and in-flight requests per instance, read from the pools at scrape time."""
 
-    def __init__(self, pools: Sequence[InstancePool]) -> None:
+    def __init__(self, pools: Sequence[InstancePool], cached_blocks: Callable[[str], int] | None) -> None:
         self._pools = pools
+        self._cached_blocks = cached_blocks  # --policy prefix: blocks the index knows an instance holds
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         healthy = GaugeMetricFamily(
@@ -51,17 +52,23 @@ class _PoolCollector(Collector):
             "instances of the role that passed (up) or failed (down) their last health check",
             labels=["role", "state"],
         )
+        cached = GaugeMetricFamily(
+            "kvferry_proxy:instance_cached_blocks",
+            "--policy prefix: KV blocks the proxy's index knows the instance holds (from its KV events)",
+            labels=["role", "instance"],
+        )
         for pool in self._pools:
             for inst in pool.instances:
                 healthy.add_metric([pool.role, inst.url], float(inst.healthy))
                 in_flight.add_metric([pool.role, inst.url], float(inst.in_flight))
                 restarts.add_metric([pool.role, inst.url], float(inst.restarts))
+                if self._cached_blocks is not None:
+                    cached.add_metric([pool.role, inst.url], float(self._cached_blocks(inst.url)))
             counts.add_metric([pool.role, "up"], float(pool.num_healthy))
             counts.add_metric([pool.role, "down"], float(len(pool.instances) - pool.num_healthy))
-        yield healthy
-        yield in_flight
-        yield restarts
-        yield counts
+        yield from (healthy, in_flight, restarts, counts)
+        if self._cached_blocks is not None:
+            yield cached
 
 
 class PrefillPath(str, Enum):
@@ -72,9 +79,13 @@ class PrefillPath(str, Enum):
 
 
 class ProxyMetrics:
-    def __init__(self, pools: Sequence[InstancePool]) -> None:
+    def __init__(
+        self, pools: Sequence[InstancePool], cached_blocks: Callable[[str], int] | None = None
+    ) -> None:
+        """``cached_blocks``: with --policy prefix, the blocks the index knows an instance
+        (by URL) holds, exported per instance."""
         self.registry = CollectorRegistry()
-        self.registry.register(_PoolCollector(pools))
+        self.registry.register(_PoolCollector(pools, cached_blocks))
         self._requests = Counter(
             "kvferry_proxy:requests",
             "client requests by endpoint and HTTP status",
