@@ -6,29 +6,14 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from enum import Enum
-from typing import Any, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvferry.errors import ConfigError
 from kvferry.kv.shared_pool import KVPoolSpec
 from kvferry.kv.spec import KVAllocator, Layout
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def parse_dtype(name: str, model_dtype: torch.dtype | None) -> torch.dtype:
-    """Resolve --dtype. 'auto' takes the checkpoint's dtype on GPU, float32 on CPU: bf16 is
-    faster where oneDNN computes it natively (kvferry.cpu_features), but its results
-    depend on the batch's composition, so P/D and TP runs would not match a colocated
-    engine token for token; ask for it with --dtype bfloat16."""
-    if name == "auto":
-        if not torch.cuda.is_available():
-            return torch.float32
-        return model_dtype if model_dtype in (torch.bfloat16, torch.float16) else torch.float32
-    if name not in DTYPES:
-        raise ConfigError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}")
-    return DTYPES[name]
+if TYPE_CHECKING:  # torch only types ModelConfig.dtype: launchers and the proxy never import it
+    import torch
 
 
 class WeightQuantization(str, Enum):

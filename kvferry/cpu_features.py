@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
-import torch
+if TYPE_CHECKING:  # the flags need no torch: the command line and benchmarks read them
+    import torch
 
 CPUINFO = Path("/proc/cpuinfo")
 
@@ -19,6 +20,8 @@ def native_half_precision(dtype: torch.dtype) -> bool:
     Without it (AVX2 only) a bf16 GEMM runs ~7x slower than float32 (measured 10 vs 67
     GFLOP/s per core on an AVX2 EPYC); with AVX-512 BF16 and AMX, 2.5-4x faster (SmolLM2's
     shapes, batch 1 and 64, on a Xeon with amx_bf16)."""
+    import torch
+
     if dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     if dtype == torch.float16:

@@ -7,6 +7,8 @@ imports them; only `kvferry bench` hands its arguments over, inside its handler.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -320,3 +322,42 @@ def test_a_crossed_seam_is_reported(tmp_path, path, source, expected):
     (root / "connector" / "nixl" / "serving.py").write_text("extra = {'side_channel_host': 'h'}\n")
     [found] = seam_violations(root, frozenset({"side_channel_host"}))
     assert expected in found and found.startswith(f"kvferry/{path}")
+
+
+# ---- launchers and proxy without torch or transformers ----------------------------------
+
+# What the launchers and the proxy do before any engine starts: parse the command line, check
+# the connector `kvferry disagg` will hand its instances (importing its class), build the proxy.
+# None of it needs torch or transformers (seconds of CPU each, paid by every deployment's
+# launcher): torch is imported by the engine side alone, and the types the front end shares
+# with it (kvferry.config, kvferry.kv.spec, the connector base) name torch only for type checking.
+FRONT_END_STEPS = """
+import sys
+from kvferry.entrypoints.cli import build_parser
+from kvferry.entrypoints.disagg import check_connector
+from kvferry.entrypoints.proxy.app import build_app
+from kvferry.entrypoints.proxy.main import config_from_args
+parser = build_parser()
+check_connector(parser.parse_args(["disagg", "some-model"]))
+build_app(config_from_args(parser.parse_args(["proxy", "--prefill", "http://p", "--decode", "http://d"])))
+print(" ".join(sorted({name.split(".")[0] for name in sys.modules} & {"torch", "transformers"})))
+"""
+
+
+def heavy_imports_of_the_front_end(steps: str = FRONT_END_STEPS) -> list[str]:
+    """The heavy packages a fresh interpreter has imported after `steps`."""
+    done = subprocess.run(
+        [sys.executable, "-c", steps], capture_output=True, text=True, cwd=ROOT.parent, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
+
+def test_the_launchers_and_the_proxy_import_neither_torch_nor_transformers():
+    found = heavy_imports_of_the_front_end()
+    assert found == [], f"{found} imported; `python -X importtime -c 'import ...'` names the chain"
+
+
+def test_a_front_end_step_that_imports_torch_is_reported():
+    steps = "import sys, types\nsys.modules['torch'] = types.ModuleType('torch')\n" + FRONT_END_STEPS
+    assert heavy_imports_of_the_front_end(steps) == ["torch"]

@@ -16,14 +16,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
-
 from kvferry.config import ConnectorSpec, KVRole
 from kvferry.errors import KVFerryError
 from kvferry.kv.spec import KVCacheConfig, Layout
 from kvferry.messages.kv_connector import KVConnectorOutput, KVConnectorStats, KVTransferParams
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch types the worker half's arguments; resolving a connector needs none
+    import torch
+
     from kvferry.config import EngineConfig, KVTransferConfig, LoadFailurePolicy
     from kvferry.messages.scheduler_output import BlockIds, SchedulerOutput
     from kvferry.model.forward_context import AttentionMetadata

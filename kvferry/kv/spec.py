@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvferry.kv.shared_pool import KVPoolSpec
+
+if TYPE_CHECKING:  # torch only types dtypes and tensors here: the config layer stays torch-free
+    import torch
 
 
 class Layout(str, Enum):

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from kvferry.config import ModelConfig, WeightQuantization, parse_dtype, weight_quantization
-from kvferry.errors import ModelLoadError
+from kvferry.config import ModelConfig, WeightQuantization, weight_quantization
+from kvferry.errors import ConfigError, ModelLoadError
 from kvferry.kv.spec import latent_head_size
 from kvferry.model.loader.gguf_config import gguf_model_info
 from kvferry.model.registry import MODEL_TYPES, check_supported
@@ -185,6 +185,23 @@ def _cached_heads(layer: Any, heads: int, hidden: int) -> tuple[int, int]:
         return 1, latent_head_size(int(latent) + int(layer.qk_rope_head_dim))
     kv_heads = int(getattr(layer, "num_key_value_heads", None) or heads)
     return kv_heads, int(getattr(layer, "head_dim", None) or hidden // heads)
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str, model_dtype: torch.dtype | None) -> torch.dtype:
+    """Resolve --dtype. 'auto' takes the checkpoint's dtype on GPU, float32 on CPU: bf16 is
+    faster where oneDNN computes it natively (kvferry.cpu_features), but its results
+    depend on the batch's composition, so P/D and TP runs would not match a colocated
+    engine token for token; ask for it with --dtype bfloat16."""
+    if name == "auto":
+        if not torch.cuda.is_available():
+            return torch.float32
+        return model_dtype if model_dtype in (torch.bfloat16, torch.float16) else torch.float32
+    if name not in DTYPES:
+        raise ConfigError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
 
 
 def _checkpoint_dtype(hf_config: Any) -> torch.dtype | None:

@@ -29,8 +29,6 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from kvferry.cpu_features import CPUFeatures, read_cpu_features
 
 logger = logging.getLogger(__name__)
@@ -94,6 +92,8 @@ def load(source: Path, cpu: CPUFeatures | None = None) -> KernelLibrary:
 
 
 def _load_library(path: Path) -> None:
+    import torch
+
     torch.ops.load_library(str(path))  # type: ignore[no-untyped-call]  # unannotated in torch
 
 
@@ -176,12 +176,15 @@ def _cpu_flags() -> str:
 
 
 def _key(source: Path, extra: tuple[str, ...]) -> str:
+    import torch
+
     abi = str(int(torch._C._GLIBCXX_USE_CXX11_ABI))
     parts = (source.read_text(), SHARED_HEADER.read_text(), torch.__version__, abi, *extra)
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
 
 
 def _compile(source: Path, compiler: str, library: Path, isa_flags: tuple[str, ...], timeout_s: int) -> None:
+    import torch
     from torch.utils import cpp_extension
 
     partial = library.with_suffix(f".{os.getpid()}.tmp")

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvferry.errors import ConfigError
+
+if TYPE_CHECKING:  # the head split (kv_head_range) serves the torch-free connector halves too
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class TPGroup:
         """Concatenate every rank's `x` along the last dim, in rank order."""
         if self.size == 1:
             return x
+        import torch
         import torch.distributed as dist
 
         x = x.contiguous()
