@@ -193,11 +193,11 @@ def _measure(shape: LatentShape, case: Case, args: argparse.Namespace) -> dict:
     row["faster"] = min(FORMS, key=lambda form: row[form]["median_ms"])
     row["decompressed_over_absorbed"] = row["decompressed"]["median_ms"] / row["absorbed"]["median_ms"]
     logger.info(
-        "%s %s: absorbed %.2f ms, decompressed %.2f ms (max |diff| %.1e)",
+        "%s %s: absorbed %s ms, decompressed %s ms (max |diff| %.1e)",
         shape.name,
         case.label,
-        row["absorbed"]["median_ms"],
-        row["decompressed"]["median_ms"],
+        _spread(row["absorbed"]),
+        _spread(row["decompressed"]),
         max_diff,
     )
     return row
@@ -226,15 +226,16 @@ def run(args: argparse.Namespace) -> None:
     print(f"wrote {path}")
 
 
+def _spread(timing: dict) -> str:
+    """'median (min-max)' of one form's rounds, in ms."""
+    return f"{timing['median_ms']:.2f} ({timing['min_ms']:.2f}-{timing['max_ms']:.2f})"
+
+
 def _summary(results: list[dict]) -> dict:
     """Per shape and case: each form's median (min-max) in ms, and the faster."""
     return {
         result["shape"]["name"]: {
-            row["label"]: {
-                form: f"{row[form]['median_ms']:.2f} ({row[form]['min_ms']:.2f}-{row[form]['max_ms']:.2f})"
-                for form in FORMS
-            }
-            | {"faster": row["faster"]}
+            row["label"]: {form: _spread(row[form]) for form in FORMS} | {"faster": row["faster"]}
             for row in result["cases"]
         }
         for result in results
@@ -256,7 +257,7 @@ def _plot(path: Path, results: list[dict]) -> None:
                 decode.series.append(_series(f"{form} b{batch}", rows, form, style))
             rows = [r for r in result["cases"] if r["phase"] == "prefill"]
             prefill.series.append(_series(form, rows, form, "-o"))
-        panels += [decode, prefill]
+        panels += [panel for panel in (decode, prefill) if panel.series[0].xs]  # phases measured
     save_panels(
         path, panels, "tokens (decode: context; prefill: chunk)", "MLA: absorbed vs decompressed", logx=True
     )
