@@ -26,6 +26,30 @@ class WeightQuantization(str, Enum):
         return self.value
 
 
+class MLAForm(str, Enum):
+    """How multi-head latent attention computes a phase (--mla-prefill, --mla-decode;
+    kvferry.model.layers.mla)."""
+
+    ABSORBED = "absorbed"  # kv_b_proj folded into queries and outputs: one query set over the rows
+    DECOMPRESSED = "decompressed"  # the context's rows expanded to per-head keys and values
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class MLAForms:
+    """The form of each phase. Defaults: the faster of the two on a 2-vCPU AVX2 EPYC for a
+    DeepSeek-V2-Lite layer (docs/benchmarks.md, "MLA: absorbed or decompressed")."""
+
+    prefill: MLAForm = MLAForm.DECOMPRESSED
+    decode: MLAForm = MLAForm.ABSORBED
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prefill", _member(MLAForm, self.prefill, "MLA prefill form"))
+        object.__setattr__(self, "decode", _member(MLAForm, self.decode, "MLA decode form"))
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What the model is: resolved from a local dir, a hub id in the HF cache, or a GGUF file."""
@@ -47,6 +71,7 @@ class ModelConfig:
     local_dir: str | None = None  # directory holding config/tokenizer/weights
     # --quantization: how linear weights are stored (kvferry.model.layers.int4); "int4" coerced
     quantization: WeightQuantization = WeightQuantization.NONE
+    mla_forms: MLAForms = field(default_factory=MLAForms)  # latent-attention models only
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -392,11 +417,15 @@ class EngineOptions:
     enforce_eager: bool = CompilationConfig.enforce_eager  # capture=NEVER, vLLM's name
     seed: int = EngineConfig.seed
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
+    mla_prefill: MLAForm = MLAForms.prefill  # "decompressed" etc. coerced (latent attention only)
+    mla_decode: MLAForm = MLAForms.decode
 
     def __post_init__(self) -> None:
         object.__setattr__(
             self, "quantization", _member(WeightQuantization, self.quantization, "quantization")
         )
+        object.__setattr__(self, "mla_prefill", _member(MLAForm, self.mla_prefill, "MLA prefill form"))
+        object.__setattr__(self, "mla_decode", _member(MLAForm, self.mla_decode, "MLA decode form"))
         object.__setattr__(self, "kv_layout", _member(Layout, self.kv_layout, "KV layout"))
         object.__setattr__(self, "kv_allocator", _member(KVAllocator, self.kv_allocator, "KV allocator"))
         object.__setattr__(self, "executor", _member(ExecutorKind, self.executor, "executor"))

@@ -14,6 +14,7 @@ from kvferry.config import (
     EngineConfig,
     KVEventsConfig,
     KVTransferConfig,
+    MLAForms,
     ParallelConfig,
     SchedulerConfig,
     WeightQuantization,
@@ -59,9 +60,14 @@ def make_llm(
     quantization: WeightQuantization = WeightQuantization.NONE,
     kv_layout: Layout = CacheConfig.layout,
     kv_events: KVEventsConfig | None = None,
+    mla_forms: MLAForms | None = None,
 ) -> LLM:
     model = resolve_model_config(
-        str(model_dir), dtype="float32", max_model_len=max_model_len, quantization=quantization
+        str(model_dir),
+        dtype="float32",
+        max_model_len=max_model_len,
+        quantization=quantization,
+        mla_forms=mla_forms,
     )
     config = EngineConfig(
         model=model,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvferry.config import CaptureMode
+from kvferry.config import CaptureMode, MLAForm, MLAForms
 from kvferry.kv.spec import LatentAttentionSpec
 from kvferry.model.layers.parallel import TPGroup
 from kvferry.model.moe import FusedExperts, Router, RouterKind
@@ -45,16 +45,35 @@ def _tokens(outputs) -> list[list[int]]:  # noqa: ANN001 - RequestOutputs
     return [o.outputs[0].token_ids for o in outputs]
 
 
+# The default (prefill decompressed, decode absorbed) and its swap: every phase in each form.
+SWAPPED = MLAForms(prefill=MLAForm.ABSORBED, decode=MLAForm.DECOMPRESSED)
+DEFAULT = MLAForms()
+
+
 def _slow_unless(arch: str) -> list[object]:
-    return [pytest.param(a, marks=() if a == arch else pytest.mark.slow) for a in ARCHS]
+    cases = [(a, DEFAULT) for a in ARCHS] + [(a, SWAPPED) for a in MLA_ARCHS]
+    return [
+        pytest.param(
+            a,
+            f,
+            marks=() if a == arch else pytest.mark.slow,
+            id=f"{a}-{_form_id(f)}" if a in MLA_ARCHS else a,
+        )
+        for a, f in cases
+    ]
 
 
-@pytest.mark.parametrize("arch", _slow_unless(FAST_ARCH))
-def test_chunked_prefill_with_prefix_cache_matches_hf(moe, arch: str) -> None:
-    """Prompts in chunks of 16 tokens, then the same prompts again (prefix hits)."""
+def _form_id(forms: MLAForms) -> str:
+    return f"prefill_{forms.prefill}-decode_{forms.decode}"
+
+
+@pytest.mark.parametrize(("arch", "forms"), _slow_unless(FAST_ARCH))
+def test_chunked_prefill_with_prefix_cache_matches_hf(moe, arch: str, forms: MLAForms) -> None:
+    """Prompts in chunks of 16 tokens, then the same prompts again (prefix hits); an MLA
+    model with each phase in each form (kvferry.model.layers.mla)."""
     model_dir, prompts, expected = moe(arch)
     assert max(len(p) for p in prompts) > 2 * 16  # the longest prompt takes three chunks
-    llm = make_llm(model_dir, budget=16, block_size=4, enforce_eager=True)
+    llm = make_llm(model_dir, budget=16, block_size=4, enforce_eager=True, mla_forms=forms)
     first = llm.generate(prompts, GREEDY)
     second = llm.generate(prompts, GREEDY)
     assert _tokens(first) == expected and _tokens(second) == expected
@@ -76,12 +95,12 @@ def _assert_latent_cache(llm, block_size: int) -> None:  # noqa: ANN001 - LLM
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["deepseek_v3"])
-def test_batched_captured_greedy_matches_hf(moe, arch: str) -> None:
+@pytest.mark.parametrize("forms", [DEFAULT, SWAPPED], ids=_form_id)
+def test_batched_captured_greedy_matches_hf(moe, forms: MLAForms) -> None:
     """--capture auto: warm-up compiles the decode program (experts and latent attention as
     operators inside the graph), and whichever forward it keeps answers as HF does."""
-    model_dir, prompts, expected = moe(arch)
-    llm = make_llm(model_dir, capture=CaptureMode.AUTO)
+    model_dir, prompts, expected = moe("deepseek_v3")
+    llm = make_llm(model_dir, capture=CaptureMode.AUTO, mla_forms=forms)
     assert _tokens(llm.generate(prompts, GREEDY)) == expected
     assert_pool_full(llm)
 

@@ -36,7 +36,12 @@ REPRESENTATIVES = {
         "tests/test_model_hybrid.py::test_batched_greedy_matches_hf[gemma3]"
     ),
     "latent attention and mixture-of-experts models: DeepSeek-V3 against HF": (
-        "tests/test_model_moe.py::test_chunked_prefill_with_prefix_cache_matches_hf[deepseek_v3]"
+        "tests/test_model_moe.py::test_chunked_prefill_with_prefix_cache_matches_hf"
+        "[deepseek_v3-prefill_decompressed-decode_absorbed]"
+    ),
+    "latent attention with each phase in its other form (prefill absorbed, decode decompressed)": (
+        "tests/test_model_moe.py::test_chunked_prefill_with_prefix_cache_matches_hf"
+        "[deepseek_v3-prefill_absorbed-decode_decompressed]"
     ),
     "the embedded SmolLM2 GGUF against HF": "tests/test_model_gguf.py::test_greedy_continuation_matches_hf",
     "the OpenAI server: `kvferry serve` over HTTP": (

@@ -3,7 +3,7 @@ the command line both come here, so a default or a check is stated once."""
 
 from __future__ import annotations
 
-from kvferry.config import EngineConfig, EngineOptions
+from kvferry.config import EngineConfig, EngineOptions, MLAForms
 from kvferry.model.resolve import resolve_model_config
 
 
@@ -15,5 +15,6 @@ def engine_config(options: EngineOptions) -> EngineConfig:
         max_model_len=options.max_model_len,
         served_model_name=options.served_model_name,
         quantization=options.quantization,
+        mla_forms=MLAForms(options.mla_prefill, options.mla_decode),
     )
     return options.engine_config(model)

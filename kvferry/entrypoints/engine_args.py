@@ -38,6 +38,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=["none", "int4"],
         help="int4: weight-only int4 linears (CPU; faster small-batch decode, see docs/benchmarks.md)",
     )
+    for phase, default in (("prefill", "decompressed"), ("decode", "absorbed")):
+        parser.add_argument(
+            f"--mla-{phase}",
+            choices=["absorbed", "decompressed"],
+            help=f"latent-attention (DeepSeek) models: how {phase} attention computes; "
+            f"default {default}, the faster on CPU (docs/benchmarks.md)",
+        )
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--served-model-name")
     parser.add_argument("--block-size", type=int)
@@ -156,6 +163,8 @@ def default_served_name(model: str) -> str:
 _SAME_NAME = (
     "dtype",
     "quantization",
+    "mla_prefill",
+    "mla_decode",
     "max_model_len",
     "block_size",
     "kv_cache_memory_fraction",

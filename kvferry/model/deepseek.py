@@ -5,8 +5,8 @@ attention (kvferry.model.layers.mla) and mixture-of-experts MLPs with shared exp
 Attention: queries from `q_proj`, or through the query LoRA (`q_a_proj`, its norm,
 `q_b_proj`); keys and values from one latent row per token (`kv_a_proj_with_mqa`: the
 compressed KV, normalized, then the rotary key part shared by all heads). The cache keeps
-that row; `kv_b_proj` (the decompression) is absorbed: its key half into each head's query,
-its value half applied to each head's latent output. Rope covers `qk_rope_head_dim` values,
+that row; attention applies `kv_b_proj` (the decompression) in the form each phase asks
+(absorbed or decompressed, kvferry.model.layers.mla). Rope covers `qk_rope_head_dim` values,
 laid out in interleaved pairs (V2 always, V3 with `rope_interleave`), yarn-scaled as the
 config says, the softmax scale multiplied by yarn's mscale(factor, mscale_all_dim)^2.
 
@@ -56,7 +56,8 @@ REPLICATED = TPGroup()  # latent projections: every rank holds them whole
 
 class KVUpProjection(nn.Module):
     """`kv_b_proj`: latent -> each head's nope key and value; this rank's heads' rows,
-    kept plain (never packed): attention reads it per head, as W_uk and W_uv."""
+    kept plain (never packed): attention reads it per head, as W_uk and W_uv, or whole to
+    expand cached rows (kvferry.model.layers.mla)."""
 
     def __init__(self, latent: int, heads: int, nope: int, value: int, tp: TPGroup, dtype: torch.dtype):
         super().__init__()
@@ -67,11 +68,6 @@ class KVUpProjection(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         rows = param.shape[0]
         copy_checked(param.data, loaded.narrow(0, self.tp.rank * rows, rows), "kv_b_proj weight")
-
-    def split(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_uk [heads, nope, latent], W_uv [heads, value, latent])."""
-        per_head = self.weight.view(self.heads, self.nope + self.value, -1)
-        return per_head[:, : self.nope], per_head[:, self.nope :]
 
 
 def _rope_pairs_first(x: torch.Tensor) -> torch.Tensor:
@@ -104,7 +100,7 @@ class DeepseekAttention(nn.Module):
         self.kv_b_proj = KVUpProjection(self.latent, self.heads, self.nope, self.value, tp, dtype)
         self.o_proj = RowParallelLinear(heads * self.value, hidden, bias, tp, dtype)
         scale = yarn_softmax_scale(rope_parameters(config), qk**-0.5)
-        self.attn = LatentAttention(f"{prefix}.attn", self.heads, self.latent + self.rope, self.latent, scale)
+        self.attn = LatentAttention(f"{prefix}.attn", self.heads, self.latent + self.rope, self.value, scale)
 
     def _queries(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.q_lora:
@@ -125,12 +121,8 @@ class DeepseekAttention(nn.Module):
         rows = torch.cat(
             (self.kv_a_layernorm(latent), self._rotate(rope, k_rope.unsqueeze(1)).squeeze(1)), -1
         )
-        w_uk, w_uv = self.kv_b_proj.split()
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, heads, latent]
-        q = torch.cat((q_latent, self._rotate(rope, q_rope)), dim=-1)
-        out_latent = self.attn(q, rows, ctx)  # [T, heads, latent]
-        values = torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2))  # [heads, T, value]
-        out: torch.Tensor = self.o_proj(values.transpose(0, 1).reshape(num_tokens, self.heads * self.value))
+        values = self.attn(q_nope, self._rotate(rope, q_rope), rows, self.kv_b_proj.weight, ctx)
+        out: torch.Tensor = self.o_proj(values.reshape(num_tokens, self.heads * self.value))
         return out
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kvferry.config import ModelConfig, WeightQuantization, weight_quantization
+from kvferry.config import MLAForms, ModelConfig, WeightQuantization, weight_quantization
 from kvferry.errors import ConfigError, ModelLoadError
 from kvferry.kv.spec import latent_head_size
 from kvferry.model.loader.gguf_config import gguf_model_info
@@ -229,6 +229,7 @@ def resolve_model_config(
     max_model_len: int | None = None,
     served_model_name: str | None = None,
     quantization: WeightQuantization | str = WeightQuantization.NONE,
+    mla_forms: MLAForms | None = None,
 ) -> ModelConfig:
     """Resolve `model` to a ModelConfig (see module docstring for the accepted forms)."""
     source = locate_model(model)
@@ -261,4 +262,5 @@ def resolve_model_config(
         gguf_file=str(source.gguf_file) if source.gguf_file is not None else None,
         local_dir=str(source.local_dir),
         quantization=weight_quantization(quantization),
+        mla_forms=mla_forms or MLAForms(),
     )

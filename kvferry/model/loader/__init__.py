@@ -16,6 +16,7 @@ from kvferry.model.layers.attention import PagedAttention
 from kvferry.model.layers.int4 import Int4Weight
 from kvferry.model.layers.kernel_choice import describe_cpu_kernels
 from kvferry.model.layers.linear import PackableLinear
+from kvferry.model.layers.mla import set_mla_forms
 from kvferry.model.layers.parallel import TPGroup
 from kvferry.model.loader.gguf_weights import gguf_state_dict, iter_gguf_weights
 from kvferry.model.loader.safetensors import safetensors_weights
@@ -61,6 +62,7 @@ def load_model(
     model.load_weights(weights)
     model.eval()
     pack_linear_weights(model, model_config.quantization)
+    set_mla_forms(model, model_config.mla_forms)
     threads = torch.get_num_threads()
     if (
         torch.device(device).type == "cpu"
