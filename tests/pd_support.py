@@ -23,6 +23,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from kvferry.ports import free_port
+from tests.proxy_fakes import start_cli
+from tests.proxy_fakes import stop as stop_procs
+from tests.proxy_fakes import wait_healthy as wait_proc_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny"
@@ -198,6 +201,69 @@ def wait_idle(server: Server, timeout: float = 30.0) -> dict[str, float]:
         time.sleep(0.1)
 
 
+def pages_all_returned(server: Server, timeout: float = 30.0) -> dict[str, float]:
+    """Once an elastic server's workers returned every page they mapped (the return reaches
+    them with the engine's next step): its /metrics."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = server.metrics()
+        if m["kv_pages_mapped"] == m["kv_pages_returned"] and m["kv_resident_bytes"] == 0:
+            return m
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{server.name}: pages not all returned: {m}")
+        time.sleep(0.1)
+
+
+@contextmanager
+def proxying(pairs: dict[str, tuple[Server, Server]], log_dir: Path) -> Iterator[dict[str, str]]:
+    """One `kvferry proxy` per (prefiller, decoder) pair, by pair name: its URL. On exit
+    each must stop with exit code 0."""
+    procs: dict[str, subprocess.Popen] = {}
+    urls: dict[str, str] = {}
+    try:
+        for pair, (prefiller, decoder) in pairs.items():
+            port = free_port()
+            args = ["--log-level", "WARNING", "proxy", "--prefill", prefiller.url, "--decode", decoder.url]
+            procs[pair] = start_cli(
+                [*args, "--port", str(port), "--health-interval", "1"], log_dir / f"{pair}.log"
+            )
+            urls[pair] = f"http://127.0.0.1:{port}"
+        for pair, proc in procs.items():
+            wait_proc_healthy(proc, urls[pair], log_dir / f"{pair}.log")
+        yield urls
+    finally:
+        codes = stop_procs(list(procs.values()))
+    assert codes == [0] * len(procs), [(log_dir / f"{pair}.log").read_text()[-3000:] for pair in procs]
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One /v1/completions answer as a client sees it."""
+
+    text: str
+    token_ids: list[int]
+    cached: int | None  # prompt tokens the decoder did not compute (None: streamed, not reported)
+
+
+def complete(url: str, prompt: str | list[int], max_tokens: int, stream: bool) -> Completion:
+    """A greedy completion from `url` (a proxy or a server), streamed or not."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    body |= {"return_token_ids": True, "stream": stream}
+    if not stream:
+        resp = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert resp.status_code == 200, resp.text
+        choice, usage = resp.json()["choices"][0], resp.json()["usage"]
+        return Completion(
+            choice["text"], choice["token_ids"], usage["prompt_tokens_details"]["cached_tokens"]
+        )
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    choices = [c for chunk in chunks for c in chunk["choices"]]
+    ids = [i for c in choices for i in c.get("token_ids") or []]
+    return Completion("".join(c["text"] for c in choices), ids, None)
+
+
 def prefill(server: Server, prompt: str | list[int]) -> dict:
     """The prefill leg: max_tokens=1, do_remote_decode; returns the response's kv_transfer_params."""
     body = {
@@ -222,16 +288,26 @@ def decode(
     return server.post(body)
 
 
-def colocated_greedy(model_dir: Path, prompts: list[str | list[int]], max_tokens: int) -> list:
+def colocated_greedy(
+    model_dir: Path, prompts: list[str | list[int]], max_tokens: int, **options: object
+) -> list:
     """A colocated float32 engine's greedy completions (CompletionOutput), the reference P/D
-    answers must equal; 5 MiB of KV and 64-token steps, as the P/D servers here run."""
+    answers must equal; 5 MiB of KV and 64-token steps, as the P/D servers here run.
+    `options`: more LLM options (e.g. dtype, kv_layout)."""
     from kvferry.engine.llm import LLM
     from kvferry.sampling_params import SamplingParams
 
-    llm = LLM(
-        str(model_dir), dtype="float32", kv_cache_bytes=5 << 20, max_num_batched_tokens=64, enforce_eager=True
-    )
-    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0))
+    defaults = {
+        "dtype": "float32",
+        "kv_cache_bytes": 5 << 20,
+        "max_num_batched_tokens": 64,
+        "enforce_eager": True,
+    }
+    llm = LLM(str(model_dir), **{**defaults, **options})
+    try:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0))
+    finally:
+        llm.engine.shutdown()
     return [o.outputs[0] for o in outs]
 
 

@@ -21,6 +21,7 @@ from kvferry.model.layers.int4 import (
     GROUP_SIZE,
     MAX_INT4_ROWS,
     Int4Weight,
+    can_quantize_int4,
     dequantize_groups,
     quantize_groups,
 )
@@ -97,6 +98,33 @@ def test_smollm2_int4_greedy_equals_its_reference(smollm2_gguf):
     assert_pool_full(llm)
 
 
+@pytest.mark.slow  # an engine and an HF reference generating
+@torch.inference_mode()
+def test_a_latent_attention_moe_model_runs_int4_and_equals_its_reference(tiny_moe):
+    """The tiny DeepSeek-V3 (MLA, routed and shared experts) under int4: the linears whose
+    shapes allow it are int4 (per layer q_a, q_b, kv_a and the dense or shared MLP's gate_up
+    and down; not o_proj, 48 inputs; kv_b is absorbed into the attention; routed experts
+    stay dense), and greedy tokens equal the reference doing that arithmetic plainly."""
+    model_dir = tiny_moe("deepseek_v3")
+    llm = LLM(
+        str(model_dir), dtype="float32", kv_cache_bytes=5 << 20, quantization="int4", enforce_eager=True
+    )
+    assert _int4_linears(llm) == 5 * 3
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(10, 800, (n,), generator=gen).tolist() for n in (12, 30, 47)]
+    ours = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, logprobs=1))
+    reference = _int4_reference(llm)
+    compared = 0
+    for out in ours:
+        ids = torch.tensor([out.prompt_token_ids])
+        ref = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
+                                 pad_token_id=0, output_logits=True, return_dict_in_generate=True)  # fmt: skip
+        compared += _same_greedy(out.outputs[0], ref.sequences[0, ids.shape[1] :].tolist(), ref.logits)
+    assert compared >= len(prompts) * MAX_NEW // 2
+    assert_pool_full(llm)
+    llm.engine.shutdown()
+
+
 def _same_greedy(ours, ref_tokens: list[int], ref_logits: tuple[torch.Tensor, ...]) -> int:
     """Our tokens equal the reference's, our logprobs within tolerance, up to a step where
     the reference's own top two are within the tolerance (a near-tie either may break
@@ -116,11 +144,13 @@ def _same_greedy(ours, ref_tokens: list[int], ref_logits: tuple[torch.Tensor, ..
 def _int4_reference(llm: LLM) -> torch.nn.Module:
     """transformers' model computing what the int4 linears compute, plainly in float32:
     calls of up to MAX_INT4_ROWS rows take bf16 inputs times the dequantized weight,
-    rounded to bf16; larger calls the dense weight."""
+    rounded to bf16; larger calls the dense weight. Linears whose shape int4 cannot take
+    stay plain, as the engine keeps them."""
     model = load_hf_reference(llm.config.model, torch.float32)
     for layer in model.model.layers:
         for linear in (m for m in layer.modules() if isinstance(m, torch.nn.Linear)):
-            linear.register_forward_hook(_int4_rows(_dequantized(linear.weight.data)))
+            if can_quantize_int4(linear.weight.data):
+                linear.register_forward_hook(_int4_rows(_dequantized(linear.weight.data)))
     return model
 
 
