@@ -7,6 +7,7 @@ Bounds that need the model (token ids inside its vocabulary) are the input proce
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from kvferry.errors import InvalidRequestError
@@ -32,6 +33,8 @@ class ConstrainedParams(Protocol):
     bad_words: list[str]
     bad_words_token_ids: list[list[int]]
     prompt_logprobs: int | None
+    stop_token_ids: list[int]
+    ignore_eos: bool
 
 
 def _is_int(value: object, low: int = 0, high: int = _INT64_MAX) -> bool:
@@ -102,6 +105,28 @@ def check_token_ids_in_vocab(params: ConstrainedParams, vocab_size: int) -> None
     }
     for name, ids in named.items():
         _check(all(t < vocab_size for t in ids), f"{name}: token ids must be in [0, {vocab_size})", name)
+
+
+def check_some_token_allowed(params: ConstrainedParams, eos_token_ids: Sequence[int]) -> None:
+    """``allowed_token_ids`` leave a token to sample: not only single-token bad words, nor,
+    while min_tokens holds them back, only stop tokens (vLLM would sample a masked row)."""
+    allowed = params.allowed_token_ids
+    if not allowed:
+        return
+    banned = {ids[0] for ids in params.bad_words_token_ids if len(ids) == 1}
+    _check(
+        not set(allowed) <= banned,
+        "allowed_token_ids: every allowed token is a bad word",
+        "allowed_token_ids",
+    )
+    if params.min_tokens > 0:
+        stops = banned | set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        _check(
+            not set(allowed) <= stops,
+            f"min_tokens ({params.min_tokens}) cannot be met: allowed_token_ids holds only stop "
+            "tokens (EOS, stop_token_ids) and bad words",
+            "min_tokens",
+        )
 
 
 def tokenize_bad_words(tokenizer: PreTrainedTokenizerBase, words: list[str]) -> list[list[int]]:

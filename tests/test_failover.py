@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import jsonschema
 import pytest
 
 from kvferry.entrypoints.proxy.failover import SentTokens, is_role_chunk
@@ -195,6 +196,43 @@ CASES = [
     pytest.param("/v1/chat/completions", CHAT, SEEDED, True, id="chat-seeded-stream"),
     pytest.param("/v1/chat/completions", CHAT, GREEDY, True, id="chat-greedy-stream"),
 ]
+
+
+# A long answer under a schema (80 digits: about 160 tokens), so the kill lands mid-JSON.
+DIGITS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}}
+LONG_SCHEMA = {
+    "type": "object",
+    "properties": {"digits": {**DIGITS, "minItems": 80, "maxItems": 80}},
+    "required": ["digits"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_killed_decoder_mid_json_continues_the_schema(deployment: Deployment, stream: bool) -> None:
+    """A decoder killed while it writes JSON under a schema: the other decoder resumes the
+    grammar from the tokens already sent (resumed_output_tokens), so the answer is the
+    colocated one (a decoder asked directly) byte for byte, and it validates."""
+    servers, url = deployment.servers, deployment.proxy
+    request = {**COMPLETION, "ignore_eos": False, "guided_json": LONG_SCHEMA, **GREEDY}
+    colocated = Client(servers["a"].url, "/v1/completions", request, stream=False).start().text()
+    jsonschema.validate(json.loads(colocated), LONG_SCHEMA)
+    wait_idle(servers["a"])
+    failovers = _counter(url, "decode_failovers")
+    client = Client(url, "/v1/completions", request, stream).start()
+    victim = _busy_decoder(servers)
+    if stream:
+        _wait_chunks(client, CHUNKS_BEFORE_KILL)
+    kill(servers[victim])
+    servers[victim].proc.wait(10)
+    deployment.start_again(victim)
+    answer = client.text()
+    assert answer == colocated
+    jsonschema.validate(json.loads(answer), LONG_SCHEMA)
+    assert _counter(url, "decode_failovers") == failovers + 1
+    wait_idle(servers["b" if victim == "a" else "a"])
+    wait_idle(servers["prefill"])
+    deployment.wait_back(victim)
 
 
 @pytest.mark.parametrize(("path", "body", "sampling", "stream"), CASES)

@@ -22,7 +22,8 @@ def _states(params_list, prompt=(1, 2, 3), outputs=()):
 
 def _sample(logits, states, seed=0):
     sampler = Sampler(torch.Generator().manual_seed(seed))
-    return sampler(logits, build_sampling_batch(states))
+    out = sampler(logits, build_sampling_batch(states))
+    return out.tokens, out.logprobs
 
 
 def test_greedy_is_argmax():
@@ -55,7 +56,7 @@ def test_temperature_sampling_follows_the_distribution():
     sampler = Sampler(torch.Generator().manual_seed(3))
     states = _states([SamplingParams(temperature=1.0)])
     for _ in range(2000):
-        tokens, _ = sampler(logits, build_sampling_batch(states))
+        tokens = sampler(logits, build_sampling_batch(states)).tokens
         counts[tokens[0]] += 1
     freq = counts[:3] / 2000
     assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.04)
@@ -70,7 +71,7 @@ def test_tokens_outside_top_k_or_of_probability_zero_are_never_drawn():
     allowed = [set(logits[row].topk(3).indices.tolist()) for row in range(3)] + [set(range(5))]
     seen: list[set[int]] = [set() for _ in range(4)]
     for _ in range(500):
-        tokens, _ = sampler(logits, build_sampling_batch(states))
+        tokens = sampler(logits, build_sampling_batch(states)).tokens
         for row, token in enumerate(tokens):
             assert token in allowed[row]
             seen[row].add(token)
@@ -119,7 +120,7 @@ def test_seeded_request_is_reproducible_whatever_the_batch():
         states = _states(batch_params)
         tokens = []
         for _ in range(10):
-            sampled, _ = sampler(batch_logits, build_sampling_batch(states))
+            sampled = sampler(batch_logits, build_sampling_batch(states)).tokens
             for state, token in zip(states, sampled):
                 state.token_ids.append(token)
             tokens.append(sampled[row])
@@ -212,7 +213,7 @@ def _decode(sampler, logits, state, steps):
     """Sample `steps` tokens for one request, appending each (as the model runner does)."""
     tokens = []
     for _ in range(steps):
-        (token,), _ = sampler(logits, build_sampling_batch([state]))
+        (token,) = sampler(logits, build_sampling_batch([state])).tokens
         state.token_ids.append(token)
         tokens.append(token)
     return tokens

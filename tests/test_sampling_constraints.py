@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from kvferry.constraint_params import check_some_token_allowed
 from kvferry.errors import InvalidRequestError
 from kvferry.messages.scheduler_output import NewRequestData
 from kvferry.sampling_params import SamplingParams
@@ -23,7 +24,7 @@ def _sample(logits, params_list, outputs=()):
         for i, p in enumerate(params_list)
     ]
     batch = build_sampling_batch(states, EOS)
-    tokens, _ = Sampler(torch.Generator().manual_seed(0))(logits, batch)
+    tokens = Sampler(torch.Generator().manual_seed(0))(logits, batch).tokens
     return tokens, batch
 
 
@@ -78,6 +79,53 @@ def test_bad_words_block_the_last_token_only_after_their_prefix():
     assert tokens[0] not in (3, 10)
     tokens, _ = _sample(logits.clone(), [params], outputs=[8, 8])
     assert tokens == [10]
+
+
+def _sample_masked(logits, params_list, bitmask, outputs=()):
+    states = [
+        RequestState.from_new(NewRequestData(str(i), [1, 2, *outputs], 2, p, ([0],), 0))
+        for i, p in enumerate(params_list)
+    ]
+    batch = build_sampling_batch(states, EOS)
+    batch.token_bitmask = bitmask
+    return Sampler(torch.Generator().manual_seed(0))(logits, batch)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_complete_grammar_outranks_min_tokens_and_a_refused_row_is_reported(temperature):
+    """Row 0: its grammar allows only EOS while min_tokens holds EOS back: EOS is sampled
+    (the grammar wins, as in vLLM). Row 1: no grammar, allowed_token_ids all bad words: no
+    token is left, and the row is reported instead of sampling a masked token. Row 2: free."""
+    logits = _peaked(3, 3)
+    bitmask = torch.full((3, 2), -1, dtype=torch.int32)
+    bitmask[0] = 0
+    bitmask[0, 0] = 1 << EOS[0]
+    params = [
+        SamplingParams(temperature=temperature, min_tokens=4),
+        SamplingParams(
+            temperature=temperature, allowed_token_ids=[5], bad_words=["x"], bad_words_token_ids=[[5]]
+        ),
+        SamplingParams(temperature=temperature, min_tokens=4),
+    ]
+    out = _sample_masked(logits, params, bitmask, outputs=[9])
+    assert out.tokens[0] == EOS[0]
+    assert out.tokens[2] == 3
+    assert out.refused_rows == [1]
+
+
+def test_contradictory_allowed_token_ids_are_refused_up_front():
+    stops_only = SamplingParams(allowed_token_ids=[7, 9], stop_token_ids=[9], min_tokens=2)
+    with pytest.raises(InvalidRequestError) as err:
+        check_some_token_allowed(stops_only, EOS)
+    assert err.value.param == "min_tokens"
+    bad_only = SamplingParams(allowed_token_ids=[5], bad_words=["x"], bad_words_token_ids=[[5]])
+    with pytest.raises(InvalidRequestError) as err:
+        check_some_token_allowed(bad_only, EOS)
+    assert err.value.param == "allowed_token_ids"
+    check_some_token_allowed(
+        SamplingParams(allowed_token_ids=[7, 9], stop_token_ids=[9]), EOS
+    )  # no min_tokens
+    check_some_token_allowed(SamplingParams(allowed_token_ids=[7], min_tokens=2, ignore_eos=True), EOS)
 
 
 @pytest.mark.parametrize(

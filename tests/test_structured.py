@@ -18,6 +18,7 @@ from kvferry.errors import InvalidRequestError
 from kvferry.sampling_params import SamplingParams
 from kvferry.structured.backend import apply_token_bitmask
 from kvferry.structured.params import StructuredOutputsParams
+from tests.engine_helpers import assert_pool_full
 from tests.tiers import first_fast
 
 SCHEMA = {
@@ -57,6 +58,32 @@ def test_json_schema_answers_validate(llm: LLM, temperature: float) -> None:
     free = llm.generate(PROMPTS[0], SamplingParams(max_tokens=20, temperature=0))[0].outputs[0].text
     with pytest.raises(ValueError):
         json.loads(free)
+
+
+def test_bad_grammar_fails_alone_and_complete_grammar_outranks_min_tokens(llm: LLM) -> None:
+    """One batch: a grammar that passes validation without a tokenizer but names a token
+    the model lacks fails only its own request; choice answers end at their EOS although
+    min_tokens is not reached (the grammar allows nothing else: vLLM's rule), greedy and
+    sampled; a schema answer in the same batch is unaffected."""
+    choice = StructuredOutputsParams(choice=CHOICES)
+    bad = StructuredOutputsParams(grammar="start: <[99999999]>")
+    assert bad.validate() is None  # the front end cannot tell
+    eos = set(llm.config.model.eos_token_ids)
+    params = [
+        SamplingParams(max_tokens=30, temperature=0, min_tokens=20, structured_outputs=choice),
+        SamplingParams(max_tokens=30, temperature=1.0, seed=3, min_tokens=20, structured_outputs=choice),
+        SamplingParams(max_tokens=30, temperature=0, structured_outputs=bad),
+        SamplingParams(
+            max_tokens=100, temperature=0, structured_outputs=StructuredOutputsParams(json=SCHEMA)
+        ),
+    ]
+    outs = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
+    for out in outs[:2]:
+        assert out.text in CHOICES and out.finish_reason == "stop", out
+        assert out.token_ids[-1] in eos and len(out.token_ids) < 20, out
+    assert outs[2].finish_reason == "error" and outs[2].token_ids == [], outs[2]
+    jsonschema.validate(json.loads(outs[3].text), SCHEMA)
+    assert_pool_full(llm)
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from kvferry.engine.llm import LLM
 from kvferry.entrypoints.proxy.failover import SentTokens
@@ -168,12 +169,37 @@ def test_tool_choice_required_returns_a_parsed_call(deployment: Deployment, stre
 def _tool_calls(client: openai.OpenAI, kwargs: dict, stream: bool) -> tuple[list[tuple[str, str]], str]:
     if not stream:
         choice = client.chat.completions.create(**kwargs).choices[0]
-        calls = choice.message.tool_calls or []
-        return [(c.function.name, c.function.arguments) for c in calls], choice.finish_reason
-    found: list[tuple[str, str]] = []
-    reason = ""
-    for chunk in client.chat.completions.create(**kwargs, stream=True):
-        for choice in chunk.choices:
-            found += [(c.function.name, c.function.arguments) for c in choice.delta.tool_calls or []]
-            reason = choice.finish_reason or reason
-    return found, reason
+    else:  # the deltas as the openai client accumulates them
+        state = ChatCompletionStreamState()
+        for chunk in client.chat.completions.create(**kwargs, stream=True):
+            state.handle_chunk(chunk)
+        choice = state.get_final_completion().choices[0]
+    calls = choice.message.tool_calls or []
+    return [(c.function.name, c.function.arguments) for c in calls], choice.finish_reason
+
+
+def test_streamed_tool_calls_come_token_by_token_and_rebuild_the_answer(deployment: Deployment) -> None:
+    """Greedy, streamed: the call's first delta has its id, type and name, the arguments come
+    in fragments over several chunks, and the openai client's accumulation equals the
+    non-streamed answer, through the proxy as from a decoder asked directly."""
+    proxy, _, decode = deployment.ready()
+    kwargs = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "max_tokens": MAX_TOKENS,
+        "tools": TOOLS,
+        "temperature": 0,
+    }
+    kwargs["tool_choice"] = {"type": "function", "function": {"name": "get_weather"}}
+    whole = _tool_calls(_client(decode), kwargs, stream=False)
+    jsonschema.validate(json.loads(whole[0][0][1]), WEATHER)
+    for url in (proxy, decode):
+        required = {**kwargs, "tool_choice": "required", "parallel_tool_calls": False}
+        assert _tool_calls(_client(url), required, stream=True) == _tool_calls(_client(url), required, False)
+        assert _tool_calls(_client(url), kwargs, stream=True) == whole
+        chunks = list(_client(url).chat.completions.create(**kwargs, stream=True))
+        deltas = [
+            c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls
+        ]
+        assert deltas[0][0].id and deltas[0][0].function.name == "get_weather"
+        assert len(deltas) > 2 and all(d[0].id is None and d[0].function.name is None for d in deltas[1:])

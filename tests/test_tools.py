@@ -6,8 +6,11 @@ import json
 
 import jsonschema
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletionChunk
 
 from kvferry.entrypoints.openai.protocol import ChatCompletionRequest
+from kvferry.entrypoints.openai.tool_stream import ToolCallStream
 from kvferry.entrypoints.openai.tools import ToolCallFormat, parse_answer
 from kvferry.errors import InvalidRequestError
 
@@ -120,3 +123,41 @@ def test_template_formats() -> None:
     assert ToolCallFormat.of_template("[AVAILABLE_TOOLS] [TOOL_CALLS]") is ToolCallFormat.MISTRAL
     assert ToolCallFormat.of_template("<|python_tag|>") is ToolCallFormat.JSON
     assert ToolCallFormat.of_template(None) is ToolCallFormat.JSON
+
+
+STREAMED_ANSWERS = [
+    (
+        "required",
+        '[{"name":"get_weather","parameters":{"city":"P\\"}a","days":2}},{"name":"get_time","parameters":{}}]',
+    ),
+    ({"type": "function", "function": {"name": "get_weather"}}, '{"city":"Paris","days":3}'),
+]
+
+
+@pytest.mark.parametrize(("choice", "text"), STREAMED_ANSWERS)
+def test_streamed_calls_rebuild_the_non_streamed_ones(choice: object, text: str) -> None:
+    """Fed a token's worth of text at a time, the stream's deltas (the first with the call's
+    id, type and name, then argument fragments), accumulated by the openai client, give
+    the calls of the non-streamed answer: same names, same arguments text."""
+    request = _request(tool_choice=choice)
+    stream = ToolCallStream(request.named_tool())
+    state = ChatCompletionStreamState()
+    deltas = [stream.feed(text[i : i + 3]) for i in range(0, len(text), 3)]
+    assert sum(len(d) for d in deltas) > len(parse_answer(text, request, ToolCallFormat.JSON).tool_calls)
+    for delta in [*deltas, []]:
+        state.handle_chunk(
+            _chunk({"tool_calls": delta} if delta else {}, "tool_calls" if not delta else None)
+        )
+    streamed = state.get_final_completion().choices[0].message.tool_calls or []
+    expected = parse_answer(text, request, ToolCallFormat.JSON).tool_calls
+    assert [(c.function.name, c.function.arguments) for c in streamed] == [
+        (c.name, c.arguments) for c in expected
+    ]
+    assert json.loads(expected[0].arguments)["city"] in ('P"}a', "Paris")
+
+
+def _chunk(delta: dict, finish_reason: str | None) -> ChatCompletionChunk:
+    choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+    return ChatCompletionChunk.model_validate(
+        {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m", "choices": [choice]}
+    )

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvferry.config import ModelConfig
-from kvferry.constraint_params import check_token_ids_in_vocab, tokenize_bad_words
+from kvferry.constraint_params import check_some_token_allowed, check_token_ids_in_vocab, tokenize_bad_words
 from kvferry.errors import InvalidRequestError
 from kvferry.messages.engine_core import EngineCoreRequest
 from kvferry.messages.kv_connector import KVTransferParams
@@ -61,6 +61,7 @@ class InputProcessor:
             params = dataclasses.replace(params, bad_words_token_ids=bad)
         self._validate(token_ids, params)
         check_token_ids_in_vocab(params, self.model_config.vocab_size)
+        check_some_token_allowed(params, self.model_config.eos_token_ids)
         if params.prompt_logprobs is not None and (kv_transfer_params or {}).get("do_remote_prefill"):
             raise InvalidRequestError(
                 "prompt_logprobs needs the prompt computed here, not received over P/D",

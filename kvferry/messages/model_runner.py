@@ -35,6 +35,15 @@ class PromptLogprobs:
     entries: list[PromptLogprob]
 
 
+@dataclass(frozen=True)
+class RequestFailure:
+    """Why the worker failed one request of a step (the step and its other requests go on):
+    a grammar that does not compile for the model, constraints that refuse every token."""
+
+    message: str
+    param: str | None = None  # the request field at fault (the client's error: HTTP 400)
+
+
 @dataclass
 class ModelRunnerOutput:
     req_ids: list[str] = field(default_factory=list)
@@ -44,6 +53,7 @@ class ModelRunnerOutput:
     logprobs: list[SampleLogprobs | None] = field(default_factory=list)
     kv_connector_output: KVConnectorOutput | None = None  # this worker's; aggregated by the executor
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # req id -> this step's
+    failed: dict[str, RequestFailure] = field(default_factory=dict)  # req id -> why; its tokens void
 
     @classmethod
     def empty(cls) -> ModelRunnerOutput:

@@ -18,7 +18,13 @@ from kvferry.errors import InvalidRequestError
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.messages.engine_core import EngineCoreOutput, EngineCoreRequest
 from kvferry.messages.kv_connector import KVConnectorOutput, KVTransferParams, checked_output
-from kvferry.messages.model_runner import ModelRunnerOutput, PromptLogprob, PromptLogprobs, SampleLogprobs
+from kvferry.messages.model_runner import (
+    ModelRunnerOutput,
+    PromptLogprob,
+    PromptLogprobs,
+    RequestFailure,
+    SampleLogprobs,
+)
 from kvferry.messages.scheduler_output import SchedulerOutput
 from kvferry.scheduler.hashing import BlockHasher
 from kvferry.scheduler.interfaces import SchedulerConnector
@@ -314,6 +320,7 @@ class Scheduler:
         """
         outputs: list[EngineCoreOutput] = []
         reset = self._update_kv_transfers(model_runner_output.kv_connector_output)
+        self._fail_requests(model_runner_output.failed)
         index = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
         any_finished = False
         for req_id in scheduler_output.num_scheduled_tokens:
@@ -339,6 +346,15 @@ class Scheduler:
         # Requests failed outside the stop checks (in schedule() or just now) report too.
         outputs, self._pending_outputs = self._pending_outputs + outputs, []
         return outputs
+
+    def _fail_requests(self, failed: dict[str, RequestFailure]) -> None:
+        """Finish the requests the worker failed (their tokens this step are void)."""
+        for req_id, failure in failed.items():
+            request = self.requests.get(req_id)
+            if request is not None and not request.is_finished:
+                self._finish(
+                    request, RequestStatus.FINISHED_ERROR, failure.message, invalid_param=failure.param
+                )
 
     def _apply_sampled(
         self, request: Request, sampled: list[int], logprobs: SampleLogprobs | None

@@ -17,8 +17,8 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     """Whether the request's last token ends it; if so, sets its status and stop_reason."""
     last = request.output_token_ids[-1]
     params = request.sampling_params
-    if request.num_output_tokens < params.min_tokens:  # the sampler masked EOS and stop tokens
-        return _length_capped(request, max_model_len)
+    # Below min_tokens the sampler holds EOS and stop tokens back, unless a complete grammar
+    # allows nothing else (kvferry/worker/sampler.py): one sampled there ends the request.
     if not params.ignore_eos and last in request.eos_token_ids:
         request.status = RequestStatus.FINISHED_STOPPED
         return True

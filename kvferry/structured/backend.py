@@ -34,6 +34,11 @@ logger = logging.getLogger(__name__)
 MAX_CACHED_GRAMMARS = 256
 
 
+class GrammarCompileError(ValueError):
+    """A spec that passed validation without a tokenizer but does not compile with the
+    model's (a token the vocabulary lacks): the request's error, not the engine's."""
+
+
 class RequestGrammar:
     """One request's position in its grammar."""
 
@@ -93,9 +98,14 @@ class GrammarBackend:
 
         matcher = self._compiled.get(spec)
         if matcher is None:
-            matcher = LLMatcher(self._tokenizer, grammar_text(spec))
-            if matcher.is_error():  # the front end validated it: not the client's error here
-                raise RuntimeError(f"grammar for {spec} does not compile: {matcher.get_error()}")
+            try:
+                matcher = LLMatcher(self._tokenizer, grammar_text(spec))
+            except (ValueError, TypeError) as exc:
+                raise GrammarCompileError(f"the {spec.kind.value} does not compile: {exc}") from exc
+            if matcher.is_error():
+                raise GrammarCompileError(
+                    f"the {spec.kind.value} does not compile for this model: {matcher.get_error()}"
+                )
             if len(self._compiled) >= MAX_CACHED_GRAMMARS:
                 self._compiled.pop(next(iter(self._compiled)))
             self._compiled[spec] = matcher

@@ -1,6 +1,8 @@
 """Per-request logit constraints, applied batched in the sampler: ``allowed_token_ids``,
 ``bad_words``, ``min_tokens`` (EOS and stop token ids masked until that many outputs) and
-``logit_bias``, with vLLM's semantics.
+``logit_bias``, with vLLM's semantics. A structured-output grammar outranks min_tokens: once
+it is complete and allows only EOS, the sampler releases the row's held stop tokens (as vLLM
+does since its PR 54218) instead of leaving the row without a token.
 
 The batch is built from the few (row, token) pairs the requests name (a loop over their
 entries, never over the vocabulary) and applied with one scatter per kind. A batch where
@@ -46,15 +48,27 @@ class TokenPairs:
     def index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rows.to(device), self.tokens.to(device)
 
+    def without_rows(self, rows: Sequence[int]) -> TokenPairs | None:
+        """The pairs outside ``rows`` (values dropped); None when none is left."""
+        if not rows:
+            return self
+        keep = ~torch.isin(self.rows, torch.tensor(list(rows), dtype=torch.int64))
+        if not bool(keep.any()):
+            return None
+        return TokenPairs(self.rows[keep], self.tokens[keep], torch.empty(0))
+
 
 @dataclass(frozen=True)
 class LogitsConstraints:
     bias: TokenPairs | None  # added to the logits
-    blocked: TokenPairs | None  # set to -inf (bad words, min_tokens)
+    blocked: TokenPairs | None  # set to -inf (bad words)
     allowed_rows: torch.Tensor | None  # int64: rows restricted to their allowed pairs
     allowed: TokenPairs | None
+    held: TokenPairs | None = None  # stop tokens held back by min_tokens: -inf unless released
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, released_rows: Sequence[int] = ()) -> torch.Tensor:
+        """The constrained logits; ``released_rows`` keep their stop tokens despite min_tokens
+        (a complete grammar that allows nothing else)."""
         logits = logits.clone()
         if self.allowed_rows is not None and self.allowed is not None:
             outside = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
@@ -63,6 +77,9 @@ class LogitsConstraints:
             logits.masked_fill_(outside, float("-inf"))
         if self.blocked is not None:
             logits[self.blocked.index(logits.device)] = float("-inf")
+        held = self.held.without_rows(released_rows) if self.held is not None else None
+        if held is not None:
+            logits[held.index(logits.device)] = float("-inf")
         if self.bias is not None:
             bias = self.bias.values.to(device=logits.device, dtype=logits.dtype)
             logits.index_put_(self.bias.index(logits.device), bias, accumulate=True)
@@ -77,6 +94,7 @@ def build_logits_constraints(
     bias: list[tuple[int, int]] = []
     bias_values: list[float] = []
     blocked: list[tuple[int, int]] = []
+    held: list[tuple[int, int]] = []
     allowed: list[tuple[int, int]] = []
     allowed_rows: list[int] = []
     for row, (p, output) in enumerate(zip(params, outputs, strict=True)):
@@ -88,14 +106,15 @@ def build_logits_constraints(
             allowed.extend((row, token) for token in p.allowed_token_ids)
         blocked.extend((row, token) for token in banned_by_bad_words(p.bad_words_token_ids, output))
         if len(output) < p.min_tokens:
-            blocked.extend((row, token) for token in min_tokens_stops(p, eos_token_ids))
-    if not (bias or blocked or allowed_rows):
+            held.extend((row, token) for token in min_tokens_stops(p, eos_token_ids))
+    if not (bias or blocked or held or allowed_rows):
         return None
     return LogitsConstraints(
         bias=TokenPairs.of(bias, bias_values),
         blocked=TokenPairs.of(blocked),
         allowed_rows=torch.tensor(allowed_rows, dtype=torch.int64) if allowed_rows else None,
         allowed=TokenPairs.of(allowed),
+        held=TokenPairs.of(held),
     )
 
 

@@ -12,10 +12,10 @@ from kvferry.config import EngineConfig
 from kvferry.connector.base import KVConnectorBase, KVConnectorMetadata
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.messages.kv_connector import KVConnectorOutput, KVConnectorStats
-from kvferry.messages.model_runner import ModelRunnerOutput, SampleLogprobs
+from kvferry.messages.model_runner import ModelRunnerOutput, RequestFailure, SampleLogprobs
 from kvferry.messages.scheduler_output import SchedulerOutput
 from kvferry.model.forward_context import ForwardContext, Workspace
-from kvferry.structured.backend import GrammarBackend
+from kvferry.structured.backend import GrammarBackend, GrammarCompileError
 from kvferry.worker.capture import CapturedForward, hook_placement
 from kvferry.worker.connector_guard import ConnectorGuard
 from kvferry.worker.inputs import StepInputs, build_step_inputs
@@ -43,6 +43,7 @@ class ModelRunner:
         self.workspace = Workspace()  # scratch for gathered KV, shared by every layer
         self.forward: CapturedForward | None = None  # set with the KV caches
         self.grammars: GrammarBackend | None = None  # built with the first structured request
+        self._failed: dict[str, RequestFailure] = {}  # this step's failed requests
 
     def bind_kv_caches(
         self,
@@ -77,7 +78,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._failed = {}
         self._update_states(scheduler_output)
+        output = self._run_step_with_connector(scheduler_output)
+        if self._failed:
+            output.failed = self._failed
+        return output
+
+    def _run_step_with_connector(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self.connector is None:
             return self._run_step(scheduler_output)
         # Invariant 1: the metadata is bound for the whole step, empty steps included.
@@ -160,11 +168,22 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, rows))
         batch = build_sampling_batch(inputs.sample_states, self.config.model.eos_token_ids)
         batch.token_bitmask = masks.result() if masks is not None else None
-        tokens, logprobs = self.sampler(logits, batch)
-        for state, token in zip(inputs.sample_states, tokens):
+        sampled = self.sampler(logits, batch)
+        for row in sampled.refused_rows:
+            state = inputs.sample_states[row]
+            state.grammar = None  # its token is void: the scheduler fails the request
+            self._failed[state.req_id] = RequestFailure(
+                "the request's constraints refuse every token (allowed_token_ids, bad_words, "
+                "min_tokens and its structured output contradict each other)",
+                param="allowed_token_ids" if state.params.allowed_token_ids is not None else "",
+            )
+        for state, token in zip(inputs.sample_states, sampled.tokens):
             if state.grammar is not None:
                 state.grammar.accept(token)
-        return {s.req_id: ([tok], lp) for s, tok, lp in zip(inputs.sample_states, tokens, logprobs)}
+        return {
+            s.req_id: ([tok], lp)
+            for s, tok, lp in zip(inputs.sample_states, sampled.tokens, sampled.logprobs)
+        }
 
     def _grammar_backend(self) -> GrammarBackend:
         if self.grammars is None:
@@ -174,18 +193,25 @@ class ModelRunner:
             self.grammars = GrammarBackend(load_tokenizer(model), model.vocab_size, model.eos_token_ids)
         return self.grammars
 
+    def _start_grammar(self, state: RequestState, num_prompt_tokens: int) -> None:
+        """The request's matcher; a spec that does not compile for this model's tokenizer
+        (it passed the front end's check, which has none) fails this request only."""
+        spec = state.params.structured_outputs
+        assert spec is not None
+        try:
+            state.grammar = self._grammar_backend().new_request(
+                state.req_id, spec, state.token_ids, num_prompt_tokens
+            )
+        except GrammarCompileError as exc:
+            self._failed[state.req_id] = RequestFailure(str(exc), param="structured_outputs")
+
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             self.states.pop(req_id, None)
         for data in so.scheduled_new_reqs:
             self.states[data.req_id] = state = RequestState.from_new(data)
             if data.sampling_params.structured_outputs is not None:
-                state.grammar = self._grammar_backend().new_request(
-                    data.req_id,
-                    data.sampling_params.structured_outputs,
-                    data.token_ids,
-                    data.num_prompt_tokens,
-                )
+                self._start_grammar(state, data.num_prompt_tokens)
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, num_computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True

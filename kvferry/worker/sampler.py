@@ -65,29 +65,33 @@ class SamplingBatch:
         return bool((self.temperature == 0).all())
 
 
+@dataclass(frozen=True)
+class SamplerOutput:
+    tokens: list[int]
+    logprobs: list[SampleLogprobs | None]
+    # Rows whose constraints refuse every token (their token is void): contradictory
+    # constraints the front end could not see, e.g. allowed_token_ids all banned as bad words.
+    refused_rows: list[int]
+
+
 class Sampler:
     def __init__(self, generator: torch.Generator):
         self.generator = generator  # shared stream for unseeded requests
 
-    def __call__(
-        self, logits: torch.Tensor, batch: SamplingBatch
-    ) -> tuple[list[int], list[SampleLogprobs | None]]:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits.float()
         raw_logprobs = (
             torch.log_softmax(logits, dim=-1) if any(n is not None for n in batch.num_logprobs) else None
         )
-        if batch.constraints is not None:
-            logits = batch.constraints.apply(logits)
-        if batch.penalties is not None:
-            logits = apply_penalties(logits, batch.penalties)
-        if batch.token_bitmask is not None:
-            logits = apply_token_bitmask(logits, batch.token_bitmask)
+        logits, refused = constrain_logits(logits, batch)
         if batch.all_greedy:
             tokens = logits.argmax(dim=-1)
         else:
             tokens = self._sample(logits, batch)
         token_list = apply_forced(tokens.tolist(), batch.forced_token_ids, logits.shape[-1])
-        return token_list, gather_logprobs(raw_logprobs, token_list, batch.num_logprobs)
+        return SamplerOutput(
+            token_list, gather_logprobs(raw_logprobs, token_list, batch.num_logprobs), refused
+        )
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         greedy = batch.temperature == 0
@@ -110,6 +114,41 @@ class Sampler:
             keyed = position_draws([seed or 0 for seed in seeds], positions)
             draws = torch.where(torch.tensor(seeded), keyed, draws)
         return draws.unsqueeze(1)
+
+
+def constrain_logits(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, list[int]]:
+    """The logits under the rows' constraints, penalties and grammar masks, and the rows
+    left without any token. A row whose grammar allows only stop tokens that min_tokens
+    holds back gets them back: the grammar is complete, so the answer ends there."""
+    masked = _masked(logits, batch)
+    if batch.constraints is None and batch.token_bitmask is None:
+        return masked, []
+    empty = _empty_rows(masked)
+    if empty and batch.constraints is not None and batch.token_bitmask is not None:
+        restricted = (batch.token_bitmask != -1).any(dim=-1)  # rows a grammar constrains
+        grammar_rows = [row for row in empty if bool(restricted[row])]
+        if grammar_rows:
+            released = _masked(logits, batch, grammar_rows)
+            masked[grammar_rows] = released[grammar_rows]
+            empty = _empty_rows(masked)
+    return masked, empty
+
+
+def _masked(
+    logits: torch.Tensor, batch: SamplingBatch, released_rows: list[int] | None = None
+) -> torch.Tensor:
+    if batch.constraints is not None:
+        logits = batch.constraints.apply(logits, released_rows or ())
+    if batch.penalties is not None:
+        logits = apply_penalties(logits, batch.penalties)
+    if batch.token_bitmask is not None:
+        logits = apply_token_bitmask(logits, batch.token_bitmask)
+    return logits
+
+
+def _empty_rows(logits: torch.Tensor) -> list[int]:
+    rows: list[int] = torch.isneginf(logits).all(dim=-1).nonzero().flatten().tolist()
+    return rows
 
 
 def sample_inverse_cdf(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from kvferry.entrypoints.openai import serving_common as common
 from kvferry.entrypoints.openai.protocol import ChatCompletionRequest
 from kvferry.entrypoints.openai.serving_common import ServerState, Streams
 from kvferry.entrypoints.openai.serving_completions import prompt_logprobs_json
+from kvferry.entrypoints.openai.tool_stream import ToolCallStream
 from kvferry.entrypoints.openai.tools import ToolCallFormat, parse_answer
 from kvferry.messages.model_runner import SampleLogprobs
 from kvferry.outputs import RequestOutput
@@ -131,21 +132,28 @@ async def _chunks(
         yield {**role, **_prompt_logprobs_field(firsts[0])} if index == 0 else role
     finals: dict[int, RequestOutput] = {}
     sent_prompt_ids: set[int] = set()
-    # with tools, each answer is parsed once complete: its calls come in its last chunk
+    # with tool_choice auto, each answer is parsed once complete (its calls come in its last
+    # chunk); required and named calls are streamed as they grow
     texts: dict[int, str] = {}
+    calls: dict[int, ToolCallStream] = {}
     async for index, out in common.merge(firsts, gens):
         if out.finished:
             finals[index] = out
         lps = None
         if body.logprobs and out.delta_logprobs:
             lps = chat_logprobs(state.engine.tokenizer, out.delta_token_ids, out.delta_logprobs)
-        delta = {"content": out.delta_text} if out.delta_text or lps is not None else {}
+        delta: dict[str, Any] = {"content": out.delta_text} if out.delta_text or lps is not None else {}
         ids = common.delta_token_id_fields(body.return_token_ids, out, index not in sent_prompt_ids)
-        if body.uses_tools:
+        if body.forces_calls:
+            stream = calls.setdefault(index, ToolCallStream(body.named_tool()))
+            entries = stream.feed(out.delta_text)
+            delta = {"tool_calls": entries} if entries else {}
+        elif body.uses_tools:
             texts[index] = texts.get(index, "") + out.delta_text
             delta = _tool_delta(state, body, texts[index]) if out.finished else {}
         chunk = common.stream_chunk(meta, index, {"delta": delta, **ids}, lps, out, bool(ids))
-        if chunk is not None and "tool_calls" in delta and chunk["choices"][0]["finish_reason"] == "stop":
+        called = "tool_calls" in delta or (index in calls and bool(calls[index].calls))
+        if chunk is not None and called and chunk["choices"][0]["finish_reason"] == "stop":
             chunk["choices"][0]["finish_reason"] = "tool_calls"
         if chunk is not None:
             if ids:

@@ -25,6 +25,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvferry.entrypoints.openai.structured_protocol import StructuredOutputsFields
+from kvferry.entrypoints.openai.tool_stream import ToolCallStream
 from kvferry.errors import InvalidRequestError
 from kvferry.structured.params import StructuredOutputsParams
 
@@ -75,6 +76,11 @@ class ToolsFields(StructuredOutputsFields):
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         return [tool.model_dump(exclude_none=True) for tool in self.tools or []] if self.uses_tools else None
+
+    @property
+    def forces_calls(self) -> bool:
+        """``required`` or a named function: the answer is the calls (streamed as it grows)."""
+        return self.uses_tools and self.tool_choice not in (None, "auto")
 
     def named_tool(self) -> str | None:
         return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
@@ -166,11 +172,13 @@ _FENCE = re.compile(r"^```(?:json|tool_code)?\s*(.*?)\s*```$", re.DOTALL)
 def parse_answer(text: str, request: ToolsFields, fmt: ToolCallFormat) -> ParsedAnswer:
     """The answer's text and tool calls, as the request's tool_choice and the model's
     format say; text that is not a well-formed call stays content."""
-    name = request.named_tool()
-    if name is not None:  # the answer is the function's arguments
-        return ParsedAnswer(None, [ToolCall(name, _compact(text))])
-    if request.tool_choice == "required":
-        return ParsedAnswer(None, _calls(_loads(text)))
+    if request.forces_calls:  # the answer is the calls, as they were streamed
+        name = request.named_tool()
+        if name is None and not _calls(_loads(text)):
+            return ParsedAnswer(None, [])
+        scanned = ToolCallStream(name)
+        scanned.feed(text)
+        return ParsedAnswer(None, [ToolCall(n, args) for n, args in scanned.calls])
     if fmt is ToolCallFormat.HERMES:
         calls = _calls([_loads(body) for body in _HERMES_CALL.findall(text)])
         content = _HERMES_CALL.sub("", text).strip() if calls else text
@@ -190,11 +198,6 @@ def _loads(text: str) -> Any:
         return json.loads(text)
     except ValueError:
         return None
-
-
-def _compact(text: str) -> str:
-    value = _loads(text)
-    return text if value is None else json.dumps(value, ensure_ascii=False)
 
 
 def _calls(value: Any) -> list[ToolCall]:
