@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass
 from types import ModuleType
 
-from kvferry_bench import goodput, hybrid, pd, serve, soak, throughput, transfer
+from kvferry_bench import goodput, hybrid, moe, pd, serve, soak, throughput, transfer
 from kvferry_bench.peers import command as peers
 
 logger = logging.getLogger(__name__)
@@ -33,6 +33,7 @@ BENCHES: tuple[Bench, ...] = (
         "goodput", goodput, "request-rate sweeps of serve / disagg / disagg-prefix: SLO attainment, goodput"
     ),
     Bench("hybrid", hybrid, "sliding window vs forced full attention: KV bytes, P/D, capacity"),
+    Bench("moe", moe, "offline throughput of MoE checkpoints, kvferry vs HF transformers"),
     Bench("peers", peers, "kvferry vs vLLM's CPU engine, side by side on the same cores"),
     Bench("soak", soak, "many streaming clients against kvferry disagg: held blocks, mismatches, RSS"),
 )
