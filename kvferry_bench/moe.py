@@ -30,6 +30,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument(
+        "--moe-parallel", choices=["tensor", "expert"], default=None, help="default: the engine's"
+    )
+    parser.add_argument(
         "--capture",
         choices=["auto", "always", "never"],
         default="never",
@@ -52,6 +55,7 @@ def time_kvferry(model: str, args: argparse.Namespace, prompts: list[list[int]])
         kv_cache_bytes=int(MemorySize(args.kv_cache_memory)),
         max_num_seqs=max(len(prompts), 1),
         capture=args.capture,
+        **({} if args.moe_parallel is None else {"moe_parallel": args.moe_parallel}),
     )
     try:
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))
@@ -121,6 +125,7 @@ def run(args: argparse.Namespace) -> dict:
         "output_len": args.output_len,
         "capture": args.capture,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "moe_parallel": args.moe_parallel,
         "torch": torch.__version__,
         **host_facts(),
         "models": [bench_model(model, args) for model in args.models],

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from kvferry.config import MoEParallel
 from kvferry.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -20,6 +21,7 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: Any = None  # torch.distributed ProcessGroup; None: the default group
+    moe: MoEParallel = MoEParallel.TENSOR  # how the group splits routed experts (model.moe)
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
