@@ -176,10 +176,22 @@ class ExecutorKind(str, Enum):
         return self.value
 
 
+class MoEParallel(str, Enum):
+    """How the tensor-parallel ranks split a mixture-of-experts layer's routed experts
+    (kvferry.model.moe); shared experts and dense layers are tensor-parallel either way."""
+
+    TENSOR = "tensor"  # each rank a slice of every expert's intermediate features
+    EXPERT = "expert"  # each rank num_experts / tp whole experts
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
     executor: ExecutorKind = ExecutorKind.UNIPROC  # TP > 1 with uniproc runs multiproc
+    moe_parallel: MoEParallel = MoEParallel.TENSOR  # --moe-parallel (docs/benchmarks.md)
     # CPU placement (kvferry.worker.cpu_placement): the cores this instance pins its ranks
     # to (None: not pinned) and torch threads per rank (None: one per core of the rank).
     cpu_cores: tuple[int, ...] | None = None
@@ -188,6 +200,7 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         _at_least_one("tensor_parallel_size", self.tensor_parallel_size)
         object.__setattr__(self, "executor", _member(ExecutorKind, self.executor, "executor"))
+        object.__setattr__(self, "moe_parallel", _member(MoEParallel, self.moe_parallel, "MoE parallelism"))
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ConfigError(f"cpu_threads must be at least 1, not {self.cpu_threads}")
         if self.cpu_cores is not None and len(self.cpu_cores) < self.tensor_parallel_size:
@@ -410,6 +423,7 @@ class EngineOptions:
     default_max_tokens: int | None = SchedulerConfig.default_max_tokens
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
     executor: ExecutorKind = ParallelConfig.executor
+    moe_parallel: MoEParallel = ParallelConfig.moe_parallel  # "expert" coerced
     cpu_cores: tuple[int, ...] | None = ParallelConfig.cpu_cores
     cpu_threads: int | None = ParallelConfig.cpu_threads
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
@@ -429,6 +443,7 @@ class EngineOptions:
         object.__setattr__(self, "kv_layout", _member(Layout, self.kv_layout, "KV layout"))
         object.__setattr__(self, "kv_allocator", _member(KVAllocator, self.kv_allocator, "KV allocator"))
         object.__setattr__(self, "executor", _member(ExecutorKind, self.executor, "executor"))
+        object.__setattr__(self, "moe_parallel", _member(MoEParallel, self.moe_parallel, "MoE parallelism"))
         object.__setattr__(self, "capture", _member(CaptureMode, self.capture, "capture mode"))
 
     def engine_config(self, model: ModelConfig) -> EngineConfig:
@@ -455,6 +470,7 @@ class EngineOptions:
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
                 executor=self.executor,
+                moe_parallel=self.moe_parallel,
                 cpu_cores=self.cpu_cores,
                 cpu_threads=self.cpu_threads,
             ),

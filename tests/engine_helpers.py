@@ -15,6 +15,7 @@ from kvferry.config import (
     KVEventsConfig,
     KVTransferConfig,
     MLAForms,
+    MoEParallel,
     ParallelConfig,
     SchedulerConfig,
     WeightQuantization,
@@ -52,6 +53,7 @@ def make_llm(
     kv_transfer: KVTransferConfig | None = None,
     tp: int = 1,
     executor: str = "uniproc",
+    moe_parallel: MoEParallel = MoEParallel.TENSOR,
     enforce_eager: bool = False,
     # Eager unless a test is about the captured forward: it passes ALWAYS (asserting the
     # compiled path ran) or AUTO (the start-up measurement). Compiling costs seconds per engine.
@@ -79,7 +81,7 @@ def make_llm(
             layout=kv_layout,
         ),
         scheduler=SchedulerConfig(budget, max_num_seqs, chunked),
-        parallel=ParallelConfig(tensor_parallel_size=tp, executor=executor),
+        parallel=ParallelConfig(tensor_parallel_size=tp, executor=executor, moe_parallel=moe_parallel),
         kv_transfer=kv_transfer or KVTransferConfig(),
         compilation=CompilationConfig(capture=capture, enforce_eager=enforce_eager),
         kv_events=kv_events or KVEventsConfig(),

@@ -16,6 +16,7 @@ from kvferry.config import (
     ExecutorKind,
     KVEventsConfig,
     KVTransferConfig,
+    MoEParallel,
     ParallelConfig,
     SchedulerConfig,
     WeightQuantization,
@@ -60,6 +61,7 @@ def test_the_command_line_and_llm_options_build_the_same_config(tiny_llama: Path
         str(tiny_llama),
         *("--block-size", "32", "--max-num-seqs", "8", "--max-num-batched-tokens", "256"),
         *("--kv-layout", "HND", "--kv-allocator", "elastic", "--executor", "multiproc", "-tp", "2"),
+        *("--moe-parallel", "expert"),
         *("--seed", "7", "--dtype", "float32", "--quantization", "int4", "--kv-cache-memory", "1MiB"),
         *("--no-prefix-caching", "--no-chunked-prefill", "--enforce-eager", "--cpu-threads", "1"),
         *("--kv-cache-memory-fraction", "0.5", "--max-model-len", "64", "--served-model-name", "m"),
@@ -83,6 +85,7 @@ def test_the_command_line_and_llm_options_build_the_same_config(tiny_llama: Path
         default_max_tokens=12,
         tensor_parallel_size=2,
         executor="multiproc",
+        moe_parallel="expert",
         cpu_threads=1,
         enforce_eager=True,
         seed=7,
@@ -90,6 +93,7 @@ def test_the_command_line_and_llm_options_build_the_same_config(tiny_llama: Path
     assert given == engine_config(options)
     assert given.cache.layout is Layout.HND and given.cache.kv_allocator is KVAllocator.ELASTIC
     assert given.parallel.executor is ExecutorKind.MULTIPROC
+    assert given.parallel.moe_parallel is MoEParallel.EXPERT
     assert given.model.quantization is WeightQuantization.INT4
     assert (given.scheduler.max_num_seqs, given.cache.block_size, given.seed) == (8, 32, 7)
 
@@ -113,6 +117,7 @@ def test_every_option_reaches_the_config(tiny_llama: Path):
         "default_max_tokens": 32,
         "tensor_parallel_size": 2,
         "executor": "multiproc",
+        "moe_parallel": "expert",
         "cpu_cores": (0, 1),
         "cpu_threads": 1,
         "kv_transfer": KVTransferConfig(kv_connector="NixlConnector"),

@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvferry.config import CaptureMode, MLAForm, MLAForms
+from kvferry.config import CaptureMode, MLAForm, MLAForms, MoEParallel
+from kvferry.errors import ConfigError
 from kvferry.kv.spec import LatentAttentionSpec
+from kvferry.model.layers.linear import weight_loader_of
 from kvferry.model.layers.parallel import TPGroup
-from kvferry.model.moe import FusedExperts, Router, RouterKind
+from kvferry.model.moe import FusedExperts, Router, RouterKind, expert_target
 from kvferry.sampling_params import SamplingParams
 from tests.engine_helpers import PROMPT_TEXTS, assert_pool_full, make_llm, tokenize_all
 from tests.fixtures.tiny_moe import KV_LORA_RANK, MLA_ARCHS, MOE_ARCHS, QK_ROPE_HEAD_DIM
@@ -115,12 +117,18 @@ def test_preemption_with_tiny_kv_budget_matches_hf(moe, arch: str) -> None:
     assert_pool_full(llm)
 
 
+_TP_CASES = [(arch, MoEParallel.TENSOR) for arch in ARCHS] + [
+    (arch, MoEParallel.EXPERT) for arch in ("qwen3_moe", "deepseek_v3")
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ARCHS)
-def test_tensor_parallel_matches_hf(moe, arch: str) -> None:
-    """Two ranks: each holds half of every expert's features (and half the heads)."""
+@pytest.mark.parametrize(("arch", "moe_parallel"), _TP_CASES)
+def test_tensor_parallel_matches_hf(moe, arch: str, moe_parallel: MoEParallel) -> None:
+    """Two ranks (half the heads each): TENSOR, each holds half of every expert's features;
+    EXPERT, each holds 4 of the 8 experts whole."""
     model_dir, prompts, expected = moe(arch)
-    llm = make_llm(model_dir, tp=2, budget=16, block_size=8, enforce_eager=True)
+    llm = make_llm(model_dir, tp=2, budget=16, block_size=8, enforce_eager=True, moe_parallel=moe_parallel)
     try:
         assert _tokens(llm.generate(prompts, GREEDY)) == expected
         assert_pool_full(llm)
@@ -154,3 +162,65 @@ def test_grouped_experts_match_per_token_definition() -> None:
     got = experts(x, ids, weights)
     torch.testing.assert_close(got, _naive_experts(x, ids, weights, experts), atol=1e-4, rtol=1e-5)
     assert experts(x[:0], ids[:0], weights[:0]).shape == (0, 16)
+
+
+def _random_experts(
+    gen: torch.Generator, num_experts: int, hidden: int, inter: int
+) -> dict[str, torch.Tensor]:
+    """A checkpoint's per-expert tensors (`mlp.experts.<e>.<proj>.weight`)."""
+    shapes = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+    return {
+        f"mlp.experts.{e}.{proj}.weight": torch.randn(shape, generator=gen)
+        for e in range(num_experts)
+        for proj, shape in shapes.items()
+    }
+
+
+def _load(experts: FusedExperts, weights: dict[str, torch.Tensor]) -> None:
+    params = dict(experts.named_parameters(prefix="mlp.experts"))
+    for name, tensor in weights.items():
+        target = expert_target(name)
+        assert target is not None
+        param = params[target.param]
+        loader = weight_loader_of(param)
+        assert loader is not None
+        loader(param, tensor, target.shard_id)
+
+
+def _rank_share(experts: FusedExperts, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """This rank's partial sum before the all-reduce."""
+    out = torch.empty_like(x)
+    torch.ops.kvferry.moe_experts(x, experts._local_ids(ids), w, experts.w13, experts.w2, out)
+    return out
+
+
+def test_expert_parallel_ranks_load_their_whole_experts_and_sum_to_the_full_layer() -> None:
+    """--moe-parallel expert over 2 ranks: rank r holds experts 3r..3r+2 of 6, whole (every
+    feature of the checkpoint's tensors); the two ranks' partial sums add up to the
+    single-rank layer, each pair computed by exactly one rank."""
+    gen = torch.Generator().manual_seed(1)
+    weights = _random_experts(gen, num_experts=6, hidden=16, inter=8)
+    full = FusedExperts(6, 16, 8, TPGroup(), torch.float32)
+    _load(full, weights)
+    ranks = [FusedExperts(6, 16, 8, TPGroup(r, 2, moe=MoEParallel.EXPERT), torch.float32) for r in range(2)]
+    for rank, experts in enumerate(ranks):
+        _load(experts, weights)
+        assert experts.experts == range(3 * rank, 3 * rank + 3)
+        assert experts.w13.shape == (3, 16, 16) and experts.w2.shape == (3, 16, 8)
+        for local, e in enumerate(experts.experts):
+            gate_up = torch.cat(
+                [weights[f"mlp.experts.{e}.gate_proj.weight"], weights[f"mlp.experts.{e}.up_proj.weight"]]
+            )
+            torch.testing.assert_close(experts.w13[local], gate_up, rtol=0, atol=0)
+            torch.testing.assert_close(
+                experts.w2[local], weights[f"mlp.experts.{e}.down_proj.weight"], rtol=0, atol=0
+            )
+    x = torch.randn(9, 16, generator=gen)
+    ids = torch.tensor([[0, 5], [1, 2], [3, 4], [5, 0], [2, 1], [4, 3], [0, 1], [5, 4], [2, 3]])
+    w = torch.rand(9, 2, generator=gen)
+    shares = [_rank_share(experts, x, ids, w) for experts in ranks]
+    torch.testing.assert_close(shares[0] + shares[1], full(x, ids, w), atol=1e-5, rtol=1e-5)
+    only_rank1 = ids[2:3]  # experts 3 and 4: rank 0 adds nothing
+    assert torch.count_nonzero(_rank_share(ranks[0], x[2:3], only_rank1, w[2:3])) == 0
+    with pytest.raises(ConfigError, match="do not split evenly"):
+        FusedExperts(6, 16, 8, TPGroup(0, 4, moe=MoEParallel.EXPERT), torch.float32)

@@ -82,6 +82,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int)
     parser.add_argument("--executor", choices=["uniproc", "multiproc", "ray"])
     parser.add_argument(
+        "--moe-parallel",
+        choices=["tensor", "expert"],
+        help="how TP ranks split MoE experts: tensor (default: a slice of every expert each) or "
+        "expert (num_experts / TP whole experts each); docs/benchmarks.md compares them",
+    )
+    parser.add_argument(
         "--kv-layout",
         choices=["NHD", "HND"],
         help="preferred KV layout: kept when the allocator and every connector accept it",
@@ -174,6 +180,7 @@ _SAME_NAME = (
     "default_max_tokens",
     "tensor_parallel_size",
     "executor",
+    "moe_parallel",
     "kv_layout",
     "kv_allocator",
     "cpu_threads",

@@ -5,9 +5,13 @@ choice, each as transformers computes it) and the routed experts.
 The experts compute grouped by expert: the (token, expert) pairs are sorted by expert, each
 expert that has tokens runs two GEMMs over all of its rows, and the weighted rows are added
 back to their tokens (`kvferry::moe_experts`, an operator: the loop over experts depends on
-the step's routing, so a captured graph calls it as a whole). Tensor parallelism splits
-every expert's intermediate features (each rank a slice of every expert, as the dense MLP's
-column- and row-parallel linears split theirs); the partial sums are all-reduced.
+the step's routing, so a captured graph calls it as a whole). The tensor-parallel ranks
+split the experts one of two ways (`--moe-parallel`, kvferry.config.MoEParallel): TENSOR
+splits every expert's intermediate features (each rank a slice of every expert, as the
+dense MLP's column- and row-parallel linears split theirs); EXPERT gives each rank
+num_experts / tp whole experts. Either way every rank routes every token identically (the
+router is replicated), computes its own share of each token's expert outputs, and the
+partial sums are all-reduced.
 
 Checkpoints store experts one by one (`mlp.experts.<e>.gate_proj.weight`, ...): they load
 into the stacked `experts.w13` [experts, 2 * intermediate, hidden] (gate rows, then up) and
@@ -25,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvferry.errors import ModelLoadError
+from kvferry.config import MoEParallel
+from kvferry.errors import ConfigError, ModelLoadError
 from kvferry.model.causal_lm import Target
 from kvferry.model.layers.linear import attach_weight_loader, copy_checked
 from kvferry.model.layers.parallel import TPGroup
@@ -54,24 +59,47 @@ def check_silu(config: Any) -> None:
         raise ModelLoadError(f"expert activation {config.hidden_act!r} is not supported (silu)")
 
 
+def local_experts(num_experts: int, tp: TPGroup) -> range:
+    """The experts (global ids) this rank holds: all of them under tensor parallelism, a
+    contiguous num_experts / tp under expert parallelism."""
+    if tp.moe is MoEParallel.TENSOR:
+        return range(num_experts)
+    if num_experts % tp.size:
+        raise ConfigError(
+            f"--moe-parallel expert: {num_experts} experts do not split evenly over {tp.size} ranks"
+        )
+    count = num_experts // tp.size
+    return range(tp.rank * count, (tp.rank + 1) * count)
+
+
 class FusedExperts(nn.Module):
-    """The routed experts' weights, stacked; this rank's slice of each expert's features."""
+    """The routed experts' weights, stacked: this rank's experts (`experts`, global ids),
+    each whole (EXPERT) or this rank's slice of its features (TENSOR)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TPGroup, dtype: torch.dtype):
         super().__init__()
-        self.tp = tp
-        self.local = tp.split(intermediate, "expert intermediate size")
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.local, hidden, dtype=dtype), False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.local, dtype=dtype), False)
+        self.tp, self.num_experts = tp, num_experts
+        self.experts = local_experts(num_experts, tp)
+        split = tp.moe is MoEParallel.TENSOR
+        self.local = tp.split(intermediate, "expert intermediate size") if split else intermediate
+        self.feature_start = tp.rank * self.local if split else 0
+        count = len(self.experts)
+        self.w13 = nn.Parameter(torch.empty(count, 2 * self.local, hidden, dtype=dtype), False)
+        self.w2 = nn.Parameter(torch.empty(count, hidden, self.local, dtype=dtype), False)
         for param in (self.w13, self.w2):
             attach_weight_loader(param, self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         assert isinstance(shard_id, tuple), "expert shards are (expert, part)"
-        expert, part = shard_id
-        if expert >= param.shape[0]:
-            raise ModelLoadError(f"checkpoint has expert {expert}; the config states {param.shape[0]}")
-        start = self.tp.rank * self.local
+        global_expert, part = shard_id
+        if global_expert >= self.num_experts:
+            raise ModelLoadError(
+                f"checkpoint has expert {global_expert}; the config states {self.num_experts}"
+            )
+        if global_expert not in self.experts:
+            return  # another rank's expert
+        expert = global_expert - self.experts.start
+        start = self.feature_start
         if param is self.w2:
             src = loaded.narrow(1, start, self.local) if loaded.dim() == 2 else loaded
             copy_checked(param.data[expert], src, f"expert {expert} down projection")
@@ -83,8 +111,17 @@ class FusedExperts(nn.Module):
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Sum over each token's experts of weight * expert(x), all-reduced over the ranks."""
         out = torch.empty_like(x)
-        torch.ops.kvferry.moe_experts(x, topk_ids, topk_weights.to(x.dtype), self.w13, self.w2, out)
+        ids = self._local_ids(topk_ids)
+        torch.ops.kvferry.moe_experts(x, ids, topk_weights.to(x.dtype), self.w13, self.w2, out)
         return self.tp.all_reduce(out)
+
+    def _local_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Global expert ids as indices into this rank's stack; another rank's experts map
+        to len(self.experts), which the operator skips."""
+        if len(self.experts) == self.num_experts:
+            return topk_ids
+        local = topk_ids - self.experts.start
+        return local.masked_fill((local < 0) | (local >= len(self.experts)), len(self.experts))
 
 
 @operator("moe_experts", mutates_args=("out",))
@@ -97,14 +134,16 @@ def grouped_experts(
     out: torch.Tensor,
 ) -> None:
     """out[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]), grouped by expert:
-    one pair of GEMMs per expert that has rows, none per token."""
+    one pair of GEMMs per expert that has rows, none per token. Ids at or past the stack's
+    length (w13.shape[0]: another rank's experts) are skipped."""
     out.zero_()
     if x.shape[0] == 0:
         return
-    k = topk_ids.shape[1]
+    k, num_experts = topk_ids.shape[1], w13.shape[0]
     flat = topk_ids.flatten()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts].tolist()
+    order = order[: sum(counts)]  # this rank's pairs sort first
     tokens = order // k
     rows = x.index_select(0, tokens)
     results = torch.empty_like(rows)

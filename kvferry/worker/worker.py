@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 class Worker:
     def __init__(self, config: EngineConfig, tp: TPGroup | None = None):
         self.config = config
-        self.tp = tp or TPGroup()
+        self.tp = replace(tp or TPGroup(), moe=config.parallel.moe_parallel)
         self.device = torch.device(config.device)
         if self.device.type == "cpu":
             place_rank(config.parallel, self.tp.rank, self.tp.size)

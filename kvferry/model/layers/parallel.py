@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvferry.config import MoEParallel
 from kvferry.errors import ConfigError
 
 if TYPE_CHECKING:  # the head split (kv_head_range) serves the torch-free connector halves too
@@ -21,6 +22,7 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: Any = None  # torch.distributed ProcessGroup; None: the default group
+    moe: MoEParallel = MoEParallel.TENSOR  # how the group splits routed experts (model.moe)
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
