@@ -16,6 +16,8 @@ from kvferry.config import (
     ExecutorKind,
     KVEventsConfig,
     KVTransferConfig,
+    MLAForm,
+    MLAForms,
     MoEParallel,
     ParallelConfig,
     SchedulerConfig,
@@ -127,12 +129,17 @@ def test_every_option_reaches_the_config(tiny_llama: Path):
         "kv_events": KVEventsConfig(enable_kv_cache_events=True, publisher="zmq"),
     }
     checked_below = {"kv_memory_pool"}  # needs the elastic allocator
-    resolved_by_the_model = {"model", "dtype", "max_model_len", "served_model_name", "quantization"}
+    resolved_by_the_model = {
+        *("model", "dtype", "max_model_len", "served_model_name", "quantization", "mla_prefill", "mla_decode")
+    }
     assert set(changed) | resolved_by_the_model | checked_below == {f.name for f in fields(EngineOptions)}
     for name, value in changed.items():
         if name in resolved_by_the_model:
             continue
         assert replace(base, **{name: value}).engine_config(model) != base.engine_config(model), name
+    swapped = engine_config(EngineOptions(str(tiny_llama), mla_prefill="absorbed", mla_decode="decompressed"))
+    assert swapped.model.mla_forms == MLAForms(prefill=MLAForm.ABSORBED, decode=MLAForm.DECOMPRESSED)
+    assert swapped.model.mla_forms != model.mla_forms
     elastic = replace(base, kv_allocator="elastic")
     pooled = replace(elastic, kv_memory_pool=KVPoolSpec("kvferry-test-options", None))
     assert pooled.engine_config(model).cache.kv_memory_pool == KVPoolSpec("kvferry-test-options", None)
