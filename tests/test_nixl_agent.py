@@ -12,11 +12,21 @@ import time
 
 import torch
 
+from kvferry.config import CacheConfig
 from kvferry.connector.nixl.agent import Agent
 from kvferry.connector.nixl.plan import RankView, plan_read
 from kvferry.connector.nixl.regions import describe_regions
-from kvferry.kv.allocate import allocate_kv_caches
-from kvferry.kv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, KVCacheTensor, Layout
+from kvferry.kv.allocate import allocate_kv_caches, build_kv_cache_config
+from kvferry.kv.spec import (
+    AttentionLayerKV,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroup,
+    KVCacheTensor,
+    LatentAttentionSpec,
+    Layout,
+    latent_head_size,
+)
 
 BS, HEADS, DIM, BLOCKS = 4, 2, 8, 6
 LAYERS = ("l0", "l1", "l2")
@@ -108,3 +118,40 @@ def test_a_hanging_read_can_be_cancelled():
     assert reader.add_remote(target.metadata()) == name  # known again after a new handshake
     reader.close()
     target.close()
+
+
+def test_latent_caches_register_one_region_per_tensor_and_a_block_reads_its_latent_rows():
+    """MLA: the allocator's own config for three latent layers (kv_lora_rank 32 + rope 8 = one
+    40-value row per token) is registered as one region per tensor, and a block READ over
+    NIXL moves exactly the latent rows of its tokens, once (one head, no per-head copies)."""
+    latent = 40
+    layers = [AttentionLayerKV(name, 1, latent_head_size(latent), latent_size=latent) for name in LAYERS]
+    cache = CacheConfig(block_size=BS, num_gpu_blocks_override=BLOCKS)
+    config = build_kv_cache_config(_Float32(), cache, layers, budget_bytes=0)
+    assert isinstance(config.groups[0].spec, LatentAttentionSpec)
+    source_caches, reader_caches = allocate_kv_caches(config, "cpu"), allocate_kv_caches(config, "cpu")
+    for cache_tensor in source_caches.values():
+        cache_tensor.copy_(torch.randn(cache_tensor.shape))
+    regions, layer_regions = describe_regions(source_caches, config)
+    assert len(regions) == len(config.tensors) == len(LAYERS) and len(layer_regions) == len(LAYERS)
+    reader, target = Agent("test-mla-decode"), Agent("test-mla-prefill")
+    local, local_regions = _latent_view(config, reader_caches)
+    remote, _ = _latent_view(config, source_caches)
+    reader.register(local_regions)
+    target.register(regions)
+    plan = plan_read(local, remote, LAYERS, [2], [5])
+    assert plan.num_bytes == len(LAYERS) * BS * latent_head_size(latent) * 2 * 4  # K and V planes: one row
+    assert _wait(reader, target, reader.read(plan, reader.add_remote(target.metadata()))) == "DONE"
+    for name in LAYERS:
+        assert torch.equal(reader_caches[name][:, 2], source_caches[name][:, 5])
+        assert not reader_caches[name][:, 3].any()
+
+
+class _Float32:
+    dtype = torch.float32
+
+
+def _latent_view(config: KVCacheConfig, caches: dict) -> tuple[RankView, list]:
+    regions, layers = describe_regions(caches, config)
+    head_size = config.groups[0].spec.head_size
+    return RankView(config.layout, 1, 0, BS, head_size, 4, {r.name: r for r in layers}), regions
