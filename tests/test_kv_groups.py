@@ -13,7 +13,13 @@ import torch
 from kvferry.config import CacheConfig, SchedulerConfig
 from kvferry.errors import ConfigError
 from kvferry.kv.allocate import allocate_kv_caches, build_kv_cache_config
-from kvferry.kv.spec import AttentionLayerKV, FullAttentionSpec, SlidingWindowSpec
+from kvferry.kv.spec import (
+    AttentionLayerKV,
+    FullAttentionSpec,
+    LatentAttentionSpec,
+    SlidingWindowSpec,
+    latent_head_size,
+)
 from kvferry.messages.engine_core import EngineCoreRequest
 from kvferry.messages.model_runner import ModelRunnerOutput
 from kvferry.model.gemma3 import Gemma3ForCausalLM
@@ -148,3 +154,22 @@ def test_an_unknown_layer_type_is_refused_by_name(arch: str) -> None:
     )
     with pytest.raises(ModelLoadError, match=expected):
         model_class(config.architectures[0])(config)
+
+
+def test_latent_layers_mix_with_sliding_window_layers_in_shared_tensors() -> None:
+    """A model mixing latent attention (MLA rows of 40 values) with sliding-window layers:
+    each kind keeps its own group and spec, the groups share tensors, and the smaller page
+    (the latent one) is padded to the larger, its latent size unchanged."""
+    layers = [
+        AttentionLayerKV("mla0", 1, latent_head_size(40), latent_size=40),
+        AttentionLayerKV("swa0", 2, 32, sliding_window=8),
+        AttentionLayerKV("mla1", 1, latent_head_size(40), latent_size=40),
+        AttentionLayerKV("swa1", 2, 32, sliding_window=8),
+    ]
+    config = kv_config(layers)
+    latent, window = (config.groups[config.group_of(name)].spec for name in ("mla0", "swa0"))
+    assert isinstance(latent, LatentAttentionSpec) and latent.latent_size == 40
+    assert isinstance(window, SlidingWindowSpec) and not isinstance(window, LatentAttentionSpec)
+    assert (latent.head_size, latent.head_padding) == (64, 44) and window.head_padding == 0
+    assert latent.page_size_bytes == window.page_size_bytes
+    assert len(config.tensors) == 2 and all(len(t.shared_by) == 2 for t in config.tensors)
