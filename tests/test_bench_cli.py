@@ -42,7 +42,21 @@ def help_of(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
 def test_every_benchmark_is_listed_by_kvferry_bench_help(capsys: pytest.CaptureFixture[str]) -> None:
     out = help_of(capsys, "bench", "--help")
     assert out.startswith("usage: kvferry bench")
-    assert set(BENCH_NAMES) == {"throughput", "serve", "pd", "transfer", "hybrid", "peers", "soak", "goodput"}
+    assert set(BENCH_NAMES) == {
+        *(
+            "throughput",
+            "serve",
+            "pd",
+            "transfer",
+            "hybrid",
+            "peers",
+            "soak",
+            "goodput",
+            "mla",
+            "moe",
+            "moe-split",
+        )
+    }
     for name in BENCH_NAMES:
         assert name in out
 

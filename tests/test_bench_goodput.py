@@ -172,10 +172,12 @@ def test_goodput_sweeps_colocated_and_prefix_routed_pd_on_the_same_prompts(
             assert result["slo_attainment"] == 1.0 and result["ttft_ms"]["p90"] > 0
             hit_rates = [r for r in result["prefix_cache_hit_rate"].values() if r is not None]
             assert hit_rates and max(hit_rates) > 0  # turn 2 and the second user reuse the prefix
-            assert result["pool_hit_rate"] > 0 and result["oracle_hit_rate"] > 0
+            # the prefill pool may see one request only (the rest prefilled locally): >= 0
+            assert result["pool_hit_rate"] is not None and result["oracle_hit_rate"] > 0
             assert result["pool_capacity_blocks"] > 0
     serve_run, prefix_run = doc["runs"]
     assert list(serve_run["results"][0]["prefix_cache_hit_rate"]) == ["serve"]
+    assert all(r["pool_hit_rate"] > 0 for r in serve_run["results"])
     assert all(r["prefill_paths"] == {} for r in serve_run["results"])
     # with 16 local tokens the second turns (8 new tokens on a prefix the decoder holds) stay local
     assert all(r["prefill_paths"].get("local", 0) >= 1 for r in prefix_run["results"])
