@@ -16,6 +16,7 @@ import logging
 import time
 from pathlib import Path
 
+from kvferry_bench.plot import pyplot
 from kvferry_bench.results import host_facts, save_json
 from kvferry_bench.serve import make_prompts
 
@@ -136,13 +137,8 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def plot_result(result: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib missing: no plot (pip install 'kvferry[bench]')")
+    plt = pyplot()
+    if plt is None:
         return
     entries = result["models"]
     width = 0.38

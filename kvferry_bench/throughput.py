@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvferry.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from kvferry_bench.plot import pyplot
 from kvferry_bench.results import host_facts, save_json
 from kvferry_bench.serve import make_prompts
 
@@ -125,13 +126,8 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def plot_result(result: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib missing: no plot (pip install 'kvferry[bench]')")
+    plt = pyplot()
+    if plt is None:
         return
     names = [k for k in ("kvferry", "hf_transformers") if k in result]
     fig, ax = plt.subplots(figsize=(5, 3.5))

@@ -7,31 +7,26 @@ side has returned every page it mapped (prefix caching is off, so nothing stays 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 from transformers import AutoTokenizer
 
 from tests.pd_support import (
-    MODEL,
+    Completion,
     Server,
     ServerSpec,
     colocated_greedy,
+    complete,
     nixl,
+    pages_all_returned,
     prompt_set,
+    proxying,
     serving,
     wait_idle,
 )
-from tests.proxy_fakes import free_port, start_cli
-from tests.proxy_fakes import stop as stop_procs
-from tests.proxy_fakes import wait_healthy as wait_proc_healthy
 
 # slow: five `kvferry serve` processes (TP=2 among them) and three proxies (make test-all only)
 pytestmark = pytest.mark.slow
@@ -56,13 +51,6 @@ PAIRS = {  # elastic on: (prefiller, decoder)
 }
 
 
-@dataclass(frozen=True)
-class Answer:
-    text: str
-    token_ids: list[int]
-    cached: int | None  # prompt tokens the decoder did not compute (None: streamed)
-
-
 @pytest.fixture(scope="module")
 def servers(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
     specs = {
@@ -76,22 +64,9 @@ def servers(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 @pytest.fixture(scope="module")
 def proxies(servers: dict[str, Server], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """One `kvferry proxy` per pair, by pair name: its URL."""
-    logs = tmp_path_factory.mktemp("elastic_disagg_proxy")
-    procs: dict[str, subprocess.Popen] = {}
-    urls: dict[str, str] = {}
-    try:
-        for pair, (prefiller, decoder) in PAIRS.items():
-            port = free_port()
-            args = ["--log-level", "WARNING", "proxy", "--prefill", servers[prefiller].url]
-            args += ["--decode", servers[decoder].url, "--port", str(port), "--health-interval", "1"]
-            procs[pair] = start_cli(args, logs / f"{pair}.log")
-            urls[pair] = f"http://127.0.0.1:{port}"
-        for pair, proc in procs.items():
-            wait_proc_healthy(proc, urls[pair], logs / f"{pair}.log")
+    pairs = {pair: (servers[p], servers[d]) for pair, (p, d) in PAIRS.items()}
+    with proxying(pairs, tmp_path_factory.mktemp("elastic_disagg_proxy")) as urls:
         yield urls
-    finally:
-        codes = stop_procs(list(procs.values()))
-    assert codes == [0] * len(procs), [(logs / f"{pair}.log").read_text()[-3000:] for pair in procs]
 
 
 @pytest.fixture(scope="module")
@@ -100,44 +75,15 @@ def prompts(tiny_llama: Path) -> list[str | list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama: Path, prompts: list, servers: dict) -> list[Answer]:
+def reference(tiny_llama: Path, prompts: list, servers: dict) -> list[Completion]:
     """The colocated eager engine's greedy answers (computed while the servers start)."""
     return [
-        Answer(o.text, list(o.token_ids), None) for o in colocated_greedy(tiny_llama, prompts, MAX_TOKENS)
+        Completion(o.text, list(o.token_ids), None) for o in colocated_greedy(tiny_llama, prompts, MAX_TOKENS)
     ]
-
-
-def _complete(url: str, prompt: str | list[int], stream: bool) -> Answer:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
-    body |= {"return_token_ids": True, "stream": stream}
-    if not stream:
-        resp = httpx.post(url + "/v1/completions", json=body, timeout=120)
-        assert resp.status_code == 200, resp.text
-        choice, usage = resp.json()["choices"][0], resp.json()["usage"]
-        return Answer(choice["text"], choice["token_ids"], usage["prompt_tokens_details"]["cached_tokens"])
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
-        assert r.status_code == 200, r.read()
-        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
-    choices = [c for chunk in chunks for c in chunk["choices"]]
-    ids = [i for c in choices for i in c.get("token_ids") or []]
-    return Answer("".join(c["text"] for c in choices), ids, None)
 
 
 def _num_tokens(tokenizer, prompt: str | list[int]) -> int:  # noqa: ANN001 - a HF tokenizer
     return len(prompt) if isinstance(prompt, list) else len(tokenizer.encode(prompt))
-
-
-def _pages_all_returned(server: Server, timeout: float = 30.0) -> dict[str, float]:
-    """Once the elastic side's workers returned every page they mapped (the return reaches
-    them with the engine's next step): its /metrics."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = server.metrics()
-        if m["kv_pages_mapped"] == m["kv_pages_returned"] and m["kv_resident_bytes"] == 0:
-            return m
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{server.name}: pages not all returned: {m}")
-        time.sleep(0.1)
 
 
 @pytest.mark.parametrize("pair", list(PAIRS))
@@ -147,7 +93,7 @@ def test_pd_through_the_proxy_with_elastic_memory_equals_colocated_eager(
     prefiller, decoder = (servers[name] for name in PAIRS[pair])
     streams = [i % 2 == 1 for i in range(len(prompts))]
     with ThreadPoolExecutor(8) as pool:
-        answers = list(pool.map(lambda p, s: _complete(proxies[pair], p, s), prompts, streams))
+        answers = list(pool.map(lambda p, s: complete(proxies[pair], p, MAX_TOKENS, s), prompts, streams))
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     for prompt, answer, expected in zip(prompts, answers, reference, strict=True):
         assert (answer.text, answer.token_ids) == (expected.text, expected.token_ids), prompt
@@ -156,7 +102,7 @@ def test_pd_through_the_proxy_with_elastic_memory_equals_colocated_eager(
     for server in (prefiller, decoder):
         wait_idle(server)
         if SERVERS[server.name][2]:
-            m = _pages_all_returned(server)
+            m = pages_all_returned(server)
             assert m["kv_pages_mapped"] > 0  # elastic memory was used
         else:
             assert server.metrics()["kv_resident_bytes"] == server.metrics()["kv_reserved_bytes"] > 0
