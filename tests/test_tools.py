@@ -9,9 +9,10 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
+from kvferry.entrypoints.openai.auto_tool_stream import AutoToolStream, ToolCallFormat
 from kvferry.entrypoints.openai.protocol import ChatCompletionRequest
 from kvferry.entrypoints.openai.tool_stream import ToolCallStream
-from kvferry.entrypoints.openai.tools import ToolCallFormat, parse_answer
+from kvferry.entrypoints.openai.tools import parse_answer
 from kvferry.errors import InvalidRequestError
 
 WEATHER = {
@@ -161,3 +162,100 @@ def _chunk(delta: dict, finish_reason: str | None) -> ChatCompletionChunk:
     return ChatCompletionChunk.model_validate(
         {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m", "choices": [choice]}
     )
+
+
+def _streamed(text: str, request: ChatCompletionRequest, fmt: ToolCallFormat, size: int) -> list[dict]:
+    """The deltas of ``text`` streamed ``size`` characters at a time, as the server sends them."""
+    if request.forces_calls:
+        calls = ToolCallStream(request.named_tool())
+        return [
+            {"tool_calls": e}
+            for i in range(0, max(len(text), 1), size)
+            if (e := calls.feed(text[i : i + size]))
+        ]
+    auto = AutoToolStream(fmt)
+    parts = [auto.feed(text[i : i + size]) for i in range(0, len(text), size)] + [auto.finish()]
+    deltas = []
+    for part in parts:
+        delta: dict = {"content": part.content} if part.content else {}
+        deltas.append(delta | ({"tool_calls": part.tool_calls} if part.tool_calls else {}))
+    return [d for d in deltas if d]
+
+
+def _accumulated(deltas: list[dict]) -> tuple[str | None, list[tuple[str, str]]]:
+    """What the openai client rebuilds from the deltas: content and (name, arguments)."""
+    state = ChatCompletionStreamState()
+    for delta in [*deltas, {}]:
+        state.handle_chunk(_chunk(delta, "stop" if not delta else None))  # the reason plays no part
+    message = state.get_final_completion().choices[0].message
+    return message.content, [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+
+
+def _merged(deltas: list[dict]) -> tuple[str | None, list[tuple[str, str]]]:
+    """The same accumulation as the client's, done directly (cheap, for every cut)."""
+    content, calls = "", {}
+    for delta in deltas:
+        content += delta.get("content", "")
+        for entry in delta.get("tool_calls", []):
+            name, args = calls.get(entry["index"], ("", ""))
+            function = entry["function"]
+            calls[entry["index"]] = (name + function.get("name", ""), args + function["arguments"])
+    return content or None, [calls[i] for i in sorted(calls)]
+
+
+HERMES_TWO_CALLS = (
+    f"Let me look.\n<tool_call>\n{json.dumps(CALL)}\n</tool_call>\n"
+    '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+)
+AUTO_ANSWERS = [
+    (ToolCallFormat.HERMES, HERMES_TWO_CALLS),
+    (ToolCallFormat.HERMES, "No call: <tool_cal> <tool_call>{broken"),
+    (ToolCallFormat.MISTRAL, f"Sure. [TOOL_CALLS][{json.dumps(CALL)}]"),
+    (ToolCallFormat.JSON, '<|python_tag|>{"name": "get_weather", "parameters": ' + ARGS + "}"),
+    (ToolCallFormat.JSON, f"```tool_code\n{json.dumps(CALL)}\n```"),
+    (ToolCallFormat.JSON, '{"city": "Paris"} is JSON, not a call'),
+]
+
+
+@pytest.mark.parametrize(("fmt", "text"), AUTO_ANSWERS)
+def test_auto_calls_stream_as_parsed_and_agree_with_the_whole_answer(fmt: ToolCallFormat, text: str) -> None:
+    """tool_choice auto: the content before a call comes as content deltas, each call as it
+    is written (its name first, then argument fragments), and the client's accumulation is
+    the non-streamed answer; at every cut of the answer (max_tokens) too."""
+    request = _request(tool_choice="auto")
+    whole = parse_answer(text, request, fmt)
+    for size in (1, 3, 7):
+        deltas = _streamed(text, request, fmt, size)
+        expected = (whole.content, [(c.name, c.arguments) for c in whole.tool_calls])
+        assert _accumulated(deltas) == expected == _merged(deltas)
+        with_calls = [i for i, d in enumerate(deltas) if "tool_calls" in d]
+        if whole.tool_calls and size == 1:
+            assert len(with_calls) > 2 * len(whole.tool_calls)  # not whole, in one last delta
+            assert all("tool_calls" not in d for d in deltas[: with_calls[0]])  # text first
+    for cut in range(len(text)):
+        prefix = text[:cut]
+        part = parse_answer(prefix, request, fmt)
+        streamed = _merged(_streamed(prefix, request, fmt, 2))
+        assert streamed == (part.content, [(c.name, c.arguments) for c in part.tool_calls])
+
+
+@pytest.mark.parametrize(("choice", "text"), STREAMED_ANSWERS)
+def test_a_forced_call_cut_off_is_the_same_streamed_or_not(choice: object, text: str) -> None:
+    """A required or named call cut off by max_tokens: the non-streamed answer has the calls
+    as far as written (names known, arguments so far), exactly what the stream sent."""
+    request = _request(tool_choice=choice)
+    for cut in range(len(text)):
+        prefix = text[:cut]
+        whole = [(c.name, c.arguments) for c in parse_answer(prefix, request, ToolCallFormat.JSON).tool_calls]
+        assert _merged(_streamed(prefix, request, ToolCallFormat.JSON, 2)) == (None, whole)
+        if '"parameters"' in prefix:
+            assert whole and whole[0][0] == "get_weather"
+
+
+def test_auto_parses_cut_off_calls_and_keeps_text() -> None:
+    cut = HERMES_TWO_CALLS[: HERMES_TWO_CALLS.index('"days"')]
+    parsed = parse_answer(cut, _request(tool_choice="auto"), ToolCallFormat.HERMES)
+    assert parsed.content == "Let me look."
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == [("get_weather", '{"city": "Paris", ')]
+    text = AUTO_ANSWERS[1][1]
+    assert parse_answer(text, _request(tool_choice="auto"), ToolCallFormat.HERMES).content == text

@@ -19,11 +19,12 @@ from fastapi.responses import Response
 
 from kvferry.entrypoints.http_common import chat_role_chunk
 from kvferry.entrypoints.openai import serving_common as common
+from kvferry.entrypoints.openai.auto_tool_stream import AutoToolStream, StreamDelta, ToolCallFormat
 from kvferry.entrypoints.openai.protocol import ChatCompletionRequest
 from kvferry.entrypoints.openai.serving_common import ServerState, Streams
 from kvferry.entrypoints.openai.serving_completions import prompt_logprobs_json
 from kvferry.entrypoints.openai.tool_stream import ToolCallStream
-from kvferry.entrypoints.openai.tools import ToolCallFormat, parse_answer
+from kvferry.entrypoints.openai.tools import parse_answer
 from kvferry.messages.model_runner import SampleLogprobs
 from kvferry.outputs import RequestOutput
 
@@ -132,10 +133,7 @@ async def _chunks(
         yield {**role, **_prompt_logprobs_field(firsts[0])} if index == 0 else role
     finals: dict[int, RequestOutput] = {}
     sent_prompt_ids: set[int] = set()
-    # with tool_choice auto, each answer is parsed once complete (its calls come in its last
-    # chunk); required and named calls are streamed as they grow
-    texts: dict[int, str] = {}
-    calls: dict[int, ToolCallStream] = {}
+    calls: dict[int, ToolCallStream | AutoToolStream] = {}  # each answer's calls, parsed as it grows
     async for index, out in common.merge(firsts, gens):
         if out.finished:
             finals[index] = out
@@ -144,15 +142,11 @@ async def _chunks(
             lps = chat_logprobs(state.engine.tokenizer, out.delta_token_ids, out.delta_logprobs)
         delta: dict[str, Any] = {"content": out.delta_text} if out.delta_text or lps is not None else {}
         ids = common.delta_token_id_fields(body.return_token_ids, out, index not in sent_prompt_ids)
-        if body.forces_calls:
-            stream = calls.setdefault(index, ToolCallStream(body.named_tool()))
-            entries = stream.feed(out.delta_text)
-            delta = {"tool_calls": entries} if entries else {}
-        elif body.uses_tools:
-            texts[index] = texts.get(index, "") + out.delta_text
-            delta = _tool_delta(state, body, texts[index]) if out.finished else {}
+        if body.uses_tools:
+            stream = calls.setdefault(index, _calls_stream(state, body))
+            delta = _calls_delta(stream, out.delta_text, out.finished)
         chunk = common.stream_chunk(meta, index, {"delta": delta, **ids}, lps, out, bool(ids))
-        called = "tool_calls" in delta or (index in calls and bool(calls[index].calls))
+        called = index in calls and bool(calls[index].calls)
         if chunk is not None and called and chunk["choices"][0]["finish_reason"] == "stop":
             chunk["choices"][0]["finish_reason"] = "tool_calls"
         if chunk is not None:
@@ -163,11 +157,24 @@ async def _chunks(
         yield {**meta, "choices": [], "usage": common.usage([finals[i] for i in sorted(finals)], body.n)}
 
 
-def _tool_delta(state: ServerState, body: ChatCompletionRequest, text: str) -> dict[str, Any]:
-    """The last delta of a streamed answer with tools: its content and its tool calls."""
-    message, _ = _message(state, body, text)
-    delta: dict[str, Any] = {"content": message["content"]} if message["content"] else {}
-    calls = message.get("tool_calls") or []
-    if calls:
-        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+def _calls_stream(state: ServerState, body: ChatCompletionRequest) -> ToolCallStream | AutoToolStream:
+    """The parse of one streamed answer with tools: ``required`` and named calls are the
+    whole answer; with ``auto`` they are found in the model's markup around its text."""
+    if body.forces_calls:
+        return ToolCallStream(body.named_tool())
+    return AutoToolStream(ToolCallFormat.of_template(state.engine.tokenizer.chat_template))
+
+
+def _calls_delta(stream: ToolCallStream | AutoToolStream, text: str, finished: bool) -> dict[str, Any]:
+    """The chunk's delta for the answer's next ``text``: its content and tool_calls entries."""
+    if isinstance(stream, ToolCallStream):
+        entries = stream.feed(text)
+        return {"tool_calls": entries} if entries else {}
+    part = stream.feed(text)
+    if finished:
+        tail = stream.finish()
+        part = StreamDelta(part.content + tail.content, part.tool_calls + tail.tool_calls)
+    delta: dict[str, Any] = {"content": part.content} if part.content else {}
+    if part.tool_calls:
+        delta["tool_calls"] = part.tool_calls
     return delta

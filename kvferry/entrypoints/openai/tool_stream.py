@@ -39,16 +39,29 @@ class ToolCallStream:
     """Streams the calls of one answer (``named``: the function a named tool_choice forces,
     whose arguments are the whole answer; None: ``required``'s array of calls)."""
 
-    def __init__(self, named: str | None) -> None:
+    def __init__(self, named: str | None, first_index: int = 0) -> None:
         self._named = named
+        self._first_index = first_index  # the index of this stream's first call in the answer
         self._calls: list[_Call] = [_Call(name=named)] if named is not None else []
         self._depth = 0  # brackets open outside strings (the array: 1, a call object: 2)
+        self._call_depth = 2  # where call objects open: 2 in an array, 1 for a bare object
+        self._opened = False
         self._in_string = False
         self._escape = False
         self._token = ""  # the string being read at a call object's level, quotes included
         self._last_key: str | None = None
         self._value: str | None = None  # whose value is being read: "name", "parameters", ...
         self._arguments_depth = 0  # brackets open inside the arguments value
+
+    @property
+    def opened(self) -> bool:
+        """Whether the outermost bracket has been read."""
+        return self._opened
+
+    @property
+    def closed(self) -> bool:
+        """Whether the outermost bracket (the array, or a bare call object) has closed."""
+        return self._opened and self._depth == 0
 
     @property
     def calls(self) -> list[tuple[str, str]]:
@@ -75,14 +88,16 @@ class ToolCallStream:
         elif char == '"':
             self._in_string, self._token = True, '"'
         elif char in "[{":
+            if not self._opened:
+                self._opened, self._call_depth = True, 2 if char == "[" else 1
             self._depth += 1
-            if self._depth == 2 and char == "{":
+            if self._depth == self._call_depth and char == "{":
                 self._calls.append(_Call())
         elif char in "]}":
             self._depth -= 1
-        elif char == ":" and self._depth == 2:
+        elif char == ":" and self._depth == self._call_depth:
             self._value, self._arguments_depth = self._last_key, 0
-        elif char == "," and self._depth == 2:
+        elif char == "," and self._depth == self._call_depth:
             self._value = None
 
     def _string_char(self, char: str) -> None:
@@ -128,7 +143,7 @@ class ToolCallStream:
 
     def _pending(self) -> list[dict[str, Any]]:
         entries: list[dict[str, Any]] = []
-        for index, call in enumerate(self._calls):
+        for index, call in enumerate(self._calls, start=self._first_index):
             if call.name is None:
                 continue
             fragment = call.arguments[call.sent_arguments :]

@@ -14,16 +14,14 @@ tools are neither shown to the model nor parsed.
 
 from __future__ import annotations
 
-import enum
-import json
 import logging
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvferry.entrypoints.openai.auto_tool_stream import AutoToolStream, ToolCallFormat
 from kvferry.entrypoints.openai.structured_protocol import StructuredOutputsFields
 from kvferry.entrypoints.openai.tool_stream import ToolCallStream
 from kvferry.errors import InvalidRequestError
@@ -130,21 +128,6 @@ def _parameters(fn: FunctionDefinition) -> dict[str, Any]:
     return fn.parameters if fn.parameters is not None else {"type": "object", "properties": {}}
 
 
-class ToolCallFormat(enum.Enum):
-    HERMES = "hermes"  # Qwen 2.5/3, Hermes: <tool_call>{...}</tool_call>
-    MISTRAL = "mistral"  # [TOOL_CALLS][{...}, ...]
-    JSON = "json"  # Llama 3, Gemma: a JSON object (or list) as the whole answer
-
-    @classmethod
-    def of_template(cls, chat_template: str | None) -> ToolCallFormat:
-        template = chat_template or ""
-        if "<tool_call>" in template:
-            return cls.HERMES
-        if "[TOOL_CALLS]" in template:
-            return cls.MISTRAL
-        return cls.JSON
-
-
 @dataclass(frozen=True)
 class ToolCall:
     name: str
@@ -165,56 +148,18 @@ class ParsedAnswer:
     tool_calls: list[ToolCall]
 
 
-_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-_FENCE = re.compile(r"^```(?:json|tool_code)?\s*(.*?)\s*```$", re.DOTALL)
-
-
 def parse_answer(text: str, request: ToolsFields, fmt: ToolCallFormat) -> ParsedAnswer:
-    """The answer's text and tool calls, as the request's tool_choice and the model's
-    format say; text that is not a well-formed call stays content."""
+    """The answer's content and tool calls, as the request's tool_choice and the model's
+    format say: the same parse that streams them, run over the whole text, so a streamed
+    answer and a non-streamed one agree (one cut off inside a call included: that call, its
+    arguments as far as written)."""
     if request.forces_calls:  # the answer is the calls, as they were streamed
-        name = request.named_tool()
-        if name is None and not _calls(_loads(text)):
-            return ParsedAnswer(None, [])
-        scanned = ToolCallStream(name)
+        scanned = ToolCallStream(request.named_tool())
         scanned.feed(text)
         return ParsedAnswer(None, [ToolCall(n, args) for n, args in scanned.calls])
-    if fmt is ToolCallFormat.HERMES:
-        calls = _calls([_loads(body) for body in _HERMES_CALL.findall(text)])
-        content = _HERMES_CALL.sub("", text).strip() if calls else text
-        return ParsedAnswer(content or None, calls)
-    if fmt is ToolCallFormat.MISTRAL and "[TOOL_CALLS]" in text:
-        before, _, after = text.partition("[TOOL_CALLS]")
-        calls = _calls(_loads(after))
-        return ParsedAnswer(before.strip() or None, calls) if calls else ParsedAnswer(text, [])
-    body = text.strip().removeprefix("<|python_tag|>").strip()
-    fence = _FENCE.match(body)
-    calls = _calls(_loads(fence.group(1) if fence else body))
-    return ParsedAnswer(None, calls) if calls else ParsedAnswer(text, [])
-
-
-def _loads(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
-
-
-def _calls(value: Any) -> list[ToolCall]:
-    """Tool calls in a parsed JSON value: an object or a list of objects with a string
-    ``name`` and object ``parameters`` or ``arguments``; anything else: none."""
-    items = value if isinstance(value, list) else [value]
-    calls = []
-    for item in items:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            return []
-        args = item.get("parameters", item.get("arguments", {}))
-        if isinstance(args, str):
-            args = _loads(args)
-        if not isinstance(args, dict):
-            return []
-        calls.append(ToolCall(item["name"], json.dumps(args, ensure_ascii=False)))
-    return calls
+    stream = AutoToolStream(fmt)
+    content = stream.feed(text).content + stream.finish().content
+    return ParsedAnswer(content or None, [ToolCall(n, args) for n, args in stream.calls])
 
 
 def body_uses_tools(body: dict[str, Any]) -> bool:
