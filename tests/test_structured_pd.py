@@ -173,7 +173,7 @@ def _tool_calls(client: openai.OpenAI, kwargs: dict, stream: bool) -> tuple[list
         state = ChatCompletionStreamState()
         for chunk in client.chat.completions.create(**kwargs, stream=True):
             state.handle_chunk(chunk)
-        choice = state.get_final_completion().choices[0]
+        choice = state.current_completion_snapshot.choices[0]  # unparsed: a cut one too
     calls = choice.message.tool_calls or []
     return [(c.function.name, c.function.arguments) for c in calls], choice.finish_reason
 
@@ -203,3 +203,36 @@ def test_streamed_tool_calls_come_token_by_token_and_rebuild_the_answer(deployme
         ]
         assert deltas[0][0].id and deltas[0][0].function.name == "get_weather"
         assert len(deltas) > 2 and all(d[0].id is None and d[0].function.name is None for d in deltas[1:])
+
+
+AUTO_CALL_REGEX = r'\{"name": "get_weather", "arguments": \{"city": "[a-z]{3,8}", "days": [1-7]\}\}'
+
+
+def test_auto_tool_calls_stream_as_parsed(deployment: Deployment) -> None:
+    """tool_choice auto (the tiny model's template: a call is a JSON object as the answer,
+    Llama 3's form; a regex makes the random model write one): streamed, the call's name
+    comes first and its arguments in fragments over several chunks, not whole in the last
+    one; the client's accumulation equals the non-streamed answer, colocated and through
+    the proxy, and a cut by max_tokens keeps the call so far either way."""
+    proxy, prefill, decode = deployment.ready()
+    kwargs = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": "auto", "temperature": 0}
+    kwargs |= {"max_tokens": MAX_TOKENS, "extra_body": {"structured_outputs": {"regex": AUTO_CALL_REGEX}}}
+    whole = _tool_calls(_client(decode), kwargs, stream=False)
+    assert whole[1] == "tool_calls" and whole[0][0][0] == "get_weather"
+    jsonschema.validate(json.loads(whole[0][0][1]), WEATHER)
+    usage = _client(decode).chat.completions.create(**kwargs).usage
+    assert usage is not None
+    cut = {**kwargs, "max_tokens": usage.completion_tokens - 3}  # inside the arguments
+    cut_whole = _tool_calls(_client(decode), cut, stream=False)
+    assert cut_whole[1] == "length" and cut_whole[0][0][0] == "get_weather"
+    assert whole[0][0][1].startswith(cut_whole[0][0][1]) and cut_whole[0][0][1] != whole[0][0][1]
+    for url in (proxy, decode):
+        assert _tool_calls(_client(url), kwargs, stream=True) == whole
+        assert _tool_calls(_client(url), cut, stream=True) == cut_whole
+        chunks = list(_client(url).chat.completions.create(**kwargs, stream=True))
+        deltas = [
+            c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls
+        ]
+        assert deltas[0][0].id and deltas[0][0].function.name == "get_weather"
+        assert len(deltas) > 2 and all(d[0].function.name is None for d in deltas[1:])
+    _wait_blocks_free(prefill)
