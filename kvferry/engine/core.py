@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from kvferry.config import EngineConfig, ExecutorKind, SchedulerConfig
 from kvferry.connector.base import KVConnectorRole
 from kvferry.connector.factory import create_connector, resolve_connector
-from kvferry.engine.capture_choice import decide_capture
+from kvferry.engine.capture_choice import decide_capture, follow_stored_choice
 from kvferry.engine.kv_event_publisher import KVEventPublisher
 from kvferry.engine.profile_run import size_kv_cache
 from kvferry.engine.warmup import warmup_steps
@@ -80,8 +80,9 @@ class EngineCore:
             kv_events_medium=kv_events_medium(config.device) if events.enabled else None,
         )
         self.kv_events = KVEventPublisher(events) if events.enabled else None
+        stored = follow_stored_choice(self.executor, config)
         self._warm_up(kv_config)
-        self.capture_decision = decide_capture(self.executor, config, kv_config, self._run_dummy)
+        self.capture_decision = decide_capture(self.executor, config, kv_config, self._run_dummy, stored)
         self._last_log = time.monotonic()
         logger.info(
             "engine ready in %.1fs: %s, %d KV blocks of %d tokens, %s",

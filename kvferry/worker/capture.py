@@ -127,6 +127,7 @@ class CaptureDecision:
     mode: CaptureMode
     compiled: bool
     timings: tuple[StepTiming, ...] = ()
+    cached: bool = False  # AUTO: measured by an earlier start (kvferry.engine.capture_cache)
 
     def describe(self) -> str:
         """The start-up log line."""
@@ -134,7 +135,8 @@ class CaptureDecision:
 
     def _why(self) -> str:
         if self.timings:
-            return "; ".join(t.describe() for t in self.timings)
+            measured = "; ".join(t.describe() for t in self.timings)
+            return f"cached decision, measured by an earlier start: {measured}" if self.cached else measured
         if self.mode is CaptureMode.NEVER:
             return "--enforce-eager / --capture never"
         if not self.compiled:
