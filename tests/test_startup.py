@@ -14,6 +14,7 @@ from kvferry.config import CaptureMode, EngineOptions
 from kvferry.engine import capture_choice
 from kvferry.engine.capture_cache import CaptureCache, capture_cache_key
 from kvferry.engine.options import engine_config
+from kvferry.engine.startup_report import StartupPhase
 from kvferry.sampling_params import SamplingParams
 from kvferry.worker.capture import CaptureDecision, CaptureStats, StepTiming
 from tests.engine_helpers import PROMPT_TEXTS, assert_pool_full, engine_config_of, make_llm, tokenize_all
@@ -80,6 +81,14 @@ def test_a_cached_eager_decision_compiles_nothing(tiny_llama: Path, tmp_path: Pa
     assert _graphs_compiled() == before, "a start with a cached eager decision compiled a graph"
     assert _stats(llm).compiled_steps == 0 and _stats(llm).compile_seconds == 0.0
     assert_pool_full(llm)
+    report = llm.engine.startup
+    assert [phase for phase, _ in report.phases] == list(StartupPhase)[1:]
+    assert report.compile_s == 0.0 and report.before_engine_s is not None
+    assert report.describe().startswith(f"start-up {report.total_s:.1f}s: imports, config, tokenizer ")
+    assert report.describe().endswith(
+        "; captured forward: off (cached decision, measured by an earlier start: "
+        "decode step 20.0 vs 10.0 ms eager at batch 1)"
+    )
 
 
 def store_for_tiny_llama(model: Path, cache_dir: Path, decision: CaptureDecision) -> None:
