@@ -318,7 +318,7 @@ class CompilationConfig:
     enforce_eager: bool = False
     # Where --capture auto's decision and the compiled programs are kept across starts
     # (kvferry.engine.capture_cache); None: nothing is kept, every start decides anew.
-    cache_dir: str | None = None
+    cache_dir: str | None = field(default_factory=lambda: str(default_cache_dir()))
 
     def __post_init__(self) -> None:
         capture = _member(CaptureMode, self.capture, "capture mode")
@@ -433,7 +433,7 @@ class EngineOptions:
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     capture: CaptureMode = CompilationConfig.capture  # "always" etc. coerced
     enforce_eager: bool = CompilationConfig.enforce_eager  # capture=NEVER, vLLM's name
-    cache_dir: str | None = field(default_factory=lambda: str(default_cache_dir()))  # --cache-dir
+    cache_dir: str | None = field(default_factory=lambda: CompilationConfig().cache_dir)  # --cache-dir
     seed: int = EngineConfig.seed
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     mla_prefill: MLAForm = MLAForms.prefill  # "decompressed" etc. coerced (latent attention only)

@@ -80,9 +80,13 @@ def _own_entry(module: torch.nn.Module) -> Callable[..., torch.Tensor]:
 def keep_compiled_programs_in(cache_dir: str | None) -> None:
     """torch's compile caches (FX graphs, AOT autograd, generated kernels) under kvferry's
     cache directory, so that a later start of the same model on this machine loads the
-    decode program rather than generating it. A directory already chosen (the environment, or
-    an earlier compile in this process, which records its choice there) is kept."""
-    if cache_dir is not None and INDUCTOR_CACHE_ENV not in os.environ:
+    decode program rather than generating it. A directory the user chose (in the
+    environment) is kept; torch's own default, which importing the compiler writes there
+    (a per-user folder in /tmp), is replaced."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    chosen = os.environ.get(INDUCTOR_CACHE_ENV)
+    if cache_dir is not None and chosen in (None, os.path.abspath(default_cache_dir())):
         os.environ[INDUCTOR_CACHE_ENV] = str(Path(cache_dir) / "inductor")
 
 
