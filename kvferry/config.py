@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvferry.cache_dir import default_cache_dir
 from kvferry.errors import ConfigError
 from kvferry.kv.shared_pool import KVPoolSpec
 from kvferry.kv.spec import KVAllocator, Layout
@@ -315,6 +316,9 @@ class CompilationConfig:
 
     capture: CaptureMode = CaptureMode.AUTO
     enforce_eager: bool = False
+    # Where --capture auto's decision and the compiled programs are kept across starts
+    # (kvferry.engine.capture_cache); None: nothing is kept, every start decides anew.
+    cache_dir: str | None = field(default_factory=lambda: str(default_cache_dir()))
 
     def __post_init__(self) -> None:
         capture = _member(CaptureMode, self.capture, "capture mode")
@@ -429,6 +433,7 @@ class EngineOptions:
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     capture: CaptureMode = CompilationConfig.capture  # "always" etc. coerced
     enforce_eager: bool = CompilationConfig.enforce_eager  # capture=NEVER, vLLM's name
+    cache_dir: str | None = field(default_factory=lambda: CompilationConfig().cache_dir)  # --cache-dir
     seed: int = EngineConfig.seed
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     mla_prefill: MLAForm = MLAForms.prefill  # "decompressed" etc. coerced (latent attention only)
@@ -475,7 +480,9 @@ class EngineOptions:
                 cpu_threads=self.cpu_threads,
             ),
             kv_transfer=self.kv_transfer,
-            compilation=CompilationConfig(capture=self.capture, enforce_eager=self.enforce_eager),
+            compilation=CompilationConfig(
+                capture=self.capture, enforce_eager=self.enforce_eager, cache_dir=self.cache_dir
+            ),
             kv_events=self.kv_events,
             seed=self.seed,
         )

@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass
 from types import ModuleType
 
-from kvferry_bench import goodput, hybrid, mla, moe, moe_split, pd, serve, soak, throughput, transfer
+from kvferry_bench import goodput, hybrid, mla, moe, moe_split, pd, serve, soak, startup, throughput, transfer
 from kvferry_bench.peers import command as peers
 
 logger = logging.getLogger(__name__)
@@ -37,6 +37,9 @@ BENCHES: tuple[Bench, ...] = (
     Bench("moe", moe, "offline throughput of MoE checkpoints, kvferry vs HF transformers"),
     Bench("moe-split", moe_split, "tensor- vs expert-parallel MoE layers on TP ranks, per forward"),
     Bench("peers", peers, "kvferry vs vLLM's CPU engine, side by side on the same cores"),
+    Bench(
+        "startup", startup, "time to the first answer and to /health, start-up broken down, cold vs cached"
+    ),
     Bench("soak", soak, "many streaming clients against kvferry disagg: held blocks, mismatches, RSS"),
 )
 

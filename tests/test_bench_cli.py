@@ -55,6 +55,7 @@ def test_every_benchmark_is_listed_by_kvferry_bench_help(capsys: pytest.CaptureF
             "mla",
             "moe",
             "moe-split",
+            "startup",
         )
     }
     for name in BENCH_NAMES:
@@ -72,6 +73,7 @@ def test_every_benchmark_is_listed_by_kvferry_bench_help(capsys: pytest.CaptureF
         ("peers", "--vllm-venv"),
         ("soak", "--clients"),
         ("goodput", "--slo-ttft-ms"),
+        ("startup", "--starts"),
     ],
 )
 def test_a_benchmarks_own_options_reach_its_help(

@@ -125,6 +125,7 @@ def test_every_option_reaches_the_config(tiny_llama: Path):
         "kv_transfer": KVTransferConfig(kv_connector="NixlConnector"),
         "capture": "always",
         "enforce_eager": True,
+        "cache_dir": "/elsewhere",
         "seed": 7,
         "kv_events": KVEventsConfig(enable_kv_cache_events=True, publisher="zmq"),
     }

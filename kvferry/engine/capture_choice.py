@@ -9,6 +9,10 @@ shared host decides nothing. The program is kept when it is faster overall: its 
 ratio to eager over the batch sizes is below 1. The engine times whole steps, every rank
 included, and gives every rank the same decision (Executor.use_capture).
 
+The decision is kept across starts (kvferry.engine.capture_cache): a start that finds one
+for its model, machine, versions and options follows it before warm-up, so a cached
+`eager` compiles nothing and a cached `compiled` measures nothing.
+
 --capture always keeps the program unmeasured; never (--enforce-eager) compiles nothing.
 A compile that fell back to eager on any rank leaves decode steps eager on all of them.
 """
@@ -19,8 +23,10 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from kvferry.config import CaptureMode, EngineConfig
+from kvferry.engine.capture_cache import CaptureCache, CaptureCacheKey, cache_for
 from kvferry.engine.warmup import decode_blocks_per_request, decode_timing_steps
 from kvferry.executor.base import Executor
 from kvferry.kv.null_block import usable_block_ids
@@ -75,15 +81,49 @@ def keeps_compiled(timings: tuple[StepTiming, ...]) -> bool:
     return sum(t.compiled_s / t.eager_s for t in timings) < len(timings)
 
 
+@dataclass(frozen=True)
+class StoredChoice:
+    """This engine's place in the decision cache and what it held at start-up."""
+
+    cache: CaptureCache
+    key: CaptureCacheKey
+    decision: CaptureDecision | None
+
+
+def follow_stored_choice(executor: Executor, config: EngineConfig) -> StoredChoice | None:
+    """Before warm-up: the decision an earlier start measured, given to every rank (so an
+    eager one compiles nothing); None when --capture is not auto or no cache is configured."""
+    found = cache_for(config)
+    if found is None:
+        return None
+    cache, key = found
+    decision = cache.load(key)
+    if decision is not None:
+        executor.use_capture(decision)
+    logger.info("capture decision cache %s: %s", cache.path(key), "hit" if decision else "miss")
+    return StoredChoice(cache, key, decision)
+
+
 def decide_capture(
-    executor: Executor, config: EngineConfig, kv_config: KVCacheConfig, run: RunStep
+    executor: Executor,
+    config: EngineConfig,
+    kv_config: KVCacheConfig,
+    run: RunStep,
+    stored: StoredChoice | None = None,
 ) -> CaptureDecision:
-    """After warm-up: decide, give every rank the decision, and log it in one line."""
+    """After warm-up: decide (or keep the stored decision), give every rank the decision,
+    keep a measured one for later starts, and log it in one line."""
     mode = config.compilation.capture
     compiled = mode is not CaptureMode.NEVER and all(s.compiled_steps > 0 for s in executor.capture_stats())
-    sizes = timed_batch_sizes(config, kv_config) if mode is CaptureMode.AUTO and compiled else []
-    timings = tuple(measure(executor, run, kv_config, b) for b in sizes)
-    decision = CaptureDecision(mode, keeps_compiled(timings) if timings else compiled, timings)
+    cached = stored.decision if stored is not None else None
+    if cached is not None:
+        decision = cached if compiled or not cached.compiled else CaptureDecision(mode, False)
+    else:
+        sizes = timed_batch_sizes(config, kv_config) if mode is CaptureMode.AUTO and compiled else []
+        timings = tuple(measure(executor, run, kv_config, b) for b in sizes)
+        decision = CaptureDecision(mode, keeps_compiled(timings) if timings else compiled, timings)
+        if stored is not None and timings:
+            stored.cache.store(stored.key, decision)
     executor.use_capture(decision)
     logger.info("%s", decision.describe())
     return decision

@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 from kvferry.config import EngineConfig, ExecutorKind, SchedulerConfig
 from kvferry.connector.base import KVConnectorRole
 from kvferry.connector.factory import create_connector, resolve_connector
-from kvferry.engine.capture_choice import decide_capture
+from kvferry.engine.capture_choice import decide_capture, follow_stored_choice
 from kvferry.engine.kv_event_publisher import KVEventPublisher
 from kvferry.engine.profile_run import size_kv_cache
+from kvferry.engine.startup_report import StartupClock, StartupPhase
 from kvferry.engine.warmup import warmup_steps
 from kvferry.executor.base import Executor
 from kvferry.kv.spec import KVCacheConfig
@@ -65,9 +66,11 @@ class EngineCore:
         config = resolve_connector(config)  # once: its class and the settings every half and rank shares
         self.config = config
         self._connector_totals: dict[str, float] = {}
-        start = time.perf_counter()
+        clock = StartupClock()
         self.executor = make_executor(config)
+        clock.lap(StartupPhase.EXECUTOR)
         self.kv_budget, kv_config = size_kv_cache(self.executor, config)
+        clock.lap(StartupPhase.MEMORY_PROFILE)
         self.executor.initialize_kv_cache(kv_config)
         self.connector = create_connector(config, KVConnectorRole.SCHEDULER, kv_config)
         events = config.kv_events
@@ -80,12 +83,19 @@ class EngineCore:
             kv_events_medium=kv_events_medium(config.device) if events.enabled else None,
         )
         self.kv_events = KVEventPublisher(events) if events.enabled else None
+        clock.lap(StartupPhase.KV_CACHE)
+        stored = follow_stored_choice(self.executor, config)
         self._warm_up(kv_config)
-        self.capture_decision = decide_capture(self.executor, config, kv_config, self._run_dummy)
+        clock.lap(StartupPhase.WARM_UP)
+        self.capture_decision = decide_capture(self.executor, config, kv_config, self._run_dummy, stored)
+        clock.lap(StartupPhase.CAPTURE_DECISION)
+        compile_s = max(s.compile_seconds for s in self.executor.capture_stats())
+        self.startup = clock.report(compile_s, self.capture_decision.describe())
         self._last_log = time.monotonic()
+        logger.info("%s", self.startup.describe())
         logger.info(
             "engine ready in %.1fs: %s, %d KV blocks of %d tokens, %s",
-            time.perf_counter() - start,
+            self.startup.engine_s,
             config.model.served_model_name,
             kv_config.num_blocks,
             kv_config.block_size,

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvferry.entrypoints.edge_options import add_edge_args
@@ -15,6 +17,7 @@ from kvferry.errors import KVFerryError
 
 if TYPE_CHECKING:
     from kvferry.config import EngineConfig
+    from kvferry.engine.llm import LLM
 
 
 def serve_config(args: argparse.Namespace) -> EngineConfig:
@@ -48,7 +51,24 @@ def cmd_generate(args: argparse.Namespace) -> None:
         if args.chat
         else llm.generate(args.prompt, params)
     )
-    print(out[0].outputs[0].text)
+    print(out[0].outputs[0].text, flush=True)
+    if args.startup_json:
+        write_startup_json(llm, args.startup_json)
+
+
+def write_startup_json(llm: LLM, path: str) -> None:
+    """Where the start-up went and when the answer came, in seconds since the process began
+    (kvferry bench startup reads it)."""
+    from kvferry.engine.startup_report import process_age_s
+
+    report = llm.engine.startup
+    doc = {
+        "phases_s": report.seconds(),
+        "startup_s": report.total_s,
+        "first_answer_s": process_age_s(),
+        "capture": report.decision,
+    }
+    Path(path).write_text(json.dumps(doc, indent=1))
 
 
 # The benchmarks live in the top-level package kvferry_bench (the `bench` extra); the engine
@@ -150,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--sample-seed", type=int, default=None)
     gen.add_argument("--raw", dest="chat", action="store_false", help="no chat template")
+    gen.add_argument("--startup-json", metavar="PATH", help="write where the start-up time went (JSON)")
     gen.set_defaults(func=cmd_generate)
 
     bench = sub.add_parser(

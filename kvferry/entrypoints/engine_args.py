@@ -123,6 +123,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--enforce-eager", action="store_true", help="run every forward eagerly (--capture never)"
     )
     parser.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="keeps --capture auto's decision and the compiled programs across starts "
+        "(default: $KVFERRY_CACHE_DIR, else ~/.cache/kvferry)",
+    )
+    parser.add_argument(
         "--kv-transfer-config",
         help='JSON: {"kv_connector": ..., "kv_connector_module_path": ..., "kv_role": ..., '
         '"kv_connector_extra_config": {...}, "kv_load_failure_policy": "fail"|"recompute"}',
@@ -185,6 +191,7 @@ _SAME_NAME = (
     "kv_allocator",
     "cpu_threads",
     "capture",
+    "cache_dir",
     "seed",
 )
 

@@ -1,7 +1,7 @@
 """Load the tokenizer of a resolved model (HF directory or GGUF file), offline.
 
 Converting a GGUF vocabulary to a fast tokenizer takes seconds, so the converted
-tokenizer is saved once under $KVFERRY_CACHE_DIR (default ~/.cache/kvferry)/tokenizers,
+tokenizer is saved once under kvferry's cache directory (kvferry.cache_dir)/tokenizers,
 keyed by the GGUF file's path, size, mtime and the transformers version.
 """
 
@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvferry.cache_dir import default_cache_dir
 from kvferry.config import ModelConfig
 from kvferry.errors import ModelLoadError
 
@@ -21,8 +22,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
-
-CACHE_ENV = "KVFERRY_CACHE_DIR"
 
 # Used only when a checkpoint ships no chat template of its own.
 CHATML_TEMPLATE = (
@@ -47,8 +46,7 @@ def gguf_tokenizer_cache_dir(gguf_file: str | Path) -> Path:
     path = Path(gguf_file).resolve()
     stat = path.stat()
     key = f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
-    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "kvferry")
-    return root / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:20]
+    return default_cache_dir() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:20]
 
 
 def _save_to_cache(tokenizer: PreTrainedTokenizerBase, cache_dir: Path) -> None:

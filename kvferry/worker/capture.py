@@ -34,15 +34,17 @@ eager micro-batched 169.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from kvferry.config import CaptureMode
+from kvferry.config import CaptureMode, CompilationConfig
 from kvferry.connector.base import KVConnectorBase
 from kvferry.model.forward_context import ForwardContext, HookPlacement
 
@@ -50,6 +52,8 @@ if TYPE_CHECKING:
     from kvferry.model.causal_lm import CausalLM
 
 logger = logging.getLogger(__name__)
+
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
 # The compiler specializes a batch of one token; decode batches are padded to two so
 # that one dynamic-size program serves them all (one compile, not two).
@@ -71,6 +75,19 @@ def _own_entry(module: torch.nn.Module) -> Callable[..., torch.Tensor]:
 
     code = forward.__code__.replace(co_name=f"captured_forward_{id(module):x}")
     return types.FunctionType(code, forward.__globals__, code.co_name, None, forward.__closure__)
+
+
+def keep_compiled_programs_in(cache_dir: str | None) -> None:
+    """torch's compile caches (FX graphs, AOT autograd, generated kernels) under kvferry's
+    cache directory, so that a later start of the same model on this machine loads the
+    decode program rather than generating it. A directory the user chose (in the
+    environment) is kept; torch's own default, which importing the compiler writes there
+    (a per-user folder in /tmp), is replaced."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    chosen = os.environ.get(INDUCTOR_CACHE_ENV)
+    if cache_dir is not None and chosen in (None, os.path.abspath(default_cache_dir())):
+        os.environ[INDUCTOR_CACHE_ENV] = str(Path(cache_dir) / "inductor")
 
 
 def hook_placement(connector: KVConnectorBase | None) -> HookPlacement:
@@ -127,6 +144,7 @@ class CaptureDecision:
     mode: CaptureMode
     compiled: bool
     timings: tuple[StepTiming, ...] = ()
+    cached: bool = False  # AUTO: measured by an earlier start (kvferry.engine.capture_cache)
 
     def describe(self) -> str:
         """The start-up log line."""
@@ -134,7 +152,8 @@ class CaptureDecision:
 
     def _why(self) -> str:
         if self.timings:
-            return "; ".join(t.describe() for t in self.timings)
+            measured = "; ".join(t.describe() for t in self.timings)
+            return f"cached decision, measured by an earlier start: {measured}" if self.cached else measured
         if self.mode is CaptureMode.NEVER:
             return "--enforce-eager / --capture never"
         if not self.compiled:
@@ -156,13 +175,22 @@ class CaptureStats:
 class CapturedForward:
     """Runs a step's forward compiled (decode-only steps) or eagerly (everything else)."""
 
-    def __init__(self, model: CausalLM, placement: HookPlacement, mode: CaptureMode, device: torch.device):
+    def __init__(
+        self,
+        model: CausalLM,
+        placement: HookPlacement,
+        compilation: CompilationConfig,
+        device: torch.device,
+    ):
+        mode = compilation.capture
         self.model = model
         self.placement = placement
         self.cuda_graphs = device.type == "cuda"
         self.stats = CaptureStats()
         self.fallback_reason: str | None = None
         never = mode is CaptureMode.NEVER
+        if not never:
+            keep_compiled_programs_in(compilation.cache_dir)
         self._compiled = None if never else self._compile(model, placement, self.cuda_graphs)
         self._compiled_once = False
         self._use_compiled = True  # the engine's decision (use), until it is given

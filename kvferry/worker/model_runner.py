@@ -57,7 +57,7 @@ class ModelRunner:
         self.connector = connector
         placement = hook_placement(connector)
         self.model.set_hook_placement(placement)
-        self.forward = CapturedForward(self.model, placement, self.config.compilation.capture, self.device)
+        self.forward = CapturedForward(self.model, placement, self.config.compilation, self.device)
 
     def bound_forward(self) -> CapturedForward:
         """The forward over the bound KV caches; RuntimeError before bind_kv_caches."""
