@@ -6,6 +6,8 @@ a copy)."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -25,6 +27,12 @@ def kvferry_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path
     path = tmp_path_factory.mktemp("kvferry-cache")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(CACHE_ENV, str(path))
+        # Compiled programs stay warm between test runs on one machine (as torch's own /tmp
+        # default did before kvferry moved them), unless the environment names a directory.
+        if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+            patch.setenv(
+                "TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / "kvferry-tests-inductor")
+            )
         yield path
 
 
