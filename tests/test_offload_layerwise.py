@@ -166,3 +166,23 @@ def _segment(view: torch.Tensor, layers: list[str]):  # noqa: ANN202
     from kvferry.connector.offload.blocks import _Segment
 
     return _Segment(view, 0, 0, 8, layers)
+
+
+@pytest.mark.slow  # two passes
+def test_layerwise_load_of_a_stale_slot_is_recomputed_never_used(tiny_llama: Path) -> None:
+    """Slots whose tags no longer match (as after a failed write): every layer-wise load
+    fails its check, the blocks are reported, and recompute gives the right tokens."""
+    expected = tokens(make_llm(tiny_llama).generate(LONG, GREEDY))
+    kv = offload_config("recompute", dram_blocks=64, layerwise=True)
+    llm = make_llm(tiny_llama, kv_transfer=kv)
+    assert tokens(llm.generate(LONG, GREEDY)) == expected
+    evict_device_cache(llm)
+    worker = worker_half(llm)
+    worker.jobs.drain()
+    assert worker.dram is not None
+    for slot in range(worker.dram.num_slots):
+        worker.dram.invalidate(slot)
+    assert tokens(llm.generate(LONG, GREEDY)) == expected
+    totals = sched_half(llm).totals
+    assert totals["offload_load_errors"] == 7 and totals["offload_bytes_loaded"] == 0
+    assert_pool_full(llm)
