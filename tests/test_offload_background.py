@@ -16,9 +16,9 @@ class _GatedWorker(OffloadWorker):
         super().__init__(*args)
         self.gate = threading.Event()
 
-    def _save(self, batch, instance_id):
+    def _save(self, batch, instance_id, staged_rows=None):
         assert self.gate.wait(timeout=60), "the test never opened the gate"
-        super()._save(batch, instance_id)
+        super()._save(batch, instance_id, staged_rows)
 
 
 class GatedOffload(OffloadConnector):

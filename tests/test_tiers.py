@@ -50,6 +50,9 @@ REPRESENTATIVES = {
     "P/D between two engine cores over NIXL, converting the layout": (
         "tests/test_nixl_engine.py::test_both_roles_prefill_and_decode_for_each_other[nhd_to_hnd]"
     ),
+    "offload, layer-wise: a prompt loaded and saved through the per-layer hooks": (
+        "tests/test_offload_layerwise.py::test_layerwise_offload_serves_a_repeated_prompt"
+    ),
     "MultiConnector: two offload tiers": (
         "tests/test_multi_connector.py::test_two_offload_tiers_load_from_the_first_with_a_hit"
     ),

@@ -14,7 +14,7 @@ so NHD and HND both work (the tiers belong to one instance, one layout).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,12 +31,13 @@ def groups_present(block_ids: tuple[int, ...]) -> frozenset[int]:
     return frozenset(group for group, block in enumerate(block_ids) if block != SKIP)
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Segment:
     view: torch.Tensor  # uint8 [2, virtual_num_blocks, half_bytes] over the KV tensor's storage
     group: int  # KV cache group: which of a block's ids (one per group) addresses it
     offset: int  # in the slot row
     half: int  # bytes of K (= bytes of V) of one block
+    layers: list[str]  # the group's layers whose KV it holds (several when they share it)
 
 
 class BlockCopier:
@@ -48,14 +49,15 @@ class BlockCopier:
         for group, members in segment_order(kv_cache_config):
             start = offset
             half = kv_cache_config.groups[group].spec.page_size_bytes // 2
-            seen: set[int] = set()
+            seen: dict[int, _Segment] = {}
             for tensor_spec, layer in members:
                 tensor = kv_caches[layer]
                 if tensor.data_ptr() in seen:
+                    seen[tensor.data_ptr()].layers.append(layer)
                     continue
-                seen.add(tensor.data_ptr())
                 view = _block_view(tensor, tensor_spec.size_bytes, kv_cache_config.virtual_num_blocks, half)
-                self.segments.append(_Segment(view, group, offset, half))
+                seen[tensor.data_ptr()] = _Segment(view, group, offset, half, [layer])
+                self.segments.append(seen[tensor.data_ptr()])
                 offset += 2 * half
             self.group_ranges[group] = (start, offset)
             self.group_bytes[group] = offset - start
@@ -76,8 +78,14 @@ class BlockCopier:
         """Bytes a copy of one block position moves (SKIP groups excluded)."""
         return sum(self.group_bytes[g] for g in groups_present(block_ids))
 
-    def gather(self, block_ids: list[tuple[int, ...]], out: torch.Tensor | None = None) -> torch.Tensor:
-        """The blocks as CPU rows [n, slot_bytes] (block_ids: one id per group per block)."""
+    def gather(
+        self,
+        block_ids: list[tuple[int, ...]],
+        out: torch.Tensor | None = None,
+        segments: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """The blocks as CPU rows [n, slot_bytes] (block_ids: one id per group per block);
+        `segments` (indices into `self.segments`): only those parts of the rows (None: all)."""
         n = len(block_ids)
         if out is None:
             out = torch.empty((n, self.slot_bytes), dtype=torch.uint8)
@@ -86,22 +94,46 @@ class BlockCopier:
         # On a GPU whole runs: each device-to-host copy waits for the device.
         max_run = 1 if self.device.type == "cpu" else None
         runs = self._runs_per_group(block_ids, max_run)
-        for seg in self.segments:
+        for seg in self._chosen(segments):
             dst = out[:, seg.offset : seg.offset + 2 * seg.half].view(n, 2, seg.half).transpose(0, 1)
             for row, block, length in runs[seg.group]:
                 dst[:, row : row + length].copy_(seg.view[:, block : block + length])
         return out
 
-    def scatter(self, rows: torch.Tensor, block_ids: list[tuple[int, ...]]) -> None:
-        """Write rows [n, slot_bytes] into the device blocks (before the forward: one strided
-        copy per run of consecutive blocks, free to use every thread)."""
+    def scatter(
+        self,
+        rows: torch.Tensor,
+        block_ids: list[tuple[int, ...]],
+        segments: Sequence[int] | None = None,
+        max_run: int | None = None,
+    ) -> None:
+        """Write rows [n, slot_bytes] into the device blocks: one strided copy per run of
+        consecutive blocks (at most `max_run` long: a thread beside the forward copies block
+        by block on a CPU, below torch's parallel grain); `segments`: only those (None: all)."""
         n = len(block_ids)
-        runs = self._runs_per_group(block_ids)
-        for seg in self.segments:
+        runs = self._runs_per_group(block_ids, max_run)
+        for seg in self._chosen(segments):
             src = rows[:, seg.offset : seg.offset + 2 * seg.half].view(n, 2, seg.half).transpose(0, 1)
             src = src.to(self.device, non_blocking=True)
             for row, block, length in runs[seg.group]:
                 seg.view[:, block : block + length].copy_(src[:, row : row + length])
+
+    def _chosen(self, segments: Sequence[int] | None) -> list[_Segment]:
+        return self.segments if segments is None else [self.segments[i] for i in segments]
+
+    def segment_ranges(self, segments: Sequence[int], groups: frozenset[int]) -> list[tuple[int, int]]:
+        """The row's byte ranges of `segments` whose group is in `groups` (adjacent merged)."""
+        merged: list[tuple[int, int]] = []
+        for i in sorted(segments, key=lambda i: self.segments[i].offset):
+            seg = self.segments[i]
+            if seg.group not in groups:
+                continue
+            start, stop = seg.offset, seg.offset + 2 * seg.half
+            if merged and merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], stop)
+            else:
+                merged.append((start, stop))
+        return merged
 
     def _runs_per_group(
         self, block_ids: list[tuple[int, ...]], max_run: int | None = None

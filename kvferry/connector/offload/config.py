@@ -25,7 +25,9 @@ logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
 DEFAULT_DRAM_GIB = 1.0
-KNOWN_KEYS = frozenset({"dram_gib", "dram_blocks", "disk_dir", "disk_gib", "disk_blocks", "verify_checksum"})
+KNOWN_KEYS = frozenset(
+    {"dram_gib", "dram_blocks", "disk_dir", "disk_gib", "disk_blocks", "verify_checksum", "layerwise"}
+)
 
 
 def _number(extra: dict[str, object], key: str, integer: bool = False) -> float | None:
@@ -45,6 +47,13 @@ def _exclusive(extra: dict[str, object], gib_key: str, blocks_key: str) -> tuple
     if gib is not None and blocks is not None:
         raise ConfigError(f"offload: give {gib_key} or {blocks_key}, not both")
     return gib, blocks
+
+
+def _flag(extra: dict[str, object], key: str) -> bool:
+    value = extra.get(key, False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"offload: {key} must be true or false, not {value!r}")
+    return value
 
 
 def _check_dir(path: object) -> str:
@@ -67,6 +76,9 @@ class OffloadConfig:
     disk_gib: float | None = None
     disk_blocks: int | None = None
     verify_checksum: bool = False  # crc32 of each slot's payload, checked on every load
+    # Loads and saves layer by layer in the per-layer hooks (False: whole blocks before and
+    # after the forward; see kvferry/connector/offload/layerwise.py).
+    layerwise: bool = False
 
     @classmethod
     def from_extra(cls, extra: dict[str, object]) -> OffloadConfig:
@@ -85,10 +97,8 @@ class OffloadConfig:
             raise ConfigError("offload: disk_dir needs a capacity (disk_gib or disk_blocks)")
         if disk_dir is not None:
             disk_dir = _check_dir(disk_dir)
-        verify = extra.get("verify_checksum", False)
-        if not isinstance(verify, bool):
-            raise ConfigError(f"offload: verify_checksum must be true or false, not {verify!r}")
-        return cls(dram_gib, dram_blocks, disk_dir, disk_gib, disk_blocks, verify)
+        verify, layerwise = _flag(extra, "verify_checksum"), _flag(extra, "layerwise")
+        return cls(dram_gib, dram_blocks, disk_dir, disk_gib, disk_blocks, verify, layerwise)
 
     def num_slots(self, block_bytes: int) -> tuple[int, int]:
         """(DRAM slots, disk slots) for blocks of `block_bytes` over all ranks together."""

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from kvferry.config import ConnectorSpec, EngineConfig
     from kvferry.kv.spec import KVCacheConfig
     from kvferry.messages.scheduler_output import BlockIds, SchedulerOutput
+    from kvferry.model.forward_context import AttentionMetadata
     from kvferry.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
@@ -31,7 +32,9 @@ logger = logging.getLogger(__name__)
 class OffloadConnector(KVConnectorBase):
     # Every kv_role (the base's default): the tiers are local to this instance and serve it
     # whatever its P/D role (e.g. beside a NixlConnector in a MultiConnector).
-    # No per-layer work: loads happen before the forward, saves after it.
+    # Whole-request transfer (the default): loads happen before the forward, saves after it,
+    # no per-layer work. With `layerwise` an instance declares per-layer hooks (set in
+    # __init__): plain Python on the worker's own threads, safe inside a compiled graph.
     graph_safe = True
     has_layer_hooks = False
     # The worker half's implementation (tests subclass it to inject failures).
@@ -46,6 +49,7 @@ class OffloadConnector(KVConnectorBase):
     ):
         super().__init__(engine_config, role, kv_cache_config, tp_rank)
         self.offload_config = OffloadConfig.from_extra(self.extra_config)
+        self.has_layer_hooks = self.offload_config.layerwise
         self.scheduler: OffloadScheduler | None = None
         self.worker: OffloadWorker | None = None
         heads = engine_config.model.num_kv_heads
@@ -101,6 +105,12 @@ class OffloadConnector(KVConnectorBase):
 
     def start_load_kv(self) -> None:
         self._work().start_load(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._work().wait_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn: AttentionMetadata) -> None:
+        self._work().save_layer(layer_name, self._meta())
 
     def wait_for_save(self) -> None:
         self._work().submit_ops(self._meta())

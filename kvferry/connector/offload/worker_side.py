@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -39,6 +39,7 @@ from kvferry.connector.offload.config import (
     tier_owners,
 )
 from kvferry.connector.offload.jobs import JobQueue
+from kvferry.connector.offload.layerwise import LayerLoader, LayerPlan, StagedSaves
 from kvferry.connector.offload.metadata import DemoteOp, LoadOp, OffloadMetadata, SaveFailed, SaveOp, Tier
 from kvferry.connector.offload.tiers import DiskTier, DramTier, Tag, payload_crc
 from kvferry.kv.spec import KVCacheConfig, SlidingWindowSpec
@@ -64,7 +65,12 @@ class OffloadWorker:
         # Owners broadcasting loads to replicas (none when no head is replicated).
         self._broadcasters = tier_owners(tp_size, total_kv_heads) if total_kv_heads < tp_size else []
         self.verify = config.verify_checksum
+        self.layerwise = config.layerwise
+        self.loader: LayerLoader | None = None  # layer-wise loads (built at registration)
+        self.plan: LayerPlan | None = None
+        self._staged: StagedSaves | None = None  # this step's saves copied layer by layer
         self.slot_bytes = slot_bytes_per_rank(kv_cache_config)  # this rank's KV heads only
+        self._stage_rows = Staging(self.slot_bytes)  # taken on the main thread, filled in order
         dram_slots, disk_slots = config.num_slots(
             instance_block_bytes(kv_cache_config, total_kv_heads, tp_size)
         )
@@ -78,6 +84,7 @@ class OffloadWorker:
         self._load_rows = Staging(self.slot_bytes)  # main thread
         self._save_rows = Staging(self.slot_bytes)  # background thread
         self.jobs = JobQueue(f"kvferry-offload-rank{rank}")
+        self._pending_loads: list[LoadOp] = []  # the layer-wise loads in flight
         self._slot_seq: dict[tuple[Tier, int], int] = {}  # last job touching a slot
         self._req_seq: dict[str, int] = {}  # last job saving a request's blocks
         self._sliding = frozenset(
@@ -98,12 +105,19 @@ class OffloadWorker:
         pin = self.copier.device.type == "cuda"
         if self._dram_slots:
             self.dram = DramTier(self._dram_slots, self.slot_bytes, pin_memory=pin)
-        self._load_rows = Staging(self.slot_bytes, pin)  # main thread
+        self._load_rows = Staging(self.slot_bytes, pin)  # main thread (layer-wise: the loader)
         self._save_rows = Staging(self.slot_bytes, pin)  # background thread
+        self._stage_rows = Staging(self.slot_bytes, pin)
+        if self.layerwise:
+            self.plan = LayerPlan.build(self.copier, list(kv_caches))
+            # Replicated heads are broadcast by their owner, with every rank in step: whole loads.
+            if not self._broadcasters:
+                self.loader = LayerLoader(self.plan, f"kvferry-offload-load-rank{self.rank}")
 
     # ---- before the forward -------------------------------------------------------------
 
     def start_load(self, meta: OffloadMetadata) -> None:
+        self.finish_loads()  # a step whose forward never waited for its layers
         for req_id in meta.preempted:  # their blocks may be reused by this very step
             seq = self._req_seq.get(req_id)
             if seq is not None:
@@ -113,6 +127,9 @@ class OffloadWorker:
             self._window_seq = 0
         self._failed_reqs = set()
         if not meta.loads:
+            return
+        if self.loader is not None:
+            self._start_layerwise(meta.loads)
             return
         start = time.perf_counter()
         rows = self._load_rows.take(len(meta.loads))
@@ -127,12 +144,111 @@ class OffloadWorker:
         if good:
             rows = rows if len(good) == len(ok) else rows[good]
             self._copier().scatter(rows, [meta.loads[i].block_ids for i in good])
-        for load, fine in zip(meta.loads, ok):
+        self._loads_done(meta.loads, ok)
+        self._add_stats(Counter({"offload_load_seconds": time.perf_counter() - start}))
+
+    def _loads_done(self, loads: list[LoadOp], ok: list[bool]) -> None:
+        for load, fine in zip(loads, ok):
             if not fine:
                 self._failed_reqs.add(load.req_id)
                 self._load_errors.update(b for b in load.block_ids if b != SKIP)
-        self._count_loads([meta.loads[i] for i in good], len(meta.loads) - len(good))
-        self._add_stats(Counter({"offload_load_seconds": time.perf_counter() - start}))
+        self._count_loads([load for load, fine in zip(loads, ok) if fine], ok.count(False))
+
+    # ---- layer by layer -------------------------------------------------------------------
+
+    def _start_layerwise(self, loads: list[LoadOp]) -> None:
+        """Hand the step's loads to the loader thread; the forward waits per layer."""
+        assert self.loader is not None and self.plan is not None
+        self._wait_slots((load.tier, load.slot) for load in loads)
+        rows = self._load_rows.take(len(loads))
+        copier, steps = self._copier(), self.plan.load_steps
+        max_run = 1 if copier.device.type == "cpu" else None
+
+        def job(advance: Callable[[int], None]) -> list[bool]:
+            # With checksums a load reads its whole slot first (the crc covers it all).
+            ok = [
+                self._read(load, rows[i]) if self.verify else self._has_groups(load)
+                for i, load in enumerate(loads)
+            ]
+            for index, (_, segments) in enumerate(steps):
+                for i, load in enumerate(loads):
+                    if ok[i] and not self.verify:
+                        ranges = copier.segment_ranges(segments, groups_present(load.block_ids))
+                        ok[i] = not ranges or self._read_part(load, rows[i], ranges)
+                good = [i for i, fine in enumerate(ok) if fine]
+                if good and segments:
+                    part = rows if len(good) == len(ok) else rows[good]
+                    copier.scatter(part, [loads[i].block_ids for i in good], segments, max_run)
+                advance(index + 1)
+            return ok
+
+        self.loader.start(job, len(loads))
+        self._pending_loads = loads
+
+    def wait_layer(self, layer: str) -> None:
+        if self.loader is not None and self.loader.active:
+            waited = self.loader.wait(layer)
+            self._add_stats(Counter({"offload_load_seconds": waited}))
+
+    def finish_loads(self) -> None:
+        """Wait for the step's layer-wise loads (all layers) and account for them."""
+        if self.loader is None:
+            return
+        ok = self.loader.finish()
+        if ok is not None:
+            self._loads_done(self._pending_loads, ok)
+            self._pending_loads = []
+
+    def _has_groups(self, load: LoadOp) -> bool:
+        needed = groups_present(load.block_ids)
+        if not needed <= load.stored:
+            logger.warning(
+                "offload: a load needs KV cache groups %s its slot lacks", sorted(needed - load.stored)
+            )
+            return False
+        return True
+
+    def _read_part(self, load: LoadOp, out: torch.Tensor, ranges: list[tuple[int, int]]) -> bool:
+        """`ranges` of the load's slot into `out`, after checking the slot's tag (no checksum)."""
+        tag = Tag(load.block_hash, load.epoch)
+        try:
+            if load.tier is Tier.DRAM:
+                if self.dram is None or not self.dram.check(load.slot, tag, False):
+                    return False
+                self.dram.read(load.slot, out, ranges)
+                return True
+            return self.disk is not None and self.disk.read(load.slot, out, tag, False, ranges)
+        except OSError:
+            logger.exception("offload: reading %s slot %d failed", load.tier.name, load.slot)
+            return False
+
+    def save_layer(self, layer: str, meta: OffloadMetadata) -> None:
+        """Queue the copy of the pages `layer` just finished, for the step's saves."""
+        segments = self.plan.save_at.get(layer) if self.plan is not None and self.owns else None
+        if not segments:
+            return
+        staged = self._staged
+        if staged is None or staged.meta is not meta:
+            saves = [op for op in meta.ops if isinstance(op, SaveOp)]
+            if not saves:
+                return
+            staged = self._staged = StagedSaves(meta, saves, self._stage_rows.take(len(saves)))
+        ids, rows, copier = [op.block_ids for op in staged.saves], staged.rows, self._copier()
+
+        def stage() -> None:
+            with torch.inference_mode():  # rows taken on the forward's thread
+                copier.gather(ids, rows, segments)
+
+        self.jobs.submit(stage)
+        staged.staged_layers.add(layer)
+
+    def _take_staged(self, meta: OffloadMetadata) -> StagedSaves | None:
+        """The step's saves staged by every layer that finishes a segment (else None: a
+        layer's hook did not run, and the job reads the device blocks after the forward)."""
+        staged, self._staged = self._staged, None
+        if staged is None or staged.meta is not meta or self.plan is None:
+            return None
+        return staged if staged.staged_layers == set(self.plan.save_at) else None
 
     def _share(self, rows: torch.Tensor, ok: list[bool]) -> tuple[torch.Tensor, list[bool]]:
         """Each owner broadcasts its rows and check results; a rank keeps its owner's. Every
@@ -190,6 +306,8 @@ class OffloadWorker:
 
     def submit_ops(self, meta: OffloadMetadata) -> None:
         """Queue the step's saves and demotions as one background job, in metadata order."""
+        self.finish_loads()  # which loads failed: their requests' saves are skipped
+        staged = self._take_staged(meta)
         if self.rank == 0 and meta.num_evicted:
             self._add_stats(Counter({"offload_evictions": meta.num_evicted}))
         if not meta.ops:
@@ -197,7 +315,7 @@ class OffloadWorker:
         skipped = self._failed_reqs
         # A replica's job is empty: its requests are still reported finished through it.
         ops = [op for op in meta.ops if self.owns and not (isinstance(op, SaveOp) and op.req_id in skipped)]
-        seq = self.jobs.submit(lambda: self._run_ops(ops, meta.instance_id))
+        seq = self.jobs.submit(lambda: self._run_ops(ops, meta.instance_id, staged))
         for op in meta.ops:
             if isinstance(op, SaveOp):
                 self._slot_seq[(op.tier, op.slot)] = seq
@@ -210,8 +328,9 @@ class OffloadWorker:
         if self._window_seq and self._elastic:
             self.jobs.wait(self._window_seq)
 
-    def _run_ops(self, ops: list[SaveOp | DemoteOp], instance_id: str) -> None:
+    def _run_ops(self, ops: list[SaveOp | DemoteOp], instance_id: str, staged: StagedSaves | None) -> None:
         """Background thread: saves batched while consecutive, same tier, distinct slots."""
+        positions = staged.row_of() if staged is not None else {}
         i = 0
         while i < len(ops):
             op = ops[i]
@@ -228,13 +347,18 @@ class OffloadWorker:
                 slots.add(nxt.slot)
                 batch.append(nxt)
                 i += 1
-            self._save(batch, instance_id)
+            rows = staged.rows_for(batch, positions) if staged is not None else None
+            self._save(batch, instance_id, rows)
 
-    def _save(self, batch: list[SaveOp], instance_id: str) -> None:
+    def _save(self, batch: list[SaveOp], instance_id: str, staged_rows: torch.Tensor | None = None) -> None:
+        """Write a batch of saves (`staged_rows`: their pages, copied layer by layer; None:
+        read from the device blocks now)."""
         start = time.perf_counter()
         try:
             copier = self._copier()
-            rows = copier.gather([op.block_ids for op in batch], self._save_rows.take(len(batch)))
+            if staged_rows is None:
+                staged_rows = copier.gather([op.block_ids for op in batch], self._save_rows.take(len(batch)))
+            rows = staged_rows
             ranges = [copier.ranges(groups_present(op.block_ids)) for op in batch]
             tags = [
                 Tag(op.block_hash, op.epoch, payload_crc(rows[k], ranges[k]) if self.verify else 0)
@@ -311,6 +435,7 @@ class OffloadWorker:
         return done
 
     def take_load_errors(self) -> set[int]:
+        self.finish_loads()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
@@ -325,6 +450,8 @@ class OffloadWorker:
         return events
 
     def close(self) -> None:
+        if self.loader is not None:
+            self.loader.close()
         self.jobs.close()
         if self.disk is not None:
             self.disk.close()
