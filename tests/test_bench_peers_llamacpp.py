@@ -16,7 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from kvferry_bench.peers import command, llamacpp_driver, llamacpp_install, offline, report, run, serving
+from kvferry_bench.peers import (
+    command,
+    llamacpp_driver,
+    llamacpp_install,
+    llamacpp_server,
+    offline,
+    report,
+    run,
+    serving,
+)
 from kvferry_bench.peers.offline import OfflineShape
 from tests.test_bench_peers import _driver_doc, peers_args, peers_setup
 from tests.test_bench_peers_pd import _fake_venv
@@ -142,12 +151,35 @@ def test_workloads_file_and_driver_command_give_llamacpp_the_gguf_and_the_cores(
         )
 
     server = serving.server_command("llamacpp", setup, 8125)
-    assert server[:3] == ["taskset", "-c", "0,2,4"] and server[3:6] == [str(tmp_path / "ll/bin/python"), "-m",
-                                                                      "llama_cpp.server"]  # fmt: skip
+    assert server[:5] == [
+        "taskset",
+        "-c",
+        "0,2,4",
+        str(tmp_path / "ll/bin/python"),
+        str(serving.LLAMACPP_SERVER),
+    ]
     flags = dict(zip(server, server[1:]))
     assert flags["--model"] == str(gguf.absolute()) and flags["--model_alias"] == serving.SERVED_NAME
     assert flags["--port"] == "8125" and flags["--n_ctx"] == "2048" and flags["--n_threads"] == "3"
-    assert flags["--n_threads_batch"] == "3"
+    assert flags["--n_threads_batch"] == "3" and flags["--interrupt_requests"] == "False"
+
+
+def test_llamacpp_server_never_sees_the_clients_request_id() -> None:
+    import asyncio
+
+    seen: list[dict] = []
+
+    async def app(scope, receive, send) -> None:
+        seen.append(scope)
+
+    wrapped = llamacpp_server.without_request_id(app)
+    headers = [(b"x-request-id", b"bench-1f-3"), (b"content-type", b"application/json")]
+    asyncio.run(wrapped({"type": "http", "headers": headers}, None, None))
+    asyncio.run(wrapped({"type": "lifespan"}, None, None))
+    assert seen == [
+        {"type": "http", "headers": [(b"content-type", b"application/json")]},
+        {"type": "lifespan"},
+    ]
 
 
 def test_report_puts_llamacpp_beside_vllm_with_its_own_ratio() -> None:

@@ -1,13 +1,16 @@
 """Serving part of ``kvferry bench peers``: vLLM's own client against each engine's server.
 
-For each engine in turn: start its OpenAI server (``vllm serve`` / ``kvferry serve`` /
-llama-cpp-python's ``python -m llama_cpp.server`` on the GGUF) on the shared cores, wait
-until it answers (``/health``; llama.cpp's server has none: ``/v1/models``), run ``vllm bench serve --backend openai`` (random dataset,
-exact lengths, ignore_eos, greedy) once per request rate, stop the server. Each client run saves
-vLLM's result JSON; ``parse_bench_serve`` keeps the figures the report compares.
+For each engine in turn: start its OpenAI server (``vllm serve``, ``kvferry serve``, or
+llama-cpp-python's ``python -m llama_cpp.server`` on the GGUF through ``llamacpp_server.py``,
+which drops the request-id header vLLM's client sends and that server rejects) on the
+shared cores, wait until it answers (``/health``; llama.cpp's server has none:
+``/v1/models``), run ``vllm bench serve --backend openai`` (random dataset, exact lengths,
+ignore_eos, greedy) once per request rate, stop the server. Each client run saves vLLM's
+result JSON; ``parse_bench_serve`` keeps the figures the report compares.
 
-llama.cpp's server runs one request at a time (requests wait for the model in turn), and
-it ignores the client's ``ignore_eos``: a reply may end at EOS before ``output_len``
+llama.cpp's server runs one request at a time (the others wait: it is started with
+``--interrupt_requests False``, since by default a new request cuts the streaming one off),
+and it ignores the client's ``ignore_eos``: a reply may end at EOS before ``output_len``
 tokens, which the kept ``total_output_tokens`` shows.
 """
 
@@ -29,6 +32,7 @@ from kvferry_bench.peers.setup import Setup
 logger = logging.getLogger(__name__)
 
 SERVED_NAME = "peers-bench"
+LLAMACPP_SERVER = Path(__file__).with_name("llamacpp_server.py")  # llama_cpp.server, x-request-id dropped
 LLAMACPP_READY_PATH = "/v1/models"  # llama_cpp.server has no /health
 METRICS = ("ttft", "tpot", "itl", "e2el")
 # What vLLM's `bench serve` result JSON holds (keys as vLLM 0.32 writes them) that we keep.
@@ -59,11 +63,13 @@ def llamacpp_server_command(setup: Setup, port: int) -> list[str]:
     """llama-cpp-python's OpenAI server on the setup's GGUF, one thread per core, pinned."""
     if setup.gguf_file is None:
         raise LaunchError(f"llama.cpp's server runs a GGUF file, and {setup.model_dir} is not a GGUF model")
-    serve = [setup.llamacpp_python(), "-m", "llama_cpp.server", "--model", str(setup.gguf_file.absolute())]
+    serve = [setup.llamacpp_python(), str(LLAMACPP_SERVER), "--model", str(setup.gguf_file.absolute())]
     serve += ["--model_alias", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port)]
     serve += ["--n_ctx", str(setup.max_model_len), "--n_batch", str(min(2048, setup.max_model_len))]
     serve += ["--n_threads", str(setup.threads), "--n_threads_batch", str(setup.threads)]
-    return [*setup.pin, *serve, "--seed", str(setup.seed), "--verbose", "False"]
+    # its default lets a new request cut off the one streaming: queue them instead
+    serve += ["--interrupt_requests", "False", "--seed", str(setup.seed), "--verbose", "False"]
+    return [*setup.pin, *serve]
 
 
 def server_command(engine: str, setup: Setup, port: int) -> list[str]:
