@@ -126,7 +126,7 @@ def run_peers(args: argparse.Namespace) -> dict:
     if venv is not None and "pd" in parts and "vllm" in engines:
         ensure_nixl(venv)  # vLLM's NixlConnector
     llamacpp_venv = None
-    if "llamacpp" in engines:
+    if "llamacpp" in engines and set(parts) & {"offline", "serve"}:  # it has no P/D
         llamacpp_venv = ensure_llamacpp(Path(args.llamacpp_venv)).parent.parent
     model_dir = hf_model_dir(args.model, args.dtype, Path(args.model_cache))
     setup = make_setup(args, model_dir, venv, llamacpp_venv, gguf_path(args.model))
