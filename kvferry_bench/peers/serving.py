@@ -11,7 +11,9 @@ result JSON; ``parse_bench_serve`` keeps the figures the report compares.
 llama.cpp's server runs one request at a time (the others wait: it is started with
 ``--interrupt_requests False``, since by default a new request cuts the streaming one off),
 and it ignores the client's ``ignore_eos``: a reply may end at EOS before ``output_len``
-tokens, which the kept ``total_output_tokens`` shows.
+tokens, which the kept ``total_output_tokens`` shows. Known gap: vLLM 0.32's client has
+counted every request to it as failed ("Never received a valid chunk to calculate TTFT")
+although the server answered 200 and streamed, so its serving figures read 0 for now.
 """
 
 from __future__ import annotations
