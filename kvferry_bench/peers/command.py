@@ -1,4 +1,4 @@
-"""``kvferry bench peers``: kvferry against vLLM's CPU engine, side by side, same cores.
+"""``kvferry bench peers``: kvferry against vLLM's CPU engine and llama.cpp, side by side, same cores.
 
 One engine at a time, pinned to the same cores, on the same model directory (the embedded
 ``smollm2`` converted once to an HF directory in the requested dtype):
@@ -14,7 +14,8 @@ One engine at a time, pinned to the same cores, on the same model directory (the
   vLLM's decoder really receives the prompt's KV (see pd.py).
 
 vLLM's CPU build is installed on first use into a venv of its own (``--vllm-venv``), and
-nixl into it on the first ``pd`` run. One JSON file (``--output``) with a PNG beside it;
+nixl into it on the first ``pd`` run; llama-cpp-python (built from source by pip) into
+another (``--llamacpp-venv``) on llama.cpp's first use. One JSON file (``--output``) with a PNG beside it;
 the table printed at the end puts both engines' figures side by side with kvferry / vLLM
 ratios:
 
@@ -29,6 +30,7 @@ import logging
 import shlex
 
 from kvferry_bench import serve as bench_serve
+from kvferry_bench.peers import llamacpp_install
 from kvferry_bench.peers.convert import DEFAULT_CACHE
 from kvferry_bench.peers.install import DEFAULT_VENV
 from kvferry_bench.peers.offline import OfflineShape
@@ -37,7 +39,8 @@ from kvferry_bench.peers.serving import Load
 logger = logging.getLogger(__name__)
 
 PARTS = ("offline", "serve", "pd")
-ENGINES = ("kvferry", "vllm")
+ENGINES = ("kvferry", "vllm", "llamacpp")
+PD_ENGINES = ("kvferry", "vllm")  # llama.cpp has no P/D
 
 
 def comma_list(choices: tuple[str, ...]):
@@ -66,10 +69,20 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="offline,serve,pd (pd: vLLM's P/D behind kvferry proxy vs kvferry disagg, "
         "the serve options' load)",
     )
-    parser.add_argument("--engines", type=comma_list(ENGINES), default=list(ENGINES), help="kvferry,vllm")
+    parser.add_argument(
+        "--engines",
+        type=comma_list(ENGINES),
+        default=list(ENGINES),
+        help="kvferry,vllm,llamacpp (llama.cpp: the GGUF itself, batch-1 decode and prefill; no P/D)",
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     parser.add_argument(
         "--vllm-venv", default=str(DEFAULT_VENV), help="vLLM's own venv (installed on first use)"
+    )
+    parser.add_argument(
+        "--llamacpp-venv",
+        default=str(llamacpp_install.DEFAULT_VENV),
+        help="llama.cpp's own venv (llama-cpp-python, built from source on first use)",
     )
     parser.add_argument("--model-cache", default=str(DEFAULT_CACHE), help="where converted models are kept")
     _add_offline_args(parser)

@@ -45,6 +45,14 @@ def hf_model_dir(model: str, dtype: str, cache_root: Path = DEFAULT_CACHE) -> Pa
     return out
 
 
+def gguf_path(model: str) -> Path | None:
+    """The GGUF file `model` is loaded from (None: an HF directory), for llama.cpp."""
+    from kvferry.model.resolve import resolve_model_config
+
+    gguf_file = resolve_model_config(model).gguf_file
+    return Path(gguf_file) if gguf_file is not None else None
+
+
 def save_hf_copy(model_config, out: Path) -> None:
     """Write config, tokenizer and safetensors of `model_config` to `out`, atomically."""
     from kvferry.model.tokenizer import load_tokenizer

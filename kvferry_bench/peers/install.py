@@ -45,7 +45,11 @@ NIXL_CHECK = (
 )
 
 
-class VLLMInstallError(RuntimeError):
+class PeerInstallError(RuntimeError):
+    """A peer engine's venv could not be built or does not run."""
+
+
+class VLLMInstallError(PeerInstallError):
     """The vLLM venv could not be built or does not run."""
 
 
@@ -69,12 +73,15 @@ def vllm_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def _run(command: list[str | Path], log: Path) -> None:
-    logger.info("vllm venv: %s", " ".join(map(str, command)))
+def run_logged(
+    command: list[str | Path], log: Path, error: type[PeerInstallError] = VLLMInstallError
+) -> None:
+    """Run one install step, its output appended to `log`; `error` when it fails."""
+    logger.info("peer venv: %s", " ".join(map(str, command)))
     with log.open("a") as sink:
         done = subprocess.run(list(map(str, command)), stdout=sink, stderr=subprocess.STDOUT, check=False)
     if done.returncode != 0:
-        raise VLLMInstallError(f"`{' '.join(map(str, command))}` failed ({done.returncode}); see {log}")
+        raise error(f"`{' '.join(map(str, command))}` failed ({done.returncode}); see {log}")
 
 
 def base_python() -> str:
@@ -86,10 +93,10 @@ def install(venv: Path, log: Path) -> None:
     """Create `venv` and install vLLM's CPU build into it (slow: minutes)."""
     pip = venv_bin(venv, "pip")
     if not pip.is_file():
-        _run([base_python(), "-m", "venv", venv], log)
-    _run([pip, "install", "-q", TORCH], log)
-    _run([pip, "install", "-q", f"{VLLM_DIST}=={VLLM_VERSION}"], log)
-    _run([pip, "uninstall", "-y", *BROKEN_EXTRAS], log)
+        run_logged([base_python(), "-m", "venv", venv], log)
+    run_logged([pip, "install", "-q", TORCH], log)
+    run_logged([pip, "install", "-q", f"{VLLM_DIST}=={VLLM_VERSION}"], log)
+    run_logged([pip, "uninstall", "-y", *BROKEN_EXTRAS], log)
     add_vllm_metadata(site_packages(venv), VLLM_VERSION)
 
 
@@ -142,8 +149,8 @@ def ensure_nixl(venv: Path = DEFAULT_VENV) -> None:
     log = venv / "kvferry-install.log"
     logger.info("installing nixl into %s for vLLM's P/D (log: %s)", venv, log)
     try:
-        _run([venv_bin(venv, "pip"), "install", "-q", "--no-deps", *NIXL_PACKAGES], log)
-        _run([venv_bin(venv, "python"), "-c", NIXL_CHECK], log)
+        run_logged([venv_bin(venv, "pip"), "install", "-q", "--no-deps", *NIXL_PACKAGES], log)
+        run_logged([venv_bin(venv, "python"), "-c", NIXL_CHECK], log)
     except VLLMInstallError as exc:
         raise VLLMInstallError(f"nixl (needed by vLLM's P/D) could not be installed: {exc}") from exc
     (venv / NIXL_READY).write_text(" ".join(NIXL_PACKAGES) + "\n")

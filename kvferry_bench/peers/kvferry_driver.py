@@ -44,6 +44,7 @@ def time_workload(llm, workload: dict) -> dict:
         "prompt_tokens": sum(len(ids) for ids in workload["prompts"]),
         "generated_tokens": sum(len(out.outputs[0].token_ids) for out in outputs),
         "first_tokens": [list(out.outputs[0].token_ids[:8]) for out in outputs[:2]],
+        "tokens": list(outputs[0].outputs[0].token_ids),  # the first prompt's, for agreement checks
     }
 
 

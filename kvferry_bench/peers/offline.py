@@ -9,8 +9,10 @@ compiled before it):
 - ``prefill``: one P-token prompt, one generated token.
 
 Each engine runs in a process of its own, one after the other, on the same cores: the
-vLLM driver (``vllm_driver.py``) under the vLLM venv's python, the kvferry driver under
-this python. Both read one workloads file and write timings in one format.
+vLLM driver (``vllm_driver.py``) under the vLLM venv's python, the llama.cpp driver
+(``llamacpp_driver.py``, the GGUF itself, batch-1 workloads only) under the llama.cpp venv's
+python, the kvferry driver under this python. All read one workloads file and write
+timings in one format.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from kvferry_bench.serve import make_prompts
 logger = logging.getLogger(__name__)
 
 VLLM_DRIVER = Path(__file__).with_name("vllm_driver.py")
+LLAMACPP_DRIVER = Path(__file__).with_name("llamacpp_driver.py")
 LOG_TAIL = 3000
 
 
@@ -73,9 +76,11 @@ def make_workloads(tokenizer, shape: OfflineShape, seed: int = 0) -> list[dict]:
 
 
 def write_spec(setup: Setup, workloads: list[dict]) -> Path:
-    """The workloads file both drivers read: model, dtype, limits, token ids."""
+    """The workloads file every driver reads: model (and its GGUF), dtype, limits, threads, token ids."""
     spec = {
         "model": str(setup.model_dir.absolute()),
+        "gguf_file": str(setup.gguf_file.absolute()) if setup.gguf_file else None,
+        "threads": setup.threads,
         "dtype": setup.dtype,
         "max_model_len": setup.max_model_len,
         "max_num_seqs": setup.max_num_seqs,
@@ -99,15 +104,23 @@ def run_driver(command: list[str], out: Path, env: dict[str, str] | None, log: P
     return json.loads(out.read_text())
 
 
+def driver_command(
+    engine: str, spec: Path, out: Path, setup: Setup
+) -> tuple[list[str], dict[str, str] | None]:
+    """`engine`'s driver command (not yet pinned) and its environment (None: this one's)."""
+    if engine == "vllm":
+        return [setup.vllm_bin("python"), str(VLLM_DRIVER), str(spec), str(out)], setup.vllm_env()
+    if engine == "llamacpp":
+        if setup.gguf_file is None:
+            raise DriverError(f"llama.cpp runs a GGUF file, and {setup.model_dir} is not a GGUF model")
+        return [setup.llamacpp_python(), str(LLAMACPP_DRIVER), str(spec), str(out)], None
+    module = "kvferry_bench.peers.kvferry_driver"
+    return [sys.executable, "-m", module, str(spec), str(out), *setup.kvferry_engine_args()], None
+
+
 def run_offline(engine: str, spec: Path, setup: Setup) -> dict:
     """Time `engine` on the workloads in `spec`, pinned to the setup's cores."""
     out = setup.work_dir / f"offline-{engine}.json"
-    if engine == "vllm":
-        command = [setup.vllm_bin("python"), str(VLLM_DRIVER), str(spec), str(out)]
-        env = setup.vllm_env()
-    else:
-        module = "kvferry_bench.peers.kvferry_driver"
-        command = [sys.executable, "-m", module, str(spec), str(out), *setup.kvferry_engine_args()]
-        env = None
+    command, env = driver_command(engine, spec, out, setup)
     log = setup.work_dir / f"offline-{engine}.log"
     return run_driver([*setup.pin, *command], out, env, log, setup.timeout)

@@ -9,8 +9,9 @@ from pathlib import Path
 
 from kvferry.entrypoints.disagg import LaunchError
 from kvferry_bench.peers import command, offline, pd, report, serving
-from kvferry_bench.peers.convert import hf_model_dir
+from kvferry_bench.peers.convert import gguf_path, hf_model_dir
 from kvferry_bench.peers.install import ensure_nixl, ensure_vllm
+from kvferry_bench.peers.llamacpp_install import ensure_llamacpp
 from kvferry_bench.peers.setup import Setup, all_cores
 from kvferry_bench.results import host_facts, save_json
 
@@ -21,7 +22,13 @@ logger = logging.getLogger(__name__)
 ENGINE_FAILURES = (offline.DriverError, LaunchError, RuntimeError, subprocess.TimeoutExpired, OSError)
 
 
-def make_setup(args: argparse.Namespace, model_dir: Path, vllm_venv: Path | None) -> Setup:
+def make_setup(
+    args: argparse.Namespace,
+    model_dir: Path,
+    vllm_venv: Path | None,
+    llamacpp_venv: Path | None = None,
+    gguf_file: Path | None = None,
+) -> Setup:
     output = Path(args.output)
     work_dir = Path(args.work_dir) if args.work_dir else output.with_name(output.stem + "-work")
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -35,6 +42,8 @@ def make_setup(args: argparse.Namespace, model_dir: Path, vllm_venv: Path | None
         kv_cache_gib=args.kv_cache_gib,
         seed=args.seed,
         vllm_venv=vllm_venv,
+        llamacpp_venv=llamacpp_venv,
+        gguf_file=gguf_file,
         kvferry_args=command.extra_args(args.kvferry_args),
         vllm_serve_args=command.extra_args(args.vllm_serve_args),
         timeout=args.timeout,
@@ -56,12 +65,13 @@ def offline_part(setup: Setup, engines: list[str], shape: offline.OfflineShape) 
             logger.error("offline %s failed: %s", engine, exc)
             doc[engine] = {"error": str(exc)}
     doc["same_first_tokens"] = _same_first_tokens(doc)
+    doc["llamacpp_agreement"] = report.token_agreement(doc, "llamacpp")
     return doc
 
 
 def _same_first_tokens(doc: dict) -> bool | None:
-    """Whether both engines' first greedy tokens agree on the throughput prompts (None: one missing)."""
-    runs = [doc.get(e, {}).get("workloads", {}).get("throughput") for e in command.ENGINES]
+    """Whether kvferry's and vLLM's first greedy tokens agree on the throughput prompts (None: one missing)."""
+    runs = [doc.get(e, {}).get("workloads", {}).get("throughput") for e in ("kvferry", "vllm")]
     if not all(runs):
         return None
     return runs[0]["first_tokens"] == runs[1]["first_tokens"]
@@ -96,6 +106,9 @@ def pd_part(setup: Setup, engines: list[str], load: serving.Load) -> dict:
         },
     }
     for engine in engines:
+        if engine not in command.PD_ENGINES:
+            logger.info("pd: %s has no P/D; skipped", engine)
+            continue
         try:
             doc[engine], doc[engine + "_check"] = pd.bench_pd(engine, setup, load)
         except ENGINE_FAILURES as exc:
@@ -112,8 +125,11 @@ def run_peers(args: argparse.Namespace) -> dict:
     venv = ensure_vllm(Path(args.vllm_venv)).parent.parent if needs_vllm else None
     if venv is not None and "pd" in parts and "vllm" in engines:
         ensure_nixl(venv)  # vLLM's NixlConnector
+    llamacpp_venv = None
+    if "llamacpp" in engines and set(parts) & {"offline", "serve"}:  # it has no P/D
+        llamacpp_venv = ensure_llamacpp(Path(args.llamacpp_venv)).parent.parent
     model_dir = hf_model_dir(args.model, args.dtype, Path(args.model_cache))
-    setup = make_setup(args, model_dir, venv)
+    setup = make_setup(args, model_dir, venv, llamacpp_venv, gguf_path(args.model))
     doc: dict = {"bench": "peers", "model": args.model, "model_dir": str(model_dir), "dtype": args.dtype}
     doc |= {"engines": engines, "parts": parts, "cores": setup.cores, "max_model_len": setup.max_model_len}
     doc |= {"max_num_seqs": setup.max_num_seqs, "kv_cache_gib": setup.kv_cache_gib}
@@ -137,9 +153,12 @@ def finish(doc: dict, output: Path) -> dict:
     rows += report.pd_rows(doc.get("pd", {}))
     doc["comparison"] = [row.as_dict() for row in rows]
     path = save_json(doc, output)
-    title = f"kvferry vs vLLM (CPU): {doc['model']} {doc['dtype']}, cores {doc['cores']}"
+    peers = " and ".join(report.ENGINE_NAMES[e] for e in doc.get("engines", ()) if e != "kvferry")
+    title = f"kvferry vs {peers or 'its peers'} (CPU): {doc['model']} {doc['dtype']}, cores {doc['cores']}"
     report.save_plot(path.with_suffix(".png"), rows, serving_doc, title, doc.get("pd"))
     print(report.format_table(rows))
+    if doc.get("offline", {}).get("llamacpp_agreement"):
+        print(report.agreement_summary(doc["offline"]["llamacpp_agreement"], doc["dtype"]))
     if "pd" in doc:
         print(report.pd_summary(doc["pd"]))
     logger.info("results: %s (plot %s); logs in %s", path, path.with_suffix(".png"), doc["work_dir"])

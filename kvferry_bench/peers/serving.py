@@ -1,9 +1,19 @@
 """Serving part of ``kvferry bench peers``: vLLM's own client against each engine's server.
 
-For each engine in turn: start its OpenAI server (``vllm serve`` / ``kvferry serve``) on the
-shared cores, wait for ``/health``, run ``vllm bench serve --backend openai`` (random dataset,
-exact lengths, ignore_eos, greedy) once per request rate, stop the server. Each client run saves
-vLLM's result JSON; ``parse_bench_serve`` keeps the figures the report compares.
+For each engine in turn: start its OpenAI server (``vllm serve``, ``kvferry serve``, or
+llama-cpp-python's ``python -m llama_cpp.server`` on the GGUF through ``llamacpp_server.py``,
+which drops the request-id header vLLM's client sends and that server rejects) on the
+shared cores, wait until it answers (``/health``; llama.cpp's server has none:
+``/v1/models``), run ``vllm bench serve --backend openai`` (random dataset, exact lengths,
+ignore_eos, greedy) once per request rate, stop the server. Each client run saves vLLM's
+result JSON; ``parse_bench_serve`` keeps the figures the report compares.
+
+llama.cpp's server runs one request at a time (the others wait: it is started with
+``--interrupt_requests False``, since by default a new request cuts the streaming one off),
+and it ignores the client's ``ignore_eos``: a reply may end at EOS before ``output_len``
+tokens, which the kept ``total_output_tokens`` shows. Known gap: vLLM 0.32's client has
+counted every request to it as failed ("Never received a valid chunk to calculate TTFT")
+although the server answered 200 and streamed, so its serving figures read 0 for now.
 """
 
 from __future__ import annotations
@@ -17,13 +27,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvferry.entrypoints.disagg import Child, spawn, stop_all, wait_healthy
+from kvferry.entrypoints.disagg import Child, LaunchError, spawn, stop_all, wait_healthy
 from kvferry.ports import free_port
 from kvferry_bench.peers.setup import Setup
 
 logger = logging.getLogger(__name__)
 
 SERVED_NAME = "peers-bench"
+LLAMACPP_SERVER = Path(__file__).with_name("llamacpp_server.py")  # llama_cpp.server, x-request-id dropped
+LLAMACPP_READY_PATH = "/v1/models"  # llama_cpp.server has no /health
 METRICS = ("ttft", "tpot", "itl", "e2el")
 # What vLLM's `bench serve` result JSON holds (keys as vLLM 0.32 writes them) that we keep.
 KEPT_KEYS = (
@@ -49,8 +61,23 @@ class Load:
     rates: tuple[float, ...] = (0.05, 0.1, 0.2)
 
 
+def llamacpp_server_command(setup: Setup, port: int) -> list[str]:
+    """llama-cpp-python's OpenAI server on the setup's GGUF, one thread per core, pinned."""
+    if setup.gguf_file is None:
+        raise LaunchError(f"llama.cpp's server runs a GGUF file, and {setup.model_dir} is not a GGUF model")
+    serve = [setup.llamacpp_python(), str(LLAMACPP_SERVER), "--model", str(setup.gguf_file.absolute())]
+    serve += ["--model_alias", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port)]
+    serve += ["--n_ctx", str(setup.max_model_len), "--n_batch", str(min(2048, setup.max_model_len))]
+    serve += ["--n_threads", str(setup.threads), "--n_threads_batch", str(setup.threads)]
+    # its default lets a new request cut off the one streaming: queue them instead
+    serve += ["--interrupt_requests", "False", "--seed", str(setup.seed), "--verbose", "False"]
+    return [*setup.pin, *serve]
+
+
 def server_command(engine: str, setup: Setup, port: int) -> list[str]:
-    """`vllm serve` or `kvferry serve` of the setup's model, pinned to its cores."""
+    """`vllm serve`, `kvferry serve` or llama.cpp's server of the setup's model, pinned to its cores."""
+    if engine == "llamacpp":
+        return llamacpp_server_command(setup, port)
     common = ["--port", str(port), "--served-model-name", SERVED_NAME, "--dtype", setup.dtype]
     common += ["--max-model-len", str(setup.max_model_len), "--max-num-seqs", str(setup.max_num_seqs)]
     common += ["--seed", str(setup.seed)]
@@ -108,6 +135,27 @@ def run_client(setup: Setup, url: str, load: Load, rate_index: int, tag: str) ->
     return parse_bench_serve(out)
 
 
+def wait_answering(child: Child, path: str, deadline: float) -> None:
+    """Return once `child` answers GET `path` with 200; LaunchError if it exits or the deadline passes."""
+    import httpx
+
+    proc = child.started()
+    while proc.poll() is None:
+        try:
+            if httpx.get(child.url + path, timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise LaunchError(
+                f"{child.name} did not answer {path} in time; log {child.log}:\n{child.log_tail()}"
+            )
+        time.sleep(0.2)
+    raise LaunchError(
+        f"{child.name} exited with code {proc.returncode} while starting; log {child.log}:\n{child.log_tail()}"
+    )
+
+
 def bench_server(engine: str, setup: Setup, load: Load, startup_timeout: float = 900.0) -> list[dict]:
     """Start `engine`'s server, run the client at every rate, stop it; one result per rate."""
     port = free_port()
@@ -116,7 +164,10 @@ def bench_server(engine: str, setup: Setup, load: Load, startup_timeout: float =
     spawn(child)
     try:
         begin = time.monotonic()
-        wait_healthy([child], begin + startup_timeout, threading.Event())
+        if engine == "llamacpp":
+            wait_answering(child, LLAMACPP_READY_PATH, begin + startup_timeout)
+        else:
+            wait_healthy([child], begin + startup_timeout, threading.Event())
         logger.info("%s server ready in %.0f s", engine, time.monotonic() - begin)
         return [run_client(setup, child.url, load, index, engine) for index in range(len(load.rates))]
     finally:

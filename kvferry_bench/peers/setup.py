@@ -1,4 +1,4 @@
-"""What both engines of ``kvferry bench peers`` share: model directory, limits, cores."""
+"""What the engines of ``kvferry bench peers`` share: model directory, limits, cores."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ class Setup:
     kv_cache_gib: float
     seed: int = 0
     vllm_venv: Path | None = None
+    llamacpp_venv: Path | None = None
+    gguf_file: Path | None = None  # the model's GGUF, which llama.cpp loads (None: not a GGUF model)
     kvferry_args: list[str] = field(default_factory=list)  # more `kvferry serve` / LLM options
     vllm_serve_args: list[str] = field(default_factory=list)  # more `vllm serve` options
     timeout: float = 1800.0
@@ -28,6 +30,17 @@ class Setup:
     def pin(self) -> list[str]:
         """The command prefix that keeps a process (and its children) on `cores`."""
         return ["taskset", "-c", self.cores]
+
+    @property
+    def threads(self) -> int:
+        """One thread per core of `cores` (what kvferry runs with when pinned there)."""
+        from kvferry.worker.cpu_placement import parse_core_list
+
+        return len(parse_core_list(self.cores))
+
+    def llamacpp_python(self) -> str:
+        assert self.llamacpp_venv is not None, "llama.cpp is not installed for this run"
+        return str(self.llamacpp_venv / "bin" / "python")
 
     def vllm_bin(self, name: str) -> str:
         assert self.vllm_venv is not None, "vLLM is not installed for this run"
