@@ -182,6 +182,28 @@ def test_llamacpp_server_never_sees_the_clients_request_id() -> None:
     ]
 
 
+def test_llamacpp_server_launcher_wraps_the_app_and_sends_no_pings(monkeypatch: pytest.MonkeyPatch) -> None:
+    server = types.ModuleType("llama_cpp.server.__main__")
+    sse = types.ModuleType("sse_starlette.sse")
+    sse.EventSourceResponse = type("EventSourceResponse", (), {"DEFAULT_PING_INTERVAL": 15})  # type: ignore[attr-defined]
+    apps: list[object] = []
+
+    def fake_main() -> None:
+        apps.append(server.create_app(server_settings=None, model_settings=[]))  # type: ignore[attr-defined]
+
+    server.create_app = lambda **settings: "app"  # type: ignore[attr-defined]
+    server.main = fake_main  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "llama_cpp.server.__main__", server)
+    monkeypatch.setitem(sys.modules, "sse_starlette.sse", sse)
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.ModuleType("llama_cpp"))
+    monkeypatch.setitem(sys.modules, "llama_cpp.server", types.ModuleType("llama_cpp.server"))
+    monkeypatch.setitem(sys.modules, "sse_starlette", types.ModuleType("sse_starlette"))
+    llamacpp_server.main()
+    assert sse.EventSourceResponse.DEFAULT_PING_INTERVAL == llamacpp_server.NO_PING_S >= 10**6  # type: ignore[attr-defined]
+    (app,) = apps
+    assert callable(app) and app != "app"  # the server's app behind the header filter
+
+
 def test_report_puts_llamacpp_beside_vllm_with_its_own_ratio() -> None:
     shape = vars(OfflineShape())
     k = _driver_doc({"throughput": 4.0, "decode_b1": 4.0, "prefill": 0.5})

@@ -2,8 +2,8 @@
 
 For each engine in turn: start its OpenAI server (``vllm serve``, ``kvferry serve``, or
 llama-cpp-python's ``python -m llama_cpp.server`` on the GGUF through ``llamacpp_server.py``,
-which drops the request-id header vLLM's client sends and that server rejects) on the
-shared cores, wait until it answers (``/health``; llama.cpp's server has none:
+which drops the request-id header vLLM's client sends and that server rejects, and the SSE
+pings that client cannot parse) on the shared cores, wait until it answers (``/health``; llama.cpp's server has none:
 ``/v1/models``), run ``vllm bench serve --backend openai`` (random dataset, exact lengths,
 ignore_eos, greedy) once per request rate, stop the server. Each client run saves vLLM's
 result JSON; ``parse_bench_serve`` keeps the figures the report compares.
@@ -11,9 +11,7 @@ result JSON; ``parse_bench_serve`` keeps the figures the report compares.
 llama.cpp's server runs one request at a time (the others wait: it is started with
 ``--interrupt_requests False``, since by default a new request cuts the streaming one off),
 and it ignores the client's ``ignore_eos``: a reply may end at EOS before ``output_len``
-tokens, which the kept ``total_output_tokens`` shows. Known gap: vLLM 0.32's client has
-counted every request to it as failed ("Never received a valid chunk to calculate TTFT")
-although the server answered 200 and streamed, so its serving figures read 0 for now.
+tokens, which the kept ``total_output_tokens`` shows.
 """
 
 from __future__ import annotations
