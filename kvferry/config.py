@@ -22,6 +22,7 @@ class WeightQuantization(str, Enum):
 
     NONE = "none"  # the model's dtype
     INT4 = "int4"  # weight-only int4 in groups of 32, bf16 scales and zeros (CPU)
+    GGUF = "gguf"  # a GGUF checkpoint's Q4_0/Q4_1/Q8_0 blocks kept and multiplied as stored (CPU)
 
     def __str__(self) -> str:
         return self.value
@@ -81,7 +82,7 @@ class ModelConfig:
 
 
 def weight_quantization(value: WeightQuantization | str) -> WeightQuantization:
-    """`value` ("none", "int4" or a member) as a WeightQuantization, or a ConfigError."""
+    """`value` ("none", "int4", "gguf" or a member) as a WeightQuantization, or a ConfigError."""
     return _member(WeightQuantization, value, "quantization")
 
 

@@ -35,8 +35,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument(
         "--quantization",
-        choices=["none", "int4"],
-        help="int4: weight-only int4 linears (CPU; faster small-batch decode, see docs/benchmarks.md)",
+        choices=["none", "int4", "gguf"],
+        help="int4: weight-only int4 linears; gguf: a GGUF checkpoint's Q4_0/Q4_1/Q8_0 blocks kept "
+        "and multiplied as stored, LM head included (CPU; faster small-batch decode, see docs/benchmarks.md)",
     )
     for phase, default in (("prefill", "decompressed"), ("decode", "absorbed")):
         parser.add_argument(

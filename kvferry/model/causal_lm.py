@@ -208,6 +208,10 @@ class CausalLM(nn.Module):
         else:
             loader(param, tensor, target.shard_id)
 
+    def checkpoint_target(self, name: str) -> Target | Skip:
+        """The parameter (and shard) a checkpoint name loads into, or why it is skipped."""
+        return self._target(name)
+
     def _target(self, name: str) -> Target | Skip:
         """The parameter (and shard) a checkpoint name loads into, or why it is skipped."""
         if name.endswith(ROTARY_BUFFER_SUFFIXES):

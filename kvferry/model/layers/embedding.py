@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvferry.config import WeightQuantization
+from kvferry.model.layers.gguf_kernel import GGUFBlocks
 from kvferry.model.layers.linear import PackableLinear, attach_weight_loader, copy_checked
 from kvferry.model.layers.parallel import TPGroup
 
@@ -60,11 +61,17 @@ class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
         self.tied = True
 
     def pack_weight(
-        self, keep_plain: bool = False, quantization: WeightQuantization = WeightQuantization.NONE
+        self,
+        keep_plain: bool = False,
+        quantization: WeightQuantization = WeightQuantization.NONE,
+        blocks: GGUFBlocks | None = None,
     ) -> bool:
         # The embedding reads a tied weight. The head stays in the model's dtype under int4:
-        # logits are where 4-bit rounding shows most (GGUF keeps it at 8 bits or more).
-        return super().pack_weight(keep_plain or self.tied, WeightQuantization.NONE)
+        # logits are where 4-bit rounding shows most. Under gguf it takes the checkpoint's
+        # own blocks (a GGUF keeps it at 8 bits or more: Q8_0 for the embedded SmolLM2).
+        if quantization is not WeightQuantization.GGUF:
+            quantization, blocks = WeightQuantization.NONE, None
+        return super().pack_weight(keep_plain or self.tied, quantization, blocks)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.tp.all_gather(self.matmul(hidden))

@@ -8,6 +8,7 @@ import torch
 
 from kvferry.config import WeightQuantization
 from kvferry.model.layers.decode_kernel import decode_kernel_available
+from kvferry.model.layers.gguf_kernel import gguf_kernel_available, gguf_kernel_path
 from kvferry.model.layers.int4_kernel import int4_kernel_available
 from kvferry.model.layers.prefill_kernel import prefill_kernel_available
 
@@ -22,6 +23,8 @@ def describe_cpu_kernels(dtype: torch.dtype, head_dims: set[int], quantization: 
     ]
     if quantization is WeightQuantization.INT4:
         parts.append(f"int4 linears: {_int4_kernel()}")
+    if quantization is WeightQuantization.GGUF:
+        parts.append(f"gguf-block linears: {_gguf_kernel()}")
     return "; ".join(parts)
 
 
@@ -44,3 +47,9 @@ def _prefill_kernel(dtype: torch.dtype, head_dims: set[int]) -> str:
 
 def _int4_kernel() -> str:
     return "kvferry (AVX-512 BF16)" if int4_kernel_available() else "torch's int4 kernel"
+
+
+def _gguf_kernel() -> str:
+    if not gguf_kernel_available():
+        return "none (kernel not built: dequantized float32)"
+    return f"kvferry int8 dot products ({gguf_kernel_path()})"

@@ -16,6 +16,8 @@ from torch import nn
 
 from kvferry.config import WeightQuantization
 from kvferry.errors import ModelLoadError
+from kvferry.model.layers.gguf_kernel import GGUFBlocks, gguf_kernel_available
+from kvferry.model.layers.gguf_linear import GGUFWeight
 from kvferry.model.layers.int4 import Int4Weight, can_quantize_int4
 from kvferry.model.layers.packed import PackedWeight, can_pack, pack
 from kvferry.model.layers.parallel import TPGroup
@@ -51,19 +53,24 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
 
 class PackableLinear(nn.Module):
     """A linear whose weight may be packed once loaded: for the CPU GEMM (layers.packed),
-    or as weight-only int4 (layers.int4, --quantization int4)."""
+    or as weight-only int4 (layers.int4, --quantization int4), or as a GGUF checkpoint's
+    blocks (layers.gguf_linear, --quantization gguf)."""
 
     weight: nn.Parameter | None  # None once packed (unless kept)
-    packed: PackedWeight | Int4Weight | None = None
+    packed: PackedWeight | Int4Weight | GGUFWeight | None = None
 
     def pack_weight(
-        self, keep_plain: bool = False, quantization: WeightQuantization = WeightQuantization.NONE
+        self,
+        keep_plain: bool = False,
+        quantization: WeightQuantization = WeightQuantization.NONE,
+        blocks: GGUFBlocks | None = None,
     ) -> bool:
         """Pack the loaded weight; the plain one is released unless `keep_plain` (it is
-        shared, e.g. a tied embedding). Loading weights afterwards is not supported."""
+        shared, e.g. a tied embedding). `blocks`: the weight as the GGUF file stores it
+        (--quantization gguf). Loading weights afterwards is not supported."""
         if self.packed is not None or self.weight is None:
             return False
-        self.packed = _packed_form(self.weight, quantization)
+        self.packed = _packed_form(self.weight, quantization, blocks)
         if self.packed is None:
             return False
         if not keep_plain:
@@ -77,9 +84,14 @@ class PackableLinear(nn.Module):
         return F.linear(x, self.weight, bias)
 
 
-def _packed_form(weight: torch.Tensor, quantization: WeightQuantization) -> PackedWeight | Int4Weight | None:
-    """int4 where asked and the shape allows, else oneDNN's packed float32, else None."""
+def _packed_form(
+    weight: torch.Tensor, quantization: WeightQuantization, blocks: GGUFBlocks | None
+) -> PackedWeight | Int4Weight | GGUFWeight | None:
+    """int4, or the GGUF blocks, where asked and possible, else oneDNN's packed float32,
+    else None."""
     dense = pack(weight) if can_pack(weight) else None
+    if quantization is WeightQuantization.GGUF and blocks is not None and gguf_kernel_available():
+        return GGUFWeight(blocks, dense if dense is not None else weight.detach())
     if quantization is WeightQuantization.INT4 and can_quantize_int4(weight):
         return Int4Weight(weight, dense if dense is not None else weight.detach())
     return dense

@@ -13,11 +13,14 @@ from kvferry.cpu_features import native_half_precision
 from kvferry.errors import ConfigError
 from kvferry.model.causal_lm import CausalLM
 from kvferry.model.layers.attention import PagedAttention
+from kvferry.model.layers.gguf_kernel import GGUFBlocks
+from kvferry.model.layers.gguf_linear import GGUFWeight
 from kvferry.model.layers.int4 import Int4Weight
 from kvferry.model.layers.kernel_choice import describe_cpu_kernels
 from kvferry.model.layers.linear import PackableLinear
 from kvferry.model.layers.mla import set_mla_forms
 from kvferry.model.layers.parallel import TPGroup
+from kvferry.model.loader.gguf_blocks import kept_gguf_blocks
 from kvferry.model.loader.gguf_weights import gguf_state_dict, iter_gguf_weights
 from kvferry.model.loader.safetensors import safetensors_weights
 from kvferry.model.registry import model_class
@@ -41,8 +44,15 @@ def load_model(
     """
     tp = tp or TPGroup()
     start = time.perf_counter()
-    if model_config.quantization is WeightQuantization.INT4 and torch.device(device).type != "cpu":
-        raise ConfigError(f"--quantization int4 runs on CPU only (its kernel is the CPU's), not on {device}")
+    quantization = model_config.quantization
+    if quantization is not WeightQuantization.NONE and torch.device(device).type != "cpu":
+        raise ConfigError(
+            f"--quantization {quantization} runs on CPU only (its kernel is the CPU's), not on {device}"
+        )
+    if quantization is WeightQuantization.GGUF and model_config.gguf_file is None:
+        raise ConfigError(
+            "--quantization gguf keeps a GGUF checkpoint's blocks: the model must be a .gguf file"
+        )
     cls = model_class(model_config.architecture)
     dtype = compute_dtype(model_config.dtype, device)
     with torch.device(device):
@@ -61,7 +71,10 @@ def load_model(
         weights = ((name, tensor.to(model_config.dtype).to(dtype)) for name, tensor in weights)
     model.load_weights(weights)
     model.eval()
-    pack_linear_weights(model, model_config.quantization)
+    kept = {}
+    if quantization is WeightQuantization.GGUF and model_config.gguf_file is not None:
+        kept = kept_gguf_blocks(model_config.gguf_file, model, tp.size)
+    pack_linear_weights(model, quantization, kept)
     set_mla_forms(model, model_config.mla_forms)
     threads = torch.get_num_threads()
     if (
@@ -93,12 +106,23 @@ def compute_dtype(dtype: torch.dtype, device: str | torch.device) -> torch.dtype
     return dtype if native_half_precision(dtype) else torch.float32
 
 
-def pack_linear_weights(model: nn.Module, quantization: WeightQuantization = WeightQuantization.NONE) -> int:
-    """Pack every packable linear weight of a loaded model (as int4 where asked and the
-    shape allows); returns how many were packed."""
+def pack_linear_weights(
+    model: nn.Module,
+    quantization: WeightQuantization = WeightQuantization.NONE,
+    kept: dict[str, GGUFBlocks] | None = None,
+) -> int:
+    """Pack every packable linear weight of a loaded model (as int4, or as the GGUF blocks
+    `kept` by parameter name, where asked and possible); returns how many were packed."""
+    by_tensor = {id(p): kept[n] for n, p in model.named_parameters() if kept and n in kept}
     linears = [m for m in model.modules() if isinstance(m, PackableLinear)]
-    count = sum(m.pack_weight(quantization=quantization) for m in linears)
+    count = sum(m.pack_weight(quantization=quantization, blocks=by_tensor.get(id(m.weight))) for m in linears)
     int4 = sum(isinstance(m.packed, Int4Weight) for m in linears)
+    blocks = sum(isinstance(m.packed, GGUFWeight) for m in linears)
     if count:
-        logger.info("packed %d linear weights (%d as weight-only int4) for the CPU GEMM", count, int4)
+        logger.info(
+            "packed %d linear weights (%d as weight-only int4, %d as GGUF blocks) for the CPU GEMM",
+            count,
+            int4,
+            blocks,
+        )
     return count

@@ -166,6 +166,10 @@ class GGUFFile:
     def tensor_names(self) -> set[str]:
         return {t.name for t in self.tensors}
 
+    def raw(self, info: TensorInfo) -> np.ndarray:
+        """The tensor's bytes as stored (uint8, flat; a view of the mapped file)."""
+        return self._data[info.offset : info.offset + info.nbytes]
+
     def dequantize(self, info: TensorInfo) -> torch.Tensor:
         """The tensor as a new float32 torch tensor of shape `info.shape`."""
         return dequantize(self._data[info.offset : info.offset + info.nbytes], info.qtype, info.shape)

@@ -1,0 +1,277 @@
+// GGUF block-quantized weights (Q4_0, Q4_1, Q8_0) times a few float32 rows, multiplied in
+// integers as the blocks are stored. Built and loaded at run time by
+// kvferry/model/layers/gguf_kernel.py (--quantization gguf).
+//
+// A weight row is `in / 32` blocks of 32 weights, each block as the GGUF file holds it:
+//   Q4_0: fp16 d, 16 bytes of nibbles            w = d * (q - 8)
+//   Q4_1: fp16 d, fp16 m, 16 bytes of nibbles    w = d * q + m
+//   Q8_0: fp16 d, 32 int8                        w = d * q
+// (nibbles: the low ones are elements 0-15, the high ones 16-31).
+//
+// Each activation row is first quantized per block of 32 to int8 (dx = max|x| / 127,
+// qx = round-to-nearest-even(x / dx)), so a block's contribution is an integer dot product:
+//   Q4: d * dx * sum(q * qx) + m' * dx * sum(qx)   (m' = m, or -8 d for Q4_0)
+//   Q8: d * dx * sum(q * qx)
+// The activation rounding (at most dx / 2 per input) is the only difference from the
+// dequantized float reference; the integer sums are exact, the float sums over blocks are
+// in another order than a BLAS's.
+//
+// Paths, chosen when the library is built for an instruction-set level (cpu_kernels):
+// AVX-512 BW (two blocks per 512-bit `vpmaddubsw`), AVX2 (`vpmaddubsw` on one block), and
+// a portable scalar one, which a caller can also force (`portable`) to test it anywhere.
+// Output rows are split over the threads (at::parallel_for); activation rows are
+// taken in turns of up to kMaxRows per weight row while that row is in L1.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define KVFERRY_GGUF_AVX2 1
+#endif
+#if defined(KVFERRY_GGUF_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define KVFERRY_GGUF_AVX512 1
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kMaxRows = 4;  // activation rows per pass over a weight row
+// gguf.GGMLQuantizationType values
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
+
+struct BlockFormat {
+  int64_t bytes;       // per block
+  int64_t quants_at;   // where the quants start in a block
+  bool four_bit;
+  bool has_min;        // Q4_1
+};
+
+BlockFormat format_of(int64_t qtype) {
+  if (qtype == kQ4_0) return {18, 2, true, false};
+  if (qtype == kQ4_1) return {20, 4, true, true};
+  TORCH_CHECK(qtype == kQ8_0, "gguf_matmul: block type ", qtype, " is not Q4_0 (2), Q4_1 (3) or Q8_0 (8)");
+  return {34, 2, false, false};
+}
+
+float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// One quantized activation row: int8 values, and per block its scale and sum of values.
+struct QuantRows {
+  std::vector<int8_t> q;      // [rows, in]
+  std::vector<float> scale;   // [rows, blocks]
+  std::vector<int32_t> sum;   // [rows, blocks]
+};
+
+QuantRows quantize_rows(const float* x, int64_t rows, int64_t in) {
+  const int64_t blocks = in / kBlock;
+  QuantRows out{std::vector<int8_t>(rows * in), std::vector<float>(rows * blocks), std::vector<int32_t>(rows * blocks)};
+  for (int64_t b = 0; b < rows * blocks; ++b) {
+    const float* v = x + b * kBlock;
+    float amax = 0.f;
+    for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(v[i]));
+    const float d = amax / 127.f;
+    const float inv = d > 0.f ? 1.f / d : 0.f;
+    int32_t total = 0;
+    for (int64_t i = 0; i < kBlock; ++i) {
+      const int32_t q = static_cast<int32_t>(std::nearbyint(v[i] * inv));
+      out.q[b * kBlock + i] = static_cast<int8_t>(q);
+      total += q;
+    }
+    out.scale[b] = d;
+    out.sum[b] = total;
+  }
+  return out;
+}
+
+struct Operands {
+  const uint8_t* weight;  // [features, blocks * format.bytes]
+  const QuantRows* x;
+  float* out;             // [rows, features]
+  int64_t rows, blocks, features;
+  BlockFormat format;
+};
+
+// The block's scale d and offset m' (the weight q stands for is d * q + m'; Q8_0: m' = 0).
+void block_scales(const uint8_t* block, const BlockFormat& f, float& d, float& m) {
+  d = half_at(block);
+  m = f.has_min ? half_at(block + 2) : (f.four_bit ? -8.f * d : 0.f);
+}
+
+void portable_row(const Operands& op, int64_t feature, int64_t first, int64_t count) {
+  const uint8_t* row = op.weight + feature * op.blocks * op.format.bytes;
+  for (int64_t r = first; r < first + count; ++r) {
+    float acc = 0.f;
+    for (int64_t b = 0; b < op.blocks; ++b) {
+      const uint8_t* block = row + b * op.format.bytes;
+      const uint8_t* quants = block + op.format.quants_at;
+      const int8_t* qx = op.x->q.data() + (r * op.blocks + b) * kBlock;
+      int32_t dot = 0;
+      for (int64_t i = 0; i < kBlock; ++i) {
+        const int32_t w = op.format.four_bit ? (i < 16 ? quants[i] & 0x0F : quants[i - 16] >> 4)
+                                             : static_cast<int8_t>(quants[i]);
+        dot += w * qx[i];
+      }
+      float d, m;
+      block_scales(block, op.format, d, m);
+      const float dx = op.x->scale[r * op.blocks + b];
+      acc += d * dx * static_cast<float>(dot) + m * dx * static_cast<float>(op.x->sum[r * op.blocks + b]);
+    }
+    op.out[r * op.features + feature] = acc;
+  }
+}
+
+#ifdef KVFERRY_GGUF_AVX2
+
+// 32 weights of a block as bytes: unsigned nibbles (Q4) or signed int8 (Q8_0).
+inline __m256i load_block(const uint8_t* quants, bool four_bit) {
+  if (!four_bit) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants));
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(quants));
+  const __m128i low = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), low), _mm_and_si128(packed, low));
+}
+
+// 8 int32 partial sums of w * x over a block (w unsigned nibbles, or signed int8).
+inline __m256i block_dot(__m256i w, __m256i x, bool four_bit) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if (four_bit) return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), ones);
+}
+
+inline float horizontal_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int R>
+void avx2_row(const Operands& op, int64_t feature, int64_t first) {
+  const uint8_t* row = op.weight + feature * op.blocks * op.format.bytes;
+  const bool four_bit = op.format.four_bit;
+  __m256 acc[R];
+  float offsets[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), offsets[r] = 0.f;
+  int64_t b = 0;
+#ifdef KVFERRY_GGUF_AVX512
+  // Two blocks per step: 64 weights against 64 activations, one scale per 256-bit half.
+  __m512 wide[R];
+  for (int r = 0; r < R; ++r) wide[r] = _mm512_setzero_ps();
+  for (; b + 1 < op.blocks; b += 2) {
+    const uint8_t* block0 = row + b * op.format.bytes;
+    const uint8_t* block1 = block0 + op.format.bytes;
+    const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(load_block(block0 + op.format.quants_at, four_bit)),
+                                         load_block(block1 + op.format.quants_at, four_bit), 1);
+    float d0, m0, d1, m1;
+    block_scales(block0, op.format, d0, m0);
+    block_scales(block1, op.format, d1, m1);
+    const __m512i ones = _mm512_set1_epi16(1);
+    const __m512i w_abs = four_bit ? w : _mm512_abs_epi8(w);
+    const __mmask64 negative = four_bit ? 0 : _mm512_movepi8_mask(w);
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (first + r) * op.blocks + b;
+      __m512i x = _mm512_loadu_si512(op.x->q.data() + at * kBlock);
+      if (!four_bit) x = _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x);
+      const __m512i dot = _mm512_madd_epi16(_mm512_maddubs_epi16(w_abs, x), ones);
+      const float dx0 = op.x->scale[at], dx1 = op.x->scale[at + 1];
+      const __m512 scale = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(d0 * dx0)),
+                                              _mm256_set1_ps(d1 * dx1), 1);
+      wide[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, wide[r]);
+      offsets[r] += m0 * dx0 * static_cast<float>(op.x->sum[at]) + m1 * dx1 * static_cast<float>(op.x->sum[at + 1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_add_ps(_mm512_castps512_ps256(wide[r]),
+                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(wide[r]), 1)));
+  }
+#endif
+  for (; b < op.blocks; ++b) {
+    const uint8_t* block = row + b * op.format.bytes;
+    const __m256i w = load_block(block + op.format.quants_at, four_bit);
+    float d, m;
+    block_scales(block, op.format, d, m);
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (first + r) * op.blocks + b;
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(op.x->q.data() + at * kBlock));
+      const float dx = op.x->scale[at];
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot(w, x, four_bit)), _mm256_set1_ps(d * dx), acc[r]);
+      offsets[r] += m * dx * static_cast<float>(op.x->sum[at]);
+    }
+  }
+  for (int r = 0; r < R; ++r) op.out[(first + r) * op.features + feature] = horizontal_sum(acc[r]) + offsets[r];
+}
+
+void vector_row(const Operands& op, int64_t feature, int64_t first, int64_t count) {
+  switch (count) {
+    case 1: avx2_row<1>(op, feature, first); break;
+    case 2: avx2_row<2>(op, feature, first); break;
+    case 3: avx2_row<3>(op, feature, first); break;
+    default: avx2_row<4>(op, feature, first); break;
+  }
+}
+
+#endif  // KVFERRY_GGUF_AVX2
+
+std::string compiled_path() {
+#if defined(KVFERRY_GGUF_AVX512)
+  return "avx512";
+#elif defined(KVFERRY_GGUF_AVX2)
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
+
+// x float32 [rows, in] times the weight's blocks uint8 [features, in / 32 * bytes per block]:
+// float32 [rows, features]. `portable`: the scalar path even where a vector one was built.
+at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, bool portable) {
+  const BlockFormat format = format_of(qtype);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "gguf_matmul: x float32 [rows, in]");
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
+              "gguf_matmul: blocks uint8 [out, bytes per row]");
+  const at::Tensor rows = x.contiguous();
+  const int64_t count = rows.size(0), in = rows.size(1), features = blocks.size(0);
+  TORCH_CHECK(in % kBlock == 0, "gguf_matmul: inputs a multiple of 32");
+  TORCH_CHECK(blocks.size(1) == in / kBlock * format.bytes, "gguf_matmul: ", blocks.size(1),
+              " bytes per weight row for ", in, " inputs");
+  at::Tensor out = at::empty({count, features}, rows.options());
+  if (count == 0 || features == 0) return out;
+  const QuantRows quantized = quantize_rows(rows.data_ptr<float>(), count, in);
+  const Operands op{blocks.data_ptr<uint8_t>(), &quantized, out.data_ptr<float>(), count, in / kBlock, features, format};
+  at::parallel_for(0, features, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t feature = begin; feature < end; ++feature) {
+      for (int64_t first = 0; first < count; first += kMaxRows) {
+        const int64_t turn = std::min(kMaxRows, count - first);
+#ifdef KVFERRY_GGUF_AVX2
+        if (!portable) {
+          vector_row(op, feature, first, turn);
+          continue;
+        }
+#endif
+        portable_row(op, feature, first, turn);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvferry_cpu, m) {
+  m.def("gguf_matmul_path() -> str", &compiled_path);  // no tensor: a catch-all kernel
+  m.def("gguf_matmul(Tensor x, Tensor blocks, int qtype, bool portable) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvferry_cpu, CPU, m) { m.impl("gguf_matmul", &gguf_matmul); }

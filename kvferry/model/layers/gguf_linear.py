@@ -1,0 +1,76 @@
+"""GGUF-block linears for the CPU (`--quantization gguf`): a checkpoint's Q4_0, Q4_1 and
+Q8_0 weights kept as the file stores them and multiplied directly (layers.gguf_kernel).
+
+A decode step at small batches reads every weight once per token. Kept as blocks, the
+embedded SmolLM2's Q4_1 layers read 5 bits per weight (not 32), and its tied Q8_0
+embedding serves as an 8.5-bit LM head (not float32's 113 MB a token). Each call of up to
+`MAX_GGUF_ROWS` rows quantizes its rows to int8 per block of 32 (the only rounding besides
+the checkpoint's own: at most half a step of max|x| / 127 per input) and sums in integers;
+calls with more rows (prefill chunks, large decode batches) use the dense float32 weight
+(the blocks dequantized), which is kept, as under int4. Outputs therefore depend on the
+step's row count: not batch-invariant, and P/D is not byte-identical to colocated under
+this mode (float32's guarantees).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch._library.opaque_object import MemberType, register_opaque_type
+from torch._opaque_base import OpaqueBase
+
+from kvferry.model.layers.gguf_kernel import GGUFBlocks, gguf_matmul
+from kvferry.model.layers.packed import PackedWeight, onednn_linear
+from kvferry.model.operators import operator
+
+# Rows up to which the block kernel runs, above which the dense float32 GEMM does.
+MAX_GGUF_ROWS = 8
+
+
+class GGUFWeight(OpaqueBase):
+    """An [out, in] weight as the GGUF file's blocks, and the dense weight for calls with
+    more rows than the block kernel is fast for."""
+
+    def __init__(self, blocks: GGUFBlocks, dense: PackedWeight | torch.Tensor):
+        self.blocks = blocks
+        self.out_features = blocks.out_features
+        self.dense = dense
+        self.max_rows = MAX_GGUF_ROWS
+
+    def dense_matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.dense, PackedWeight):
+            return onednn_linear(rows, self.dense.tensor, None)
+        return F.linear(rows, self.dense)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.kvferry.gguf_linear(x, self, bias, self.out_features)
+        return out
+
+    def __reduce__(self) -> tuple[type, tuple[str]]:
+        """For the compiler's cache key: a reference, not the weight."""
+        return str, (type(self).__qualname__,)
+
+
+register_opaque_type(
+    GGUFWeight, typ="reference", members={"out_features": MemberType.USE_REAL, "linear": MemberType.INLINED}
+)
+
+
+@operator("gguf_linear", mutates_args=())
+def gguf_linear_op(
+    x: torch.Tensor, weight: GGUFWeight, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] == 0:
+        out = x.new_empty(0, out_features)
+    elif rows.shape[0] > weight.max_rows:
+        out = weight.dense_matmul(rows)
+    else:
+        out = gguf_matmul(rows.float(), weight.blocks).to(x.dtype)
+    out = out.reshape(*x.shape[:-1], out_features)
+    return out if bias is None else out + bias
+
+
+@gguf_linear_op.register_fake
+def _(x: torch.Tensor, weight: GGUFWeight, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)

@@ -1,0 +1,86 @@
+"""The GGUF block kernel (csrc/gguf_matmul.cpp) against the dequantized float reference.
+
+Each activation row is quantized to int8 per block of 32 (dx = max|x| / 127, round to
+nearest even), so the kernel equals, up to float summation order, the dequantized weight
+times the dequantized activation (`quantized_rows`): checked within 1e-5 of the sum of
+|terms|. Against the float32 activation the difference is the activation rounding: at
+most dx / 2 per input, so |error| <= sum over blocks of dx / 2 * sum |w| (the bound
+`_rounding_bound` computes, asserted for every output). The vector path this machine's
+library was built for and the portable scalar path (forced) are both checked.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvferry.model.layers.gguf_kernel import BLOCK, BlockType, GGUFBlocks, gguf_kernel_available, gguf_matmul
+from kvferry.model.loader.gguf_dequant import dequantize
+
+pytestmark = pytest.mark.skipif(not gguf_kernel_available(), reason="no C++ compiler for the CPU kernels")
+
+
+def random_blocks(block_type: BlockType, out: int, inputs: int, gen: torch.Generator) -> GGUFBlocks:
+    """Blocks as a GGUF file holds them: fp16 scales (and Q4_1's fp16 minimum), then quants."""
+    count = out * inputs // BLOCK
+    d = (torch.rand(count, 1, generator=gen) * 0.02 + 0.001).half().view(torch.uint8)
+    if block_type is BlockType.Q8_0:
+        quants = torch.randint(-128, 128, (count, BLOCK), generator=gen, dtype=torch.int8).view(torch.uint8)
+        parts = [d, quants]
+    else:
+        quants = torch.randint(0, 256, (count, BLOCK // 2), generator=gen).to(torch.uint8)
+        minimum = (torch.randn(count, 1, generator=gen) * 0.1).half().view(torch.uint8)
+        parts = [d, minimum, quants] if block_type is BlockType.Q4_1 else [d, quants]
+    data = torch.cat(parts, dim=1).reshape(out, -1).contiguous()
+    return GGUFBlocks(block_type, data, inputs)
+
+
+def dequantized(blocks: GGUFBlocks) -> torch.Tensor:
+    raw = blocks.data.numpy().reshape(-1)
+    return dequantize(np.asarray(raw), int(blocks.block_type), (blocks.out_features, blocks.in_features))
+
+
+def quantized_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel sees it: int8 per block of 32 times the block's scale."""
+    groups = x.reshape(x.shape[0], -1, BLOCK)
+    scale = groups.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    return (torch.round(groups * inverse) * scale).reshape(x.shape)
+
+
+def _rounding_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    half_step = (x.reshape(x.shape[0], -1, BLOCK).abs().amax(-1) / 127 / 2).double()  # [m, blocks]
+    weight_sums = weight.reshape(weight.shape[0], -1, BLOCK).abs().sum(-1).double()  # [out, blocks]
+    return half_step @ weight_sums.T
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["vector", "portable"])
+@pytest.mark.parametrize("block_type", list(BlockType), ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_kernel_equals_the_dequantized_reference(block_type: BlockType, portable: bool, rows: int):
+    gen = torch.Generator().manual_seed(rows * 10 + int(block_type))
+    blocks = random_blocks(block_type, 80, 576, gen)
+    weight = dequantized(blocks)
+    x = torch.randn(rows, 576, generator=gen)
+    x[0, :BLOCK] = 0  # an all-zero block: scale 0
+    ours = gguf_matmul(x, blocks, portable=portable)
+    exact = quantized_rows(x).double() @ weight.double().T
+    magnitude = quantized_rows(x).abs().double() @ weight.abs().double().T
+    assert ((ours.double() - exact).abs() <= 1e-5 * magnitude + 1e-6).all()
+    float_reference = x.double() @ weight.double().T
+    assert ((ours.double() - float_reference).abs() <= _rounding_bound(x, weight) * 1.001 + 1e-5).all()
+
+
+def test_vector_and_portable_paths_agree():
+    gen = torch.Generator().manual_seed(7)
+    blocks = random_blocks(BlockType.Q4_1, 48, 1536, gen)
+    x = torch.randn(5, 1536, generator=gen)
+    assert torch.allclose(gguf_matmul(x, blocks), gguf_matmul(x, blocks, portable=True), rtol=1e-5, atol=1e-5)
+
+
+def test_a_block_count_that_does_not_match_the_inputs_is_an_error():
+    gen = torch.Generator().manual_seed(1)
+    blocks = random_blocks(BlockType.Q4_0, 16, 64, gen)
+    with pytest.raises(RuntimeError, match="bytes per weight row"):
+        gguf_matmul(torch.randn(1, 96), blocks)

@@ -1,0 +1,105 @@
+"""--quantization gguf: a GGUF checkpoint's blocks kept as stored and multiplied directly.
+
+The reference is that arithmetic done plainly: transformers' model whose linears (the LM
+head included), for calls of up to MAX_GGUF_ROWS rows, multiply the inputs quantized to
+int8 per block of 32 (tests.test_gguf_kernel's `quantized_rows`) by the dequantized
+weight, in float32; larger calls the plain weight. (The same arithmetic as llama.cpp's
+Q4_1/Q8_0 kernels: greedy output cannot equal float32 transformers' under this mode.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvferry.engine.llm import LLM
+from kvferry.errors import ConfigError
+from kvferry.model.layers.gguf_kernel import gguf_kernel_available
+from kvferry.model.layers.gguf_linear import MAX_GGUF_ROWS, GGUFWeight
+from kvferry.model.layers.linear import PackableLinear
+from kvferry.model.loader import load_model
+from kvferry.model.loader.gguf_dequant import dequantize
+from kvferry.model.resolve import resolve_model_config
+from kvferry.sampling_params import SamplingParams
+from kvferry_bench.hf_reference import load_hf_reference
+from tests.engine_helpers import assert_pool_full
+from tests.fixtures.paged import Chunk, PagedDriver
+from tests.fixtures.tiny_gguf import write_tiny_gguf
+from tests.test_gguf_kernel import quantized_rows
+from tests.test_int4 import MAX_NEW, QUESTIONS, _same_greedy
+
+pytestmark = pytest.mark.skipif(not gguf_kernel_available(), reason="no C++ compiler for the CPU kernels")
+
+
+def gguf_reference(model: torch.nn.Module) -> torch.nn.Module:
+    """Hooks on every linear of a transformers model: few-row calls take quantized inputs."""
+    for linear in (m for m in model.modules() if isinstance(m, torch.nn.Linear)):
+        linear.register_forward_hook(_quantized_input_rows)
+    return model
+
+
+def _quantized_input_rows(module: torch.nn.Linear, args: tuple[torch.Tensor, ...], out: torch.Tensor):
+    x = args[0]
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] > MAX_GGUF_ROWS:
+        return out
+    return torch.nn.functional.linear(quantized_rows(rows.float()), module.weight).reshape(out.shape)
+
+
+def _kept(model: torch.nn.Module) -> list[GGUFWeight]:
+    return [
+        m.packed
+        for m in model.modules()
+        if isinstance(m, PackableLinear) and isinstance(m.packed, GGUFWeight)
+    ]
+
+
+@torch.inference_mode()
+def test_tiny_q8_gguf_keeps_its_blocks_and_equals_the_reference(tiny_llama: Path, tmp_path: Path):
+    """Every linear of a Q8_0 GGUF (LM head included) keeps its blocks, which dequantize to
+    exactly the float32 weight the model loads (fused q/k/v and gate/up in its row order,
+    q/k rows un-permuted), and a 7-token step's logits equal the reference's."""
+    path = write_tiny_gguf(tiny_llama, tmp_path / "tiny.gguf", quantize=True)
+    config = resolve_model_config(str(path), dtype="float32", quantization="gguf")
+    model = load_model(config)
+    kept = _kept(model)
+    assert len(kept) == 4 * config.num_layers + 1
+    for weight in kept:
+        blocks = weight.blocks
+        shape = (blocks.out_features, blocks.in_features)
+        plain = weight.dense_matmul(torch.eye(blocks.in_features)).T  # the dense weight, exactly
+        assert torch.equal(dequantize(blocks.data.numpy().reshape(-1), int(blocks.block_type), shape), plain)
+    reference = gguf_reference(load_hf_reference(config, torch.float32))
+    prompt = [5, 9, 13, 200, 31, 77, 8]
+    logits = PagedDriver(model, num_blocks=16, block_size=4).step([Chunk("x", prompt)])["x"]
+    expected = reference(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-5)
+
+
+def test_gguf_quantization_of_a_checkpoint_without_blocks_is_a_config_error(tiny_llama: Path):
+    config = resolve_model_config(str(tiny_llama), dtype="float32", quantization="gguf")
+    with pytest.raises(ConfigError, match=r"\.gguf file"):
+        load_model(config)
+
+
+@pytest.mark.slow  # the 135M SmolLM2 with its blocks kept, and its reference
+@torch.inference_mode()
+def test_smollm2_gguf_greedy_equals_its_reference(smollm2_gguf: Path):
+    llm = LLM(
+        str(smollm2_gguf), dtype="float32", kv_cache_bytes=256 << 20, max_model_len=1024, quantization="gguf"
+    )
+    model = llm.engine.executor.worker.runner.model
+    assert len(_kept(model)) == 4 * 30 + 1  # per layer qkv, o, gate_up, down (Q4_1); the LM head (Q8_0)
+    prompts = [llm.inputs.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+    ours = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, logprobs=1))
+    reference = gguf_reference(load_hf_reference(llm.config.model, torch.float32))
+    compared = 0
+    for out in ours:
+        ids = torch.tensor([out.prompt_token_ids])
+        ref = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
+                                 pad_token_id=0, output_logits=True, return_dict_in_generate=True)  # fmt: skip
+        compared += _same_greedy(out.outputs[0], ref.sequences[0, ids.shape[1] :].tolist(), ref.logits)
+    assert compared >= len(QUESTIONS) * MAX_NEW // 2  # near-ties are rare: most steps were compared
+    assert_pool_full(llm)
