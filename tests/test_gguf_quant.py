@@ -28,7 +28,7 @@ from tests.engine_helpers import assert_pool_full
 from tests.fixtures.paged import Chunk, PagedDriver
 from tests.fixtures.tiny_gguf import write_tiny_gguf
 from tests.test_gguf_kernel import quantized_rows
-from tests.test_int4 import MAX_NEW, QUESTIONS, _same_greedy
+from tests.test_int4 import MAX_NEW, QUESTIONS, steps_equal_to_reference
 
 pytestmark = pytest.mark.skipif(not gguf_kernel_available(), reason="no C++ compiler for the CPU kernels")
 
@@ -100,11 +100,6 @@ def test_smollm2_gguf_greedy_equals_its_reference(smollm2_gguf: Path):
     prompts = [llm.inputs.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
     ours = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, logprobs=1))
     reference = gguf_reference(load_hf_reference(llm.config.model, torch.float32))
-    compared = 0
-    for out in ours:
-        ids = torch.tensor([out.prompt_token_ids])
-        ref = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
-                                 pad_token_id=0, output_logits=True, return_dict_in_generate=True)  # fmt: skip
-        compared += _same_greedy(out.outputs[0], ref.sequences[0, ids.shape[1] :].tolist(), ref.logits)
+    compared = steps_equal_to_reference(reference, ours)
     assert compared >= len(QUESTIONS) * MAX_NEW // 2  # near-ties are rare: most steps were compared
     assert_pool_full(llm)

@@ -78,10 +78,9 @@ def test_unknown_quantization_is_a_config_error(tiny_llama):
         LLM(str(tiny_llama), quantization="int3")
 
 
-def _steps_equal_to_reference(llm: LLM, ours: list) -> int:
-    """Greedy steps of `ours` compared (not near-ties) with the int4 reference generating
-    from the same prompts; each compared step must pick the reference's token."""
-    reference = _int4_reference(llm)
+def steps_equal_to_reference(reference: torch.nn.Module, ours: list) -> int:
+    """Greedy steps of `ours` compared (not near-ties) with `reference` generating from the
+    same prompts; each compared step must pick the reference's token."""
     compared = 0
     for out in ours:
         ids = torch.tensor([out.prompt_token_ids])
@@ -107,7 +106,7 @@ def test_smollm2_int4_greedy_equals_its_reference(smollm2_gguf):
     assert _int4_linears(llm) == 4 * 30  # per layer: qkv, o, gate_up, down (the LM head stays float32)
     prompts = [llm.inputs.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
     ours = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, logprobs=1))
-    compared = _steps_equal_to_reference(llm, ours)
+    compared = steps_equal_to_reference(_int4_reference(llm), ours)
     assert compared >= len(QUESTIONS) * MAX_NEW // 2  # near-ties are rare: most steps were compared
     assert_pool_full(llm)
 
@@ -127,7 +126,7 @@ def test_a_latent_attention_moe_model_runs_int4_and_equals_its_reference(tiny_mo
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(10, 800, (n,), generator=gen).tolist() for n in (12, 30, 47)]
     ours = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, logprobs=1))
-    compared = _steps_equal_to_reference(llm, ours)
+    compared = steps_equal_to_reference(_int4_reference(llm), ours)
     assert compared >= len(prompts) * MAX_NEW // 2
     assert_pool_full(llm)
     llm.engine.shutdown()

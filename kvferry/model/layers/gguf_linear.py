@@ -15,19 +15,18 @@ this mode (float32's guarantees).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch._library.opaque_object import MemberType, register_opaque_type
-from torch._opaque_base import OpaqueBase
 
+from kvferry.model.layers.dense_fallback import DenseFallbackWeight
 from kvferry.model.layers.gguf_kernel import GGUFBlocks, gguf_matmul
-from kvferry.model.layers.packed import PackedWeight, onednn_linear
+from kvferry.model.layers.packed import PackedWeight
 from kvferry.model.operators import operator
 
 # Rows up to which the block kernel runs, above which the dense float32 GEMM does.
 MAX_GGUF_ROWS = 8
 
 
-class GGUFWeight(OpaqueBase):
+class GGUFWeight(DenseFallbackWeight):
     """An [out, in] weight as the GGUF file's blocks, and the dense weight for calls with
     more rows than the block kernel is fast for."""
 
@@ -37,18 +36,9 @@ class GGUFWeight(OpaqueBase):
         self.dense = dense
         self.max_rows = MAX_GGUF_ROWS
 
-    def dense_matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.dense, PackedWeight):
-            return onednn_linear(rows, self.dense.tensor, None)
-        return F.linear(rows, self.dense)
-
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         out: torch.Tensor = torch.ops.kvferry.gguf_linear(x, self, bias, self.out_features)
         return out
-
-    def __reduce__(self) -> tuple[type, tuple[str]]:
-        """For the compiler's cache key: a reference, not the weight."""
-        return str, (type(self).__qualname__,)
 
 
 register_opaque_type(

@@ -24,12 +24,11 @@ Weights whose shapes the kernel cannot take stay dense.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch._library.opaque_object import MemberType, register_opaque_type
-from torch._opaque_base import OpaqueBase
 
+from kvferry.model.layers.dense_fallback import DenseFallbackWeight
 from kvferry.model.layers.int4_kernel import NibbleTiles, can_tile, int4_kernel_available, tiles_matmul
-from kvferry.model.layers.packed import PackedWeight, onednn_linear
+from kvferry.model.layers.packed import PackedWeight
 from kvferry.model.operators import operator
 
 GROUP_SIZE = 32  # input features per scale and zero point (GGUF's Q4 block)
@@ -54,7 +53,7 @@ def can_quantize_int4(weight: torch.Tensor) -> bool:
 MAX_INT4_ROWS = {torch.float32: 8, torch.bfloat16: 2, torch.float16: 2}
 
 
-class Int4Weight(OpaqueBase):
+class Int4Weight(DenseFallbackWeight):
     """An [out, in] weight as int4 values plus per-group bf16 scales and zeros (in
     kvferry's kernel's layout where it runs, else torch's), and the dense weight for
     calls with more rows than the int4 kernel is fast for (prefill chunks, large decode
@@ -73,18 +72,9 @@ class Int4Weight(OpaqueBase):
         self.dense = dense
         self.max_rows = MAX_INT4_ROWS.get(weight.dtype, 8)
 
-    def dense_matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.dense, PackedWeight):
-            return onednn_linear(rows, self.dense.tensor, None)
-        return F.linear(rows, self.dense)
-
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         out: torch.Tensor = torch.ops.kvferry.int4_linear(x, self, bias, self.out_features)
         return out
-
-    def __reduce__(self) -> tuple[type, tuple[str]]:
-        """For the compiler's cache key: a reference, not the weight."""
-        return str, (type(self).__qualname__,)
 
 
 register_opaque_type(
