@@ -354,7 +354,6 @@ def test_the_bench_runs_kvferry_disagg_and_stops_it(tiny_llama: Path, tmp_path: 
     setup = replace(
         peers_setup(tmp_path), cores=cores, model_dir=tiny_llama, dtype="float32", kv_cache_gib=0.01
     )
-    setup = replace(setup, kvferry_args=[])
     seen: list[tuple[str, int, str]] = []
 
     def one_request(setup: Setup, url: str, load, rate_index: int, tag: str) -> dict:

@@ -19,6 +19,7 @@ import pytest
 
 from kvferry.connector.nixl.auth import SECRET_ENV
 from kvferry.connector.nixl.protocol import Handshake, Refused
+from kvferry.engine.core_proc import CORE_PROCESS_NAME
 from kvferry.entrypoints.http_common import API_KEY_ENV, resolve_api_key
 from kvferry.entrypoints.proxy_secret import PROXY_SECRET_ENV, load_proxy_secret
 from kvferry.errors import ConfigError
@@ -64,6 +65,10 @@ def _cmdline(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
 
 
+def _comm(pid: int) -> str:
+    return Path(f"/proc/{pid}/comm").read_text().strip()
+
+
 def _environ(pid: int) -> dict[str, str]:
     items = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     return dict(i.decode(errors="replace").split("=", 1) for i in items if b"=" in i)
@@ -75,7 +80,7 @@ def test_children_get_secrets_by_environment_only(launched: tuple) -> None:
     lines = {pid: _cmdline(pid) for pid in family}
     assert len(lines) >= 5, lines
     assert not [line for line in lines.values() if KEY in line or "--api-key" in line], lines
-    servers = [pid for pid, line in lines.items() if " serve " in line]
+    servers = [pid for pid, line in lines.items() if " serve " in line and _comm(pid) != CORE_PROCESS_NAME]
     secrets = {_environ(pid).get(SECRET_ENV) for pid in servers}
     assert len(servers) == 2 and len(secrets) == 1 and None not in secrets, servers
     secret = secrets.pop()

@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvferry.engine.core_proc import CORE_PROCESS_NAME
 from kvferry.ports import free_port
 from tests.test_server_e2e import ROOT, _metric, _wait_healthy
 
@@ -100,12 +101,19 @@ def _kill(pid: int) -> None:
         pass
 
 
+def _is_core(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip() == CORE_PROCESS_NAME
+    except OSError:
+        return False
+
+
 def _wait_for_core(srv: Server, timeout: float = 60.0) -> list[int]:
-    """The front end's child processes, once the engine core process has been spawned."""
+    """The front end's child processes, once the engine core process has started."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         tree = _descendants(srv.proc.pid)
-        if any(b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in tree if _alive(pid)):
+        if any(_is_core(pid) for pid in tree if _alive(pid)):
             return tree
         assert srv.proc.poll() is None, srv.log_tail()
         time.sleep(0.02)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kvferry.config import EngineConfig, ModelConfig
 from kvferry.connector.factory import kv_params_validator, resolve_connector
 from kvferry.engine.core import EngineStats
-from kvferry.engine.core_client import CoreClient
+from kvferry.engine.core_client import CoreClient, CoreStart
 from kvferry.engine.core_proc import CoreFactory, make_engine_core
 from kvferry.engine.core_protocol import EngineDeadError, Outputs
 from kvferry.engine.input_processor import InputProcessor
@@ -143,12 +143,13 @@ class AsyncEngine:
         config: EngineConfig,
         core_factory: CoreFactory = make_engine_core,
         startup_timeout_s: float = 900.0,
+        start: CoreStart = CoreStart.SPAWN,
     ) -> AsyncEngine:
-        """Load the tokenizer, start the core process and wait until it is ready."""
+        """Load the tokenizer, start the core process (CoreStart) and wait until it is ready."""
         from kvferry.model.tokenizer import load_tokenizer
 
         config = resolve_connector(config)  # once: the core process gets it resolved
-        client = CoreClient(config, core_factory, wait=False)
+        client = CoreClient(config, core_factory, wait=False, start=start)
         try:
             tokenizer = load_tokenizer(config.model)  # while the core loads the model
             client.wait_ready(startup_timeout_s)

@@ -1,6 +1,6 @@
 """The engine core's own process: a busy loop that never waits on the HTTP front end.
 
-``run_core_process`` is the target of a spawned child (see ``core_client.CoreClient``):
+``run_core_process`` is the target of a spawned or forked child (``core_client.CoreClient``):
 
     connect sockets -> build the core -> send Ready (or StartupFailed and exit)
     loop: drain messages (add / abort / release_kv / stats / shutdown)
@@ -28,6 +28,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Protocol
 
 import zmq
@@ -50,6 +51,7 @@ from kvferry.messages.engine_core import EngineCoreOutput, EngineCoreRequest, Fi
 
 logger = logging.getLogger(__name__)
 
+CORE_PROCESS_NAME = "kvferry-core"
 PARENT_DEATH_GRACE_S = 10.0  # after this, a watchdog exits the child hard
 SPIN_STEP_S = 0.001  # an empty step faster than this means nothing could run ...
 SPIN_WAIT_MS = 1  # ... so wait this long on the socket before the next step (no hot spin),
@@ -86,10 +88,17 @@ def run_core_process(
     output_addr: str,
     log_level: int = logging.INFO,
 ) -> None:
-    """Entry point of the core process: build the core, serve until stopped, shut it down."""
+    """Entry point of the core process: build the core, serve until stopped, shut it down.
+    A forked child drops what it inherited: the parent's signal wake-up fd (a signal to the
+    child must not reach the parent's event loop) and its log handlers (the child's lines
+    carry [core])."""
+    signal.set_wakeup_fd(-1)
+    _name_this_process(CORE_PROCESS_NAME)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _raise_system_exit)  # while loading: give up the load
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [core] %(name)s: %(message)s")
+    logging.basicConfig(
+        level=log_level, format="%(asctime)s %(levelname)s [core] %(name)s: %(message)s", force=True
+    )
     parent = multiprocessing.parent_process()
     parent_sentinel = parent.sentinel if parent is not None else None
     if parent_sentinel is not None:
@@ -122,6 +131,15 @@ def run_core_process(
     # The interpreter's final garbage collections over torch's objects take about a second
     # (measured) that whoever stops the server waits for: leave what is left out of them.
     gc.freeze()
+
+
+def _name_this_process(name: str) -> None:
+    """The name ps and top show (Linux: /proc/self/comm, 15 characters at most): a forked
+    core's command line is its front end's."""
+    try:
+        Path("/proc/self/comm").write_text(name[:15])
+    except OSError:
+        pass
 
 
 def _raise_system_exit(signum: int, _frame: object) -> None:

@@ -29,6 +29,7 @@ def serve_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
+    from kvferry.engine.core_client import CoreStart
     from kvferry.entrypoints.edge_options import limits_from_args
     from kvferry.entrypoints.openai.server import HttpOptions, run_server
     from kvferry.entrypoints.proxy_secret import for_instance
@@ -37,7 +38,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     proxy_secret = for_instance(args.proxy_secret_file, config.kv_transfer.enabled, args.api_key is not None)
     limits = limits_from_args(args)
     options = HttpOptions(args.host, args.port, args.api_key, args.metrics_public, limits, proxy_secret)
-    run_server(config, options=options)
+    # This process has imported torch and read the model's config, and computed nothing:
+    # the core forks from it with those imports done.
+    run_server(config, options=options, core_start=CoreStart.FORK)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:

@@ -35,6 +35,7 @@ from pydantic import BaseModel
 
 from kvferry.config import EngineConfig
 from kvferry.engine.async_engine import AsyncEngine
+from kvferry.engine.core_client import CoreStart
 from kvferry.engine.core_protocol import EngineDeadError
 from kvferry.entrypoints.edge import BodyDecoder, check_prompt_lengths, parse_model
 from kvferry.entrypoints.edge_http import StrictH11Protocol
@@ -172,8 +173,10 @@ def run_server(
     api_key: str | None = None,
     log_level: str = "info",
     options: HttpOptions | None = None,
+    core_start: CoreStart = CoreStart.SPAWN,
 ) -> None:
-    """Start the engine core process, then serve HTTP until SIGINT/SIGTERM; stop both.
+    """Start the engine core process (forked only where this process computed nothing:
+    kvferry serve), then serve HTTP until SIGINT/SIGTERM; stop both.
 
     On the signal the server stops accepting, ends open requests with HTTP 503 (an error
     event in a stream), stops the engine core and returns. A signal while the model loads
@@ -182,13 +185,13 @@ def run_server(
     options = options or HttpOptions(host, port, api_key)
     with _signals_raise_stop():
         try:
-            _serve(engine_config, options, log_level)
+            _serve(engine_config, options, log_level, core_start)
         except _StopRequested as stop:
             logger.info("%s: server stopped", stop)
 
 
-def _serve(engine_config: EngineConfig, options: HttpOptions, log_level: str) -> None:
-    engine = AsyncEngine.from_config(engine_config)
+def _serve(engine_config: EngineConfig, options: HttpOptions, log_level: str, core_start: CoreStart) -> None:
+    engine = AsyncEngine.from_config(engine_config, start=core_start)
     name = engine_config.model.served_model_name
     host, port = options.host, options.port
     try:
