@@ -33,6 +33,17 @@ from tests.test_int4 import MAX_NEW, QUESTIONS, steps_equal_to_reference
 pytestmark = pytest.mark.skipif(not gguf_kernel_available(), reason="no C++ compiler for the CPU kernels")
 
 
+# Activations are quantized per block of 32 to a step of the block's max / 127 (test_gguf_kernel
+# proves each call equals that reference). A float32 difference upstream (the paged decode
+# kernel against SDPA, six rows against one) moves an input across a rounding boundary now
+# and then, and such a step is far coarser than int4's bfloat16 rounding (test_int4: 0.1):
+# over SmolLM2's 30 layers the chosen tokens' logprobs differed from the reference's by a
+# median 0.017, p90 0.10 and at most 0.15 over 95 compared steps, and one answer parted
+# from it where the reference's top two were 0.43 apart (2026-11-28, e9a2a2c, AVX2). A wrong
+# block layout, scale or minimum moves logprobs by whole units.
+GGUF_LOGPROB_TOLERANCE = 0.25
+
+
 def gguf_reference(model: torch.nn.Module) -> torch.nn.Module:
     """Hooks on every linear of a transformers model: few-row calls take quantized inputs."""
     for linear in (m for m in model.modules() if isinstance(m, torch.nn.Linear)):
@@ -102,6 +113,6 @@ def test_smollm2_gguf_greedy_equals_its_reference(smollm2_gguf: Path):
     prompts = [llm.inputs.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
     ours = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, logprobs=1))
     reference = gguf_reference(load_hf_reference(llm.config.model, torch.float32))
-    compared = steps_equal_to_reference(reference, ours)
+    compared = steps_equal_to_reference(reference, ours, GGUF_LOGPROB_TOLERANCE)
     assert compared >= len(QUESTIONS) * MAX_NEW // 2  # near-ties are rare: most steps were compared
     assert_pool_full(llm)

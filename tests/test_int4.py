@@ -78,15 +78,20 @@ def test_unknown_quantization_is_a_config_error(tiny_llama):
         LLM(str(tiny_llama), quantization="int3")
 
 
-def steps_equal_to_reference(reference: torch.nn.Module, ours: list) -> int:
+def steps_equal_to_reference(
+    reference: torch.nn.Module, ours: list, tolerance: float = LOGPROB_TOLERANCE
+) -> int:
     """Greedy steps of `ours` compared (not near-ties) with `reference` generating from the
-    same prompts; each compared step must pick the reference's token."""
+    same prompts; each compared step must pick the reference's token, its logprob within
+    `tolerance` of the reference's."""
     compared = 0
     for out in ours:
         ids = torch.tensor([out.prompt_token_ids])
         ref = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
                                  pad_token_id=0, output_logits=True, return_dict_in_generate=True)  # fmt: skip
-        compared += _same_greedy(out.outputs[0], ref.sequences[0, ids.shape[1] :].tolist(), ref.logits)
+        compared += _same_greedy(
+            out.outputs[0], ref.sequences[0, ids.shape[1] :].tolist(), ref.logits, tolerance
+        )
     return compared
 
 
@@ -132,7 +137,7 @@ def test_a_latent_attention_moe_model_runs_int4_and_equals_its_reference(tiny_mo
     llm.engine.shutdown()
 
 
-def _same_greedy(ours, ref_tokens: list[int], ref_logits: tuple[torch.Tensor, ...]) -> int:
+def _same_greedy(ours, ref_tokens: list[int], ref_logits: tuple[torch.Tensor, ...], tolerance: float) -> int:
     """Our tokens equal the reference's, our logprobs within tolerance, up to a step where
     the reference's own top two are within the tolerance (a near-tie either may break
     differently; the sequences part there). Returns the steps compared."""
@@ -140,11 +145,9 @@ def _same_greedy(ours, ref_tokens: list[int], ref_logits: tuple[torch.Tensor, ..
         ref_logprobs = torch.log_softmax(logits[0].float(), -1)
         if token != ref_tokens[step]:
             margin = ref_logprobs[ref_tokens[step]] - ref_logprobs[token]
-            assert margin < 2 * LOGPROB_TOLERANCE, (
-                f"step {step}: {token} vs {ref_tokens[step]}, margin {margin}"
-            )
+            assert margin < 2 * tolerance, f"step {step}: {token} vs {ref_tokens[step]}, margin {margin}"
             return step
-        assert abs(ours.logprobs[step].sampled - ref_logprobs[token].item()) < LOGPROB_TOLERANCE
+        assert abs(ours.logprobs[step].sampled - ref_logprobs[token].item()) < tolerance, f"step {step}"
     return len(ours.token_ids)
 
 
