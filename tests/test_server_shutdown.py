@@ -46,7 +46,15 @@ def _start(model: Path, tmp_path: Path) -> Server:
     port = free_port()
     log = tmp_path / "server.log"
     cmd = [sys.executable, "-m", "kvferry.entrypoints.cli", "serve", str(model)]
-    cmd += ["--port", str(port), "--kv-cache-memory", "0.005", "--enforce-eager"]
+    cmd += [
+        "--port",
+        str(port),
+        "--kv-cache-memory",
+        "0.005",
+        "--enforce-eager",
+        "--tensor-parallel-size",
+        "2",
+    ]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
@@ -188,9 +196,25 @@ def test_sigterm_while_the_model_loads(server: Server) -> None:
     assert server.proc.returncode == 0, server.log_tail()
 
 
+def _comm(pid: int) -> str:
+    return Path(f"/proc/{pid}/comm").read_text().strip()
+
+
+def _cmdline(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
 def test_engine_core_dies_with_a_killed_front_end(server: Server) -> None:
+    """The engine core is forked from the front end and the TP ranks from the core (each
+    starts with the imports done: a spawned core or a rank program has a command line of
+    its own); killing the front end takes the core and then the ranks down."""
     _wait_healthy(server.proc, server.url, server.log)
     tree = _descendants(server.proc.pid)
+    (core,) = _children(server.proc.pid)
+    ranks = _children(core)
+    assert _comm(core) == CORE_PROCESS_NAME and _cmdline(core) == _cmdline(server.proc.pid)
+    assert sorted(_comm(pid) for pid in ranks) == ["kvferry-rank0", "kvferry-rank1"]
+    assert all(_cmdline(pid) == _cmdline(server.proc.pid) for pid in ranks)
     start = time.monotonic()
     server.proc.kill()
     server.proc.wait()

@@ -15,6 +15,7 @@ from kvferry.engine.profile_run import size_kv_cache
 from kvferry.engine.startup_report import StartupClock, StartupPhase
 from kvferry.engine.warmup import warmup_steps
 from kvferry.executor.base import Executor
+from kvferry.executor.rank_start import RankStart
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.kv.usage import KVGroupStats, KVMemoryStats
 from kvferry.messages.engine_core import EngineCoreOutput, EngineCoreRequest
@@ -44,7 +45,7 @@ class EngineStats:
     kv_event_batches_dropped: int = 0  # batches dropped because the publisher's queue was full
 
 
-def make_executor(config: EngineConfig) -> Executor:
+def make_executor(config: EngineConfig, rank_start: RankStart = RankStart.SUBPROCESS) -> Executor:
     kind = config.parallel.executor
     if kind is ExecutorKind.UNIPROC and config.parallel.tensor_parallel_size > 1:
         kind = ExecutorKind.MULTIPROC  # one process per rank
@@ -55,19 +56,20 @@ def make_executor(config: EngineConfig) -> Executor:
     if kind is ExecutorKind.MULTIPROC:
         from kvferry.executor.multiproc import MultiprocExecutor
 
-        return MultiprocExecutor(config)
+        return MultiprocExecutor(config, rank_start)
     from kvferry.executor.ray_executor import RayExecutor
 
     return RayExecutor(config)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, rank_start: RankStart = RankStart.SUBPROCESS):
+        """rank_start: how TP ranks start (FORK only from the engine core's own process)."""
         config = resolve_connector(config)  # once: its class and the settings every half and rank shares
         self.config = config
         self._connector_totals: dict[str, float] = {}
         clock = StartupClock()
-        self.executor = make_executor(config)
+        self.executor = make_executor(config, rank_start)
         clock.lap(StartupPhase.EXECUTOR)
         self.kv_budget, kv_config = size_kv_cache(self.executor, config)
         clock.lap(StartupPhase.MEMORY_PROFILE)

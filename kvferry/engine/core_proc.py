@@ -28,7 +28,6 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Protocol
 
 import zmq
@@ -48,6 +47,7 @@ from kvferry.engine.core_protocol import (
 )
 from kvferry.errors import ConfigError
 from kvferry.messages.engine_core import EngineCoreOutput, EngineCoreRequest, FinishReason
+from kvferry.process_name import name_this_process
 
 logger = logging.getLogger(__name__)
 
@@ -75,10 +75,12 @@ CoreFactory = Callable[[EngineConfig], CoreLike]
 
 
 def make_engine_core(config: EngineConfig) -> CoreLike:
-    """The default core factory: the real EngineCore (imported in the child only)."""
+    """The default core factory: the real EngineCore (imported in the child only). This
+    process has computed nothing yet, so TP ranks fork from it (RankStart.FORK)."""
     from kvferry.engine.core import EngineCore
+    from kvferry.executor.rank_start import RankStart
 
-    return EngineCore(config)
+    return EngineCore(config, rank_start=RankStart.FORK)
 
 
 def run_core_process(
@@ -93,7 +95,7 @@ def run_core_process(
     child must not reach the parent's event loop) and its log handlers (the child's lines
     carry [core])."""
     signal.set_wakeup_fd(-1)
-    _name_this_process(CORE_PROCESS_NAME)
+    name_this_process(CORE_PROCESS_NAME)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _raise_system_exit)  # while loading: give up the load
     logging.basicConfig(
@@ -131,15 +133,6 @@ def run_core_process(
     # The interpreter's final garbage collections over torch's objects take about a second
     # (measured) that whoever stops the server waits for: leave what is left out of them.
     gc.freeze()
-
-
-def _name_this_process(name: str) -> None:
-    """The name ps and top show (Linux: /proc/self/comm, 15 characters at most): a forked
-    core's command line is its front end's."""
-    try:
-        Path("/proc/self/comm").write_text(name[:15])
-    except OSError:
-        pass
 
 
 def _raise_system_exit(signum: int, _frame: object) -> None:

@@ -1,7 +1,7 @@
 """Executor with one worker process per tensor-parallel rank (torch.distributed: gloo/NCCL).
 
-Each rank is its own program (`python -m kvferry.executor.rank_process`, see there why not
-multiprocessing's spawn), connected to the executor by a socket pair. The RPC surface is
+Each rank is its own process (kvferry.executor.rank_start: a program of its own, or a fork
+of the engine core process), connected to the executor by a socket pair. The RPC surface is
 typed: a WorkerCall carries one of the Worker methods in WORKER_METHODS; each rank answers
 with a WorkerReply carrying the result or the error text. Every call goes to every rank;
 replies come back in rank order.
@@ -10,10 +10,7 @@ replies come back in rank order.
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import subprocess
-import sys
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -22,6 +19,7 @@ from kvferry.config import EngineConfig
 from kvferry.errors import KVFerryError
 from kvferry.executor.base import Executor
 from kvferry.executor.rank import R, RankSetup, WorkerCall, WorkerReply
+from kvferry.executor.rank_start import RankProcess, RankStart, start_rank
 from kvferry.kv.allocate import with_num_blocks
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.kv.usage import KVMemoryUsage
@@ -42,33 +40,16 @@ class WorkerError(KVFerryError, RuntimeError):
     """A worker process failed or died."""
 
 
-def rank_environment() -> dict[str, str]:
-    """The caller's environment, with its import path: a rank imports kvferry (and any
-    out-of-tree connector) from where the caller did."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    return env
-
-
-def start_rank_process() -> tuple[subprocess.Popen[bytes], Connection]:
-    ours, theirs = socket.socketpair()
-    with theirs:
-        fd = theirs.fileno()
-        cmd = [sys.executable, "-m", "kvferry.executor.rank_process", "--fd", str(fd)]
-        proc = subprocess.Popen(cmd, pass_fds=(fd,), env=rank_environment())
-    return proc, Connection(ours.detach())
-
-
 class MultiprocExecutor(Executor):
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, rank_start: RankStart = RankStart.SUBPROCESS):
         super().__init__(config)
         self.world_size = config.parallel.tensor_parallel_size
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.procs: list[RankProcess] = []
         self.conns: list[Connection] = []
         port = free_port()
         try:
             for rank in range(self.world_size):
-                proc, conn = start_rank_process()
+                proc, conn = start_rank(rank_start, rank, self.conns)
                 self.procs.append(proc)
                 self.conns.append(conn)
                 conn.send(RankSetup(rank, self.world_size, port, config))

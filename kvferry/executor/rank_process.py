@@ -1,6 +1,7 @@
-"""A tensor-parallel rank's own process: `python -m kvferry.executor.rank_process --fd N`.
+"""A tensor-parallel rank's process: `python -m kvferry.executor.rank_process --fd N`, or
+run_rank in a fork of the engine core process (kvferry.executor.rank_start).
 
-MultiprocExecutor starts ranks with subprocess rather than multiprocessing's spawn, which
+Under an in-process LLM, ranks start with subprocess rather than multiprocessing's spawn, which
 re-runs the caller's main module in every child: `LLM(model, tensor_parallel_size=2)`
 from a script without a `__main__` guard, from `python -c` or from a REPL then failed with
 a bootstrap error. Here a rank imports nothing of its caller. It talks to the executor
@@ -36,7 +37,9 @@ def serve_calls(worker: Worker, rank: int, conn: Connection) -> None:
 def run_rank(conn: Connection) -> None:
     setup: RankSetup = conn.recv()
     logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s %(levelname)s rank{setup.rank} %(name)s: %(message)s"
+        level=logging.INFO,
+        format=f"%(asctime)s %(levelname)s rank{setup.rank} %(name)s: %(message)s",
+        force=True,  # a forked rank drops its parent's handlers
     )
     try:
         worker = build_worker(setup)
