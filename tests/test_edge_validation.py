@@ -122,15 +122,20 @@ def test_a_huge_prompt_does_not_stall_health(server: str) -> None:
     assert len(gaps) > 5 and max(gaps) < 0.5 * took, (max(gaps), took)
 
 
+HEALTH_STALL_S = 0.25
+
+
 @pytest.mark.parametrize("count", [4_000_000, 20_000])
 def test_a_costly_integer_body_does_not_stall_health(server: str, count: int) -> None:
     """4 million token ids in 8 MB (over the JSON value limit) and 20,000 (decoded in a worker
     thread, then over the model's context: refused by length before each id is validated):
-    /health answers within 100 ms meanwhile."""
+    /health answers meanwhile, none held for half the request (a body decoded on the event
+    loop would hold one for all of it) nor past HEALTH_STALL_S, which a busy 2-core host's
+    scheduling alone stays under."""
     resp, took, health = post_while_polling_health(server, integer_body(count))
     assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error", resp.text
     assert took < 30, took
-    assert health and max(health) < 0.1, (took, health)
+    assert health and max(health) < max(HEALTH_STALL_S, 0.5 * took), (took, health)
 
 
 def test_a_client_leaving_mid_body_is_one_line(server_and_log: tuple[str, Path]) -> None:
