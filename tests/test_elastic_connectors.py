@@ -128,12 +128,14 @@ def test_nixl_registration_commits_no_unmapped_page(pd_engines):
     [("eager", "elastic", 7), ("elastic", "eager", 8), ("elastic", "elastic2", 9)],
 )
 def test_pd_over_nixl_with_elastic_memory(pd_engines, tiny_qwen2, prefill, decode, lead):
+    """Request ids carry `lead`: a prefiller serves two cases, and an id it already ended
+    would find its ended lease, not the new one, if the decoder asked before the new hold."""
     prefiller, decoder, colocated = pd_engines[prefill], pd_engines[decode], pd_engines["colocated"]
     prompts = [[lead, *p] for p in tokenize_all(tiny_qwen2, PROMPT_TEXTS)]
     now = time.time()
     one = SamplingParams(max_tokens=1, temperature=0)
     prefill_requests = [
-        EngineCoreRequest(f"{prefill}-p{i}", p, one, now, {"do_remote_decode": True})
+        EngineCoreRequest(f"{prefill}-{lead}-p{i}", p, one, now, {"do_remote_decode": True})
         for i, p in enumerate(prompts)
     ]
     _, prefilled = _run(prefiller, prefill_requests, decoder)
@@ -144,7 +146,11 @@ def test_pd_over_nixl_with_elastic_memory(pd_engines, tiny_qwen2, prefill, decod
         decoder,
         [
             EngineCoreRequest(
-                f"{decode}-d{i}", p, GREEDY, now, prefilled[f"{prefill}-p{i}"].kv_transfer_params
+                f"{decode}-{lead}-d{i}",
+                p,
+                GREEDY,
+                now,
+                prefilled[f"{prefill}-{lead}-p{i}"].kv_transfer_params,
             )
             for i, p in enumerate(prompts)
         ],
@@ -154,8 +160,8 @@ def test_pd_over_nixl_with_elastic_memory(pd_engines, tiny_qwen2, prefill, decod
         colocated, [EngineCoreRequest(f"c{lead}-{i}", p, GREEDY, now) for i, p in enumerate(prompts)]
     )
     for i, prompt in enumerate(prompts):
-        assert decoded[f"{decode}-d{i}"] == expected[f"c{lead}-{i}"]
-        assert finals[f"{decode}-d{i}"].num_cached_tokens == len(prompt) - 1  # read over NIXL
+        assert decoded[f"{decode}-{lead}-d{i}"] == expected[f"c{lead}-{i}"]
+        assert finals[f"{decode}-{lead}-d{i}"].num_cached_tokens == len(prompt) - 1  # read over NIXL
     _drain(prefiller, decoder)
     for name in ("elastic", "elastic2"):  # pools all free, every page returned
         elastic = pd_engines[name]
