@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvferry.engine.llm import LLM
 from kvferry.errors import ConfigError
 from kvferry.model.layers.gguf_kernel import gguf_kernel_available
 from kvferry.model.layers.gguf_linear import MAX_GGUF_ROWS, GGUFWeight
@@ -22,13 +21,12 @@ from kvferry.model.layers.linear import PackableLinear
 from kvferry.model.loader import load_model
 from kvferry.model.loader.gguf_dequant import dequantize
 from kvferry.model.resolve import resolve_model_config
-from kvferry.sampling_params import SamplingParams
 from kvferry_bench.hf_reference import load_hf_reference
 from tests.engine_helpers import assert_pool_full
 from tests.fixtures.paged import Chunk, PagedDriver
 from tests.fixtures.tiny_gguf import write_tiny_gguf
 from tests.test_gguf_kernel import quantized_rows
-from tests.test_int4 import MAX_NEW, QUESTIONS, steps_equal_to_reference
+from tests.test_int4 import MAX_NEW, QUESTIONS, eager_smollm2, greedy_answers, steps_equal_to_reference
 
 pytestmark = pytest.mark.skipif(not gguf_kernel_available(), reason="no C++ compiler for the CPU kernels")
 
@@ -100,18 +98,10 @@ def test_gguf_quantization_of_a_checkpoint_without_blocks_is_a_config_error(tiny
 def test_smollm2_gguf_greedy_equals_its_reference(smollm2_gguf: Path):
     """Eager: the kernel's arithmetic is the subject (--capture auto would compile 30 layers
     and could keep the compiled forward, whose fused float32 ops round differently)."""
-    llm = LLM(
-        str(smollm2_gguf),
-        dtype="float32",
-        kv_cache_bytes=256 << 20,
-        max_model_len=1024,
-        quantization="gguf",
-        enforce_eager=True,
-    )
+    llm = eager_smollm2(smollm2_gguf, "gguf")
     model = llm.engine.executor.worker.runner.model
     assert len(_kept(model)) == 4 * 30 + 1  # per layer qkv, o, gate_up, down (Q4_1); the LM head (Q8_0)
-    prompts = [llm.inputs.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
-    ours = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, logprobs=1))
+    ours = greedy_answers(llm)
     reference = gguf_reference(load_hf_reference(llm.config.model, torch.float32))
     compared = steps_equal_to_reference(reference, ours, GGUF_LOGPROB_TOLERANCE)
     assert compared >= len(QUESTIONS) * MAX_NEW // 2  # near-ties are rare: most steps were compared

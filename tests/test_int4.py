@@ -12,6 +12,8 @@ Calls of up to MAX_INT4_ROWS rows take the int4 kernel, larger ones the dense we
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -78,6 +80,18 @@ def test_unknown_quantization_is_a_config_error(tiny_llama):
         LLM(str(tiny_llama), quantization="int3")
 
 
+def eager_smollm2(path: Path, quantization: str) -> LLM:
+    """The embedded SmolLM2 in float32 under `quantization`, eager (the arithmetic is the subject)."""
+    return LLM(str(path), dtype="float32", kv_cache_bytes=256 << 20, max_model_len=1024,
+               quantization=quantization, enforce_eager=True)  # fmt: skip
+
+
+def greedy_answers(llm: LLM) -> list:
+    """QUESTIONS as chat prompts, answered greedily with the chosen tokens' logprobs."""
+    prompts = [llm.inputs.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+    return llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, logprobs=1))
+
+
 def steps_equal_to_reference(
     reference: torch.nn.Module, ours: list, tolerance: float = LOGPROB_TOLERANCE
 ) -> int:
@@ -100,17 +114,9 @@ def steps_equal_to_reference(
 def test_smollm2_int4_greedy_equals_its_reference(smollm2_gguf):
     """Eager: the int4 arithmetic is the subject (the default, --capture auto, compiled and
     timed 30 layers at start-up and could keep either forward on a noisy host)."""
-    llm = LLM(
-        str(smollm2_gguf),
-        dtype="float32",
-        kv_cache_bytes=256 << 20,
-        max_model_len=1024,
-        quantization="int4",
-        enforce_eager=True,
-    )
+    llm = eager_smollm2(smollm2_gguf, "int4")
     assert _int4_linears(llm) == 4 * 30  # per layer: qkv, o, gate_up, down (the LM head stays float32)
-    prompts = [llm.inputs.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
-    ours = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, logprobs=1))
+    ours = greedy_answers(llm)
     compared = steps_equal_to_reference(_int4_reference(llm), ours)
     assert compared >= len(QUESTIONS) * MAX_NEW // 2  # near-ties are rare: most steps were compared
     assert_pool_full(llm)
