@@ -70,6 +70,26 @@ def test_enforce_eager_compiles_nothing(tiny_llama: Path) -> None:
     assert _stats(llm).compiled_steps == 0 and _stats(llm).eager_steps > 0
 
 
+def test_an_eager_engine_never_imports_the_compiler(tiny_llama: Path, tmp_path: Path) -> None:
+    """Importing torch's compiler takes seconds: a process that imports the server and runs
+    an --enforce-eager engine whose connector's hooks split graphs never imports it."""
+    transfer = (
+        "KVTransferConfig('SplitRecordingConnector', kv_connector_module_path='tests.test_capture', "
+        f"kv_connector_extra_config={{'record_path': {str(tmp_path / 'hooks.jsonl')!r}}})"
+    )
+    code = (
+        "import sys\nfrom kvferry.entrypoints.openai import server\nfrom kvferry.engine.llm import LLM\n"
+        "from kvferry.config import KVTransferConfig\n"
+        f"llm = LLM({str(tiny_llama)!r}, enforce_eager=True, kv_cache_bytes=8 << 20, kv_transfer={transfer})\n"
+        "print(llm.generate(['the cat'])[0].outputs[0].token_ids, 'torch._dynamo' in sys.modules)\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("False"), done.stdout
+    assert (tmp_path / "hooks.jsonl").read_text(), "the split hooks never ran"
+
+
 @pytest.mark.slow  # compiles a forward
 def test_captured_equals_eager_with_chunked_prefill_and_preemption(tiny_llama: Path) -> None:
     """A 24-token budget chunks prompts into mixed prefill/decode steps (eager) between

@@ -8,8 +8,9 @@ An attention layer calls the hooks as its `HookPlacement` says:
   mutate the layer's attention output buffer: that orders them around the attention
   operator (which writes the buffer) and keeps the compiler from dropping them.
 - SPLIT (not graph-safe): plain Python calls the compiler may not trace
-  (`torch.compiler.disable`): the graph is split there and the hook runs eagerly
-  between compiled pieces.
+  (`torch.compiler.disable`, applied by `cut_compiled_graphs_at_split_hooks` before a
+  forward is compiled): the graph is split there and the hook runs eagerly between
+  compiled pieces.
 - NONE: nothing is called.
 
 On CUDA the captured program replays CUDA graphs between these operators: they are
@@ -19,6 +20,9 @@ would have to provide them as device kernels reading static buffers; none does y
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -59,9 +63,27 @@ def _(order: torch.Tensor, ctx: ForwardContext, layer_name: str) -> None:
     return None
 
 
-# SPLIT: the compiled graph is cut at the call (torch.compiler.disable carries no annotations)
-_wait_eagerly = torch.compiler.disable(_wait)  # type: ignore[no-untyped-call]
-_save_eagerly = torch.compiler.disable(_save)  # type: ignore[no-untyped-call]
+@dataclass
+class _SplitCalls:
+    """SPLIT's hooks as called from a forward: plain calls until a compiler is to trace one
+    (`cut_compiled_graphs_at_split_hooks`)."""
+
+    wait: Callable[[ForwardContext, str], None] = _wait
+    save: Callable[[ForwardContext, str], None] = _save
+
+
+_SPLIT_CALLS = _SplitCalls()
+
+
+def cut_compiled_graphs_at_split_hooks() -> None:
+    """Make SPLIT's hooks calls the compiler may not trace (`torch.compiler.disable`), so a
+    compiled graph is cut at each and the hook runs eagerly. Called before a forward is
+    compiled, not at import: importing the compiler takes seconds, which a process that
+    never compiles (an eager engine, every front end) would pay. Idempotent; an eager
+    forward calls the same hooks either way."""
+    if _SPLIT_CALLS.wait is _wait:  # torch.compiler.disable carries no annotations
+        _SPLIT_CALLS.wait = torch.compiler.disable(_wait)  # type: ignore[no-untyped-call]
+        _SPLIT_CALLS.save = torch.compiler.disable(_save)  # type: ignore[no-untyped-call]
 
 
 def before_attention(
@@ -70,7 +92,7 @@ def before_attention(
     if placement is HookPlacement.IN_GRAPH:
         torch.ops.kvferry.wait_for_layer_load(out, ctx, layer_name)
     elif placement is HookPlacement.SPLIT:
-        _wait_eagerly(ctx, layer_name)
+        _SPLIT_CALLS.wait(ctx, layer_name)
 
 
 def after_attention(
@@ -79,4 +101,4 @@ def after_attention(
     if placement is HookPlacement.IN_GRAPH:
         torch.ops.kvferry.save_kv_layer(out, ctx, layer_name)
     elif placement is HookPlacement.SPLIT:
-        _save_eagerly(ctx, layer_name)
+        _SPLIT_CALLS.save(ctx, layer_name)

@@ -47,6 +47,7 @@ import torch
 from kvferry.config import CaptureMode, CompilationConfig
 from kvferry.connector.base import KVConnectorBase
 from kvferry.model.forward_context import ForwardContext, HookPlacement
+from kvferry.model.graph_ops import cut_compiled_graphs_at_split_hooks
 
 if TYPE_CHECKING:
     from kvferry.model.causal_lm import CausalLM
@@ -200,6 +201,8 @@ class CapturedForward:
         """CPU: one inductor program. CUDA: the same, replayed as CUDA graphs between the
         operators tagged `cudagraph_unsafe` (attention, hooks); one graph per padded size."""
         fullgraph = placement is not HookPlacement.SPLIT
+        if not fullgraph:
+            cut_compiled_graphs_at_split_hooks()
         mode = "reduce-overhead" if cuda_graphs else None
         entry = _own_entry(model.model)
         return torch.compile(entry, fullgraph=fullgraph, dynamic=not cuda_graphs, mode=mode)
