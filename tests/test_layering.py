@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent / "kvferry"
 LAYERS: tuple[frozenset[str], ...] = tuple(
     frozenset(layer.split())
     for layer in (
-        "errors cpu_features ports cache_dir process_name",
+        "errors cpu_features ports cache_dir process_name process_exit",
         "kv",  # KV specs, layouts, allocators: the vocabulary both halves share
         "constraint_params structured",  # request options sampling_params holds (limits, grammars)
         "config sampling_params",

@@ -17,7 +17,6 @@ request in the core with an error output and the loop keeps serving.
 
 from __future__ import annotations
 
-import gc
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -47,6 +46,7 @@ from kvferry.engine.core_protocol import (
 )
 from kvferry.errors import ConfigError
 from kvferry.messages.engine_core import EngineCoreOutput, EngineCoreRequest, FinishReason
+from kvferry.process_exit import leave_remaining_objects_to_the_os
 from kvferry.process_name import name_this_process
 
 logger = logging.getLogger(__name__)
@@ -130,9 +130,7 @@ def run_core_process(
         out_sock.close(linger=linger_ms)
         ctx.term()
     logger.info("engine core process exits")
-    # The interpreter's final garbage collections over torch's objects take about a second
-    # (measured) that whoever stops the server waits for: leave what is left out of them.
-    gc.freeze()
+    leave_remaining_objects_to_the_os()
 
 
 def _raise_system_exit(signum: int, _frame: object) -> None:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from kvferry.entrypoints.edge_options import add_edge_args
 from kvferry.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from kvferry.errors import KVFerryError
+from kvferry.process_exit import leave_remaining_objects_to_the_os
 
 if TYPE_CHECKING:
     from kvferry.config import EngineConfig
@@ -201,5 +202,14 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
 
 
+def run() -> None:
+    """The `kvferry` program: main(), then an exit without the interpreter's final
+    garbage collections (kvferry.process_exit)."""
+    try:
+        main()
+    finally:
+        leave_remaining_objects_to_the_os()
+
+
 if __name__ == "__main__":
-    main()
+    run()

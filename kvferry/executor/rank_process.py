@@ -17,6 +17,7 @@ import traceback
 from multiprocessing.connection import Connection
 
 from kvferry.executor.rank import RankSetup, WorkerCall, WorkerReply, build_worker
+from kvferry.process_exit import leave_remaining_objects_to_the_os
 from kvferry.worker.worker import Worker
 
 
@@ -56,6 +57,7 @@ def main() -> None:
     args = parser.parse_args()
     with Connection(args.fd) as conn:
         run_rank(conn)
+    leave_remaining_objects_to_the_os()
 
 
 if __name__ == "__main__":
