@@ -15,6 +15,8 @@ from pathlib import Path
 
 import httpx
 
+from tests import plain_http
+
 JSON = {"content-type": "application/json"}
 STARTUP_S = 240.0  # a `kvferry serve` on a host shared by several test runs took over 90 s
 
@@ -230,7 +232,7 @@ def post_while_polling_health(base_url: str, body: bytes) -> tuple[httpx.Respons
     time.sleep(0.3)  # the poller's connection is open and warm
     try:
         start = time.monotonic()
-        resp = httpx.post(base_url + "/v1/completions", content=body, headers=JSON, timeout=120)
+        resp = plain_http.post(base_url + "/v1/completions", content=body, headers=JSON, timeout=120)
         end = time.monotonic()
     finally:
         done.set()

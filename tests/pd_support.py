@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from kvferry.ports import free_port
+from tests import plain_http
 from tests.proxy_fakes import start_cli
 from tests.proxy_fakes import stop as stop_procs
 from tests.proxy_fakes import wait_healthy as wait_proc_healthy
@@ -39,12 +40,12 @@ class Server:
     log: Path
 
     def post(self, body: dict, timeout: float = 60.0) -> httpx.Response:
-        return httpx.post(self.url + "/v1/completions", json={"model": MODEL, **body}, timeout=timeout)
+        return plain_http.post(self.url + "/v1/completions", json={"model": MODEL, **body}, timeout=timeout)
 
     def metrics(self) -> dict[str, float]:
         """Every kvferry: sample of /metrics, by name (labels dropped; counters without _total)."""
         out: dict[str, float] = {}
-        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+        for line in plain_http.get(self.url + "/metrics", timeout=10).text.splitlines():
             if line.startswith("kvferry:") and " " in line:
                 key, _, value = line.rpartition(" ")
                 name = key.split("{")[0].removeprefix("kvferry:").removesuffix("_total")
@@ -151,7 +152,7 @@ def wait_healthy(servers: list[Server], timeout: float | None = None) -> None:
             if server.proc.poll() is not None:
                 raise AssertionError(f"{server.name} exited with {server.proc.returncode}:\n{server.tail()}")
             try:
-                if httpx.get(server.url + "/health", timeout=1).status_code == 200:
+                if plain_http.get(server.url + "/health", timeout=1).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
@@ -250,13 +251,13 @@ def complete(url: str, prompt: str | list[int], max_tokens: int, stream: bool) -
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     body |= {"return_token_ids": True, "stream": stream}
     if not stream:
-        resp = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        resp = plain_http.post(url + "/v1/completions", json=body, timeout=120)
         assert resp.status_code == 200, resp.text
         choice, usage = resp.json()["choices"][0], resp.json()["usage"]
         return Completion(
             choice["text"], choice["token_ids"], usage["prompt_tokens_details"]["cached_tokens"]
         )
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+    with plain_http.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
         assert r.status_code == 200, r.read()
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     choices = [c for chunk in chunks for c in chunk["choices"]]

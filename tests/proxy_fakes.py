@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvferry.ports import free_port
+from tests import plain_http
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +169,7 @@ def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 9
         if proc.poll() is not None:
             raise AssertionError(f"process exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
         try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
+            if plain_http.get(url + "/health", timeout=1).status_code == 200:
                 return
         except httpx.TransportError:
             pass

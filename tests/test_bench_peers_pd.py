@@ -27,6 +27,7 @@ from kvferry.entrypoints.cli import build_parser
 from kvferry.ports import LOWEST_PORT, ephemeral_start
 from kvferry_bench.peers import install, pd, report
 from kvferry_bench.peers.setup import Setup
+from tests import plain_http
 from tests.proxy_fakes import serve_in_thread
 from tests.test_bench_peers import peers_setup
 
@@ -185,8 +186,8 @@ def test_kvferry_proxy_speaks_vllms_kv_transfer_protocol(early: bool) -> None:
         proxy = build_app(config)
         with serve_in_thread(proxy) as url:
             body = {"model": "m", "prompt": "hi", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
-            plain = httpx.post(url + "/v1/completions", json=body, timeout=30)
-            streamed = httpx.post(
+            plain = plain_http.post(url + "/v1/completions", json=body, timeout=30)
+            streamed = plain_http.post(
                 url + "/v1/completions",
                 json=body | {"stream": True, "stream_options": {"include_usage": True}},
                 timeout=30,
@@ -359,7 +360,7 @@ def test_the_bench_runs_kvferry_disagg_and_stops_it(tiny_llama: Path, tmp_path: 
     def one_request(setup: Setup, url: str, load, rate_index: int, tag: str) -> dict:
         """Instead of vLLM's client: one greedy request through disagg's proxy."""
         body = {"model": "peers-bench", "prompt": "hello there", "max_tokens": 4, "temperature": 0}
-        answer = httpx.post(url + "/v1/completions", json=body, timeout=120).json()
+        answer = plain_http.post(url + "/v1/completions", json=body, timeout=120).json()
         seen.append((url, rate_index, tag))
         return {"request_rate": load.rates[rate_index], "tokens": answer["usage"]["completion_tokens"]}
 
@@ -374,7 +375,7 @@ def test_the_bench_runs_kvferry_disagg_and_stops_it(tiny_llama: Path, tmp_path: 
     assert logs == ["decode-0.log", "prefill-0.log", "proxy.log"]
     url = seen[0][0]
     with pytest.raises(httpx.ConnectError):
-        httpx.get(url + "/health", timeout=2)
+        plain_http.get(url + "/health", timeout=2)
 
 
 @pytest.mark.skipif(

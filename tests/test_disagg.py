@@ -17,7 +17,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
@@ -25,6 +24,7 @@ from kvferry.engine.llm import LLM
 from kvferry.entrypoints import disagg
 from kvferry.errors import ConfigError
 from kvferry.sampling_params import SamplingParams
+from tests import plain_http
 from tests.proxy_fakes import free_port, start_cli
 
 MODEL = "tiny"
@@ -232,7 +232,7 @@ def test_sigterm_leaves_nothing_behind(deployment: Deployment) -> None:
     family = _descendants(proc.pid)
     assert len(family) >= 5, family  # prefill, decode, proxy, and each server's engine core
     for url in urls:
-        assert httpx.get(url + "/health").status_code == 200
+        assert plain_http.get(url + "/health").status_code == 200
     proc.send_signal(signal.SIGTERM)
     code = proc.wait(60)
     assert code == 0, deployment.log.read_text()[-4000:]
@@ -244,7 +244,7 @@ def test_sigterm_leaves_nothing_behind(deployment: Deployment) -> None:
 
 
 def _metric(url: str, name: str) -> float:
-    for line in httpx.get(url + "/metrics").text.splitlines():
+    for line in plain_http.get(url + "/metrics").text.splitlines():
         key, _, value = line.rpartition(" ")
         if key.split("{")[0] == name:
             return float(value)

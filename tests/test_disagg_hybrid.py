@@ -21,13 +21,13 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 from transformers import AutoTokenizer
 
 from kvferry.engine.llm import LLM
 from kvferry.sampling_params import SamplingParams
+from tests import plain_http
 from tests.fixtures.tiny_hybrid import WINDOW
 from tests.pd_support import prompt_set
 from tests.proxy_fakes import free_port, start_cli
@@ -131,7 +131,7 @@ class Deployment:
 
     def complete(self, prompt: str | list[int]) -> str:
         body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
-        resp = httpx.post(self.proxy + "/v1/completions", json=body, timeout=120)
+        resp = plain_http.post(self.proxy + "/v1/completions", json=body, timeout=120)
         assert resp.status_code == 200, resp.text
         return resp.json()["choices"][0]["text"]
 
@@ -147,7 +147,7 @@ class Deployment:
 
 
 def metric(url: str, name: str) -> float:
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+    for line in plain_http.get(url + "/metrics", timeout=10).text.splitlines():
         key, _, value = line.rpartition(" ")
         if key.split("{")[0] == name:
             return float(value)

@@ -22,12 +22,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 
 from kvferry.engine.llm import LLM
 from kvferry.ports import free_port
 from kvferry.sampling_params import SamplingParams
+from tests import plain_http
 from tests.test_disagg import _descendants, _proc_start_time
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -156,7 +156,7 @@ class Streamer:
         body |= {"ignore_eos": True, "stream": True}
         self.chunks = 0
         pieces = []
-        with httpx.stream("POST", self.url, json=body, timeout=300) as resp:
+        with plain_http.stream("POST", self.url, json=body, timeout=300) as resp:
             if resp.status_code != 200:
                 raise AssertionError(f"HTTP {resp.status_code}: {resp.read().decode()}")
             for line in resp.iter_lines():
@@ -171,7 +171,7 @@ class Streamer:
 def _metric(url: str, name: str, label: str = "") -> float:
     """The sum of ``name``'s samples whose labels contain ``label``."""
     total = 0.0
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+    for line in plain_http.get(url + "/metrics", timeout=10).text.splitlines():
         key, _, value = line.rpartition(" ")
         if key.split("{")[0] == name and label in key:
             total += float(value)
@@ -188,7 +188,7 @@ def _wait(what: str, ready: Callable[[], bool], dep: Deployment, timeout: float 
 
 def _decoder_health(proxy: str, url: str) -> tuple[dict, dict]:
     """(the decode role's up/down counts, the instance's entry) in the proxy's /health."""
-    health = httpx.get(proxy + "/health", timeout=5).json()
+    health = plain_http.get(proxy + "/health", timeout=5).json()
     entry = next(i for i in health["instances"]["decode"] if i["url"] == url)
     return health["roles"]["decode"], entry
 
@@ -202,7 +202,7 @@ def _kill_group(pid: int) -> None:
 
 def _complete(proxy: str, prompt: str) -> str:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
-    resp = httpx.post(proxy + "/v1/completions", json=body, timeout=300)
+    resp = plain_http.post(proxy + "/v1/completions", json=body, timeout=300)
     assert resp.status_code == 200, resp.text
     return str(resp.json()["choices"][0]["text"])
 
@@ -256,7 +256,7 @@ def test_a_killed_decoder_is_restarted_while_the_other_serves(
 
 
 def _prefill_health(proxy: str) -> dict:
-    return dict(httpx.get(proxy + "/health", timeout=5).json()["instances"]["prefill"][0])
+    return dict(plain_http.get(proxy + "/health", timeout=5).json()["instances"]["prefill"][0])
 
 
 @pytest.mark.slow

@@ -14,7 +14,6 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from kvferry.connector.nixl.auth import SECRET_ENV
@@ -23,6 +22,7 @@ from kvferry.engine.core_proc import CORE_PROCESS_NAME
 from kvferry.entrypoints.http_common import API_KEY_ENV, resolve_api_key
 from kvferry.entrypoints.proxy_secret import PROXY_SECRET_ENV, load_proxy_secret
 from kvferry.errors import ConfigError
+from tests import plain_http
 from tests.pd_support import nixl
 from tests.proxy_fakes import ROOT, free_port
 from tests.test_disagg import _descendants, _disagg_args, _wait_ready
@@ -94,9 +94,9 @@ def test_children_get_secrets_by_environment_only(launched: tuple) -> None:
     assert len(proxy_secret) >= 32 and not [line for line in lines.values() if proxy_secret in line]
     # the key is required, and the proxy has it
     body = {"model": "tiny", "prompt": "the cat sees a small bird", "max_tokens": 4, "temperature": 0}
-    assert httpx.post(proxy + "/v1/completions", json=body, timeout=60).status_code == 401
+    assert plain_http.post(proxy + "/v1/completions", json=body, timeout=60).status_code == 401
     auth = {"Authorization": f"Bearer {KEY}"}
-    resp = httpx.post(proxy + "/v1/completions", json=body, headers=auth, timeout=60)
+    resp = plain_http.post(proxy + "/v1/completions", json=body, headers=auth, timeout=60)
     assert resp.status_code == 200, resp.text
     # kv_transfer_params straight from a client with the API key: refused, by either role
     forged = {
@@ -106,7 +106,7 @@ def test_children_get_secrets_by_environment_only(launched: tuple) -> None:
         "remote_port": 1,
     }
     for url, params in ((prefill, {"do_remote_decode": True}), (decode, forged)):
-        refused = httpx.post(
+        refused = plain_http.post(
             url + "/v1/completions", json={**body, "kv_transfer_params": params}, headers=auth, timeout=60
         )
         assert refused.status_code == 403, refused.text

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests import plain_http
 from tests.edge_inputs import (
     JSON,
     STARTUP_S,
@@ -83,14 +84,18 @@ def _vocab(model: Path) -> int:
 
 def test_bad_inputs_are_400_and_others_finish(server: str, tiny_llama: Path) -> None:
     asyncio.run(bad_beside_good(server, {}, bad_inputs(_vocab(tiny_llama))))
-    assert httpx.get(server + "/health").status_code == 200
+    assert plain_http.get(server + "/health").status_code == 200
 
 
 def test_body_over_the_limit_is_413(server: str) -> None:
     big = b'{"prompt": "' + b"a" * MAX_BODY + b'"}'
     too_large = Bad("too large", "/v1/completions", big, status=413)
-    check_refusal(httpx.post(server + "/v1/completions", content=big, headers=JSON, timeout=60), too_large)
-    chunked = httpx.post(server + "/v1/completions", content=iter([big[:1000], big[1000:]]), headers=JSON)
+    check_refusal(
+        plain_http.post(server + "/v1/completions", content=big, headers=JSON, timeout=60), too_large
+    )
+    chunked = plain_http.post(
+        server + "/v1/completions", content=iter([big[:1000], big[1000:]]), headers=JSON
+    )
     check_refusal(chunked, too_large)  # no Content-Length: counted while read
 
 
@@ -112,7 +117,9 @@ def test_a_huge_prompt_does_not_stall_health(server: str) -> None:
     poller.start()
     try:
         start = time.monotonic()
-        resp = httpx.post(server + "/v1/completions", json={"prompt": prompt, "max_tokens": 4}, timeout=120)
+        resp = plain_http.post(
+            server + "/v1/completions", json={"prompt": prompt, "max_tokens": 4}, timeout=120
+        )
         took = time.monotonic() - start
     finally:
         done.set()
@@ -138,7 +145,7 @@ def test_a_costly_integer_body_does_not_stall_health(server: str) -> None:
 def test_a_long_integer_prompt_is_refused_by_its_length_first(server: str) -> None:
     """20,000 token ids whose last is -1: refused for the model's context, by the list's
     length, before the ids are validated one by one (which would name the negative id)."""
-    resp = httpx.post(server + "/v1/completions", content=integer_body(20_000), headers=JSON, timeout=60)
+    resp = plain_http.post(server + "/v1/completions", content=integer_body(20_000), headers=JSON, timeout=60)
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == "prompt", error
@@ -155,7 +162,7 @@ def test_a_client_leaving_mid_body_is_one_line(server_and_log: tuple[str, Path])
 
 def test_bad_request_heads_are_400(server: str) -> None:
     check_bad_head_refused(server)
-    assert httpx.get(server + "/health").status_code == 200
+    assert plain_http.get(server + "/health").status_code == 200
 
 
 def test_default_max_tokens_caps_a_chat_request_that_sets_none(server: str) -> None:
@@ -163,31 +170,31 @@ def test_default_max_tokens_caps_a_chat_request_that_sets_none(server: str) -> N
     messages = [{"role": "user", "content": "Count to a thousand"}]
     for extra in ({"max_tokens": None}, {}):
         body = {"messages": messages, "ignore_eos": True, **extra}
-        resp = httpx.post(server + "/v1/chat/completions", json=body, timeout=120)
+        resp = plain_http.post(server + "/v1/chat/completions", json=body, timeout=120)
         assert resp.status_code == 200, resp.text
         assert resp.json()["usage"]["completion_tokens"] == DEFAULT_MAX_TOKENS, resp.json()
         assert resp.json()["choices"][0]["finish_reason"] == "length"
     body = {"messages": messages, "ignore_eos": True, "max_tokens": DEFAULT_MAX_TOKENS + 2}
-    resp = httpx.post(server + "/v1/chat/completions", json=body, timeout=120)
+    resp = plain_http.post(server + "/v1/chat/completions", json=body, timeout=120)
     assert resp.json()["usage"]["completion_tokens"] == DEFAULT_MAX_TOKENS + 2  # a request's own cap holds
 
 
 def test_metrics_and_openapi_need_the_key(server_with_key: str) -> None:
     for path in ("/metrics", "/openapi.json"):
-        resp = httpx.get(server_with_key + path)
+        resp = plain_http.get(server_with_key + path)
         assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key", path
-        assert httpx.get(server_with_key + path, headers=AUTH).status_code == 200, path
-    assert httpx.get(server_with_key + "/health").status_code == 200
+        assert plain_http.get(server_with_key + path, headers=AUTH).status_code == 200, path
+    assert plain_http.get(server_with_key + "/health").status_code == 200
 
 
 def test_the_model_is_named_not_shown_by_path(server_with_key: str, tiny_llama: Path) -> None:
-    models = httpx.get(server_with_key + "/v1/models", headers=AUTH)
+    models = plain_http.get(server_with_key + "/v1/models", headers=AUTH)
     body = {"prompt": "hi", "max_tokens": 2}
-    answer = httpx.post(server_with_key + "/v1/completions", json=body, headers=AUTH, timeout=60)
+    answer = plain_http.post(server_with_key + "/v1/completions", json=body, headers=AUTH, timeout=60)
     assert models.json()["data"][0]["id"] == tiny_llama.name == answer.json()["model"]
     for resp in (models, answer):
         assert str(tiny_llama.parent) not in resp.text
-    by_path = httpx.post(
+    by_path = plain_http.post(
         server_with_key + "/v1/completions", json={**body, "model": str(tiny_llama)}, headers=AUTH, timeout=60
     )
     assert by_path.status_code == 200 and by_path.json()["model"] == tiny_llama.name

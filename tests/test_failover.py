@@ -17,11 +17,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import jsonschema
 import pytest
 
 from kvferry.entrypoints.proxy.failover import SentTokens, is_role_chunk
+from tests import plain_http
 from tests.pd_support import Server, kill, nixl, start_server, stop, wait_healthy, wait_idle
 from tests.proxy_fakes import free_port, start_cli
 from tests.proxy_fakes import stop as stop_procs
@@ -84,7 +84,7 @@ class Deployment:
 
 
 def _all_decoders_healthy(proxy: str) -> bool:
-    instances = httpx.get(proxy + "/health", timeout=5).json()["instances"]["decode"]
+    instances = plain_http.get(proxy + "/health", timeout=5).json()["instances"]["decode"]
     return all(inst["healthy"] for inst in instances)
 
 
@@ -137,13 +137,13 @@ class Client:
             self.done.set()
 
     def _complete(self) -> None:
-        resp = httpx.post(self.url, json=self.body, timeout=120)
+        resp = plain_http.post(self.url, json=self.body, timeout=120)
         assert resp.status_code == 200, resp.text
         choice = resp.json()["choices"][0]
         self.pieces.append(choice["message"]["content"] if "messages" in self.body else choice["text"])
 
     def _stream(self) -> None:
-        with httpx.stream("POST", self.url, json={**self.body, "stream": True}, timeout=120) as resp:
+        with plain_http.stream("POST", self.url, json={**self.body, "stream": True}, timeout=120) as resp:
             assert resp.status_code == 200
             for line in resp.iter_lines():
                 if line.startswith("data: {"):
@@ -174,7 +174,7 @@ def _busy_decoder(servers: dict[str, Server], timeout: float = 30.0) -> str:
 def _counter(url: str, name: str, label: str = "") -> float:
     """The sum of a proxy counter's samples (those whose labels contain ``label``)."""
     total = 0.0
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+    for line in plain_http.get(url + "/metrics", timeout=10).text.splitlines():
         if line.startswith(f"kvferry_proxy:{name}_total") and label in line:
             total += float(line.rpartition(" ")[2])
     return total
@@ -335,10 +335,10 @@ def test_chat_answers_from_its_prompt_token_ids_as_from_its_messages(deployment:
     prompt's ids (return_token_ids) and answers the same from them (prompt_token_ids)."""
     url = deployment.servers["a"].url + "/v1/chat/completions"
     body = {**CHAT, **GREEDY, "max_tokens": 12, "return_token_ids": True}
-    answer = httpx.post(url, json=body, timeout=60).json()["choices"][0]
+    answer = plain_http.post(url, json=body, timeout=60).json()["choices"][0]
     assert answer["prompt_token_ids"] and len(answer["token_ids"]) == 12
-    again = httpx.post(url, json={**body, "prompt_token_ids": answer["prompt_token_ids"]}, timeout=60)
+    again = plain_http.post(url, json={**body, "prompt_token_ids": answer["prompt_token_ids"]}, timeout=60)
     assert again.json()["choices"][0]["message"] == answer["message"]
     continued = {**body, "prompt_token_ids": answer["prompt_token_ids"] + answer["token_ids"][:5]}
-    rest = httpx.post(url, json={**continued, "max_tokens": 7}, timeout=60).json()["choices"][0]
+    rest = plain_http.post(url, json={**continued, "max_tokens": 7}, timeout=60).json()["choices"][0]
     assert rest["token_ids"] == answer["token_ids"][5:]

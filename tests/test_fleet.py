@@ -13,11 +13,11 @@ import signal
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from kvferry.engine.llm import LLM
 from kvferry.sampling_params import SamplingParams
+from tests import plain_http
 from tests.proxy_fakes import free_port, start_cli
 from tests.test_disagg import _disagg_args, _metric, _wait_blocks_free
 from tests.test_prefix_routing import READY, answer, known_blocks, prefix_stats
@@ -40,7 +40,7 @@ PROMPTS = [
 def upstream_counts(proxy: str, role: str) -> dict[str, float]:
     """Requests the proxy sent to each instance of ``role`` (any outcome), from its /metrics."""
     counts: dict[str, float] = {}
-    for line in httpx.get(proxy + "/metrics", timeout=10).text.splitlines():
+    for line in plain_http.get(proxy + "/metrics", timeout=10).text.splitlines():
         if line.startswith("kvferry_proxy:upstream_requests_total{") and f'role="{role}"' in line:
             url = line.split('instance="', 1)[1].split('"', 1)[0]
             counts[url] = counts.get(url, 0.0) + float(line.rpartition(" ")[2])

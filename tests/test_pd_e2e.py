@@ -18,12 +18,12 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import pytest
 from transformers import AutoTokenizer
 
 from kvferry.engine.llm import LLM
 from kvferry.sampling_params import SamplingParams
+from tests import plain_http
 from tests.pd_support import (
     Relay,
     Server,
@@ -98,7 +98,7 @@ def _pd(prefiller: Server, decoder: Server, prompt, stream: bool = False) -> dic
     if stream:
         body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
         body["kv_transfer_params"] = params
-        with httpx.stream(
+        with plain_http.stream(
             "POST", decoder.url + "/v1/completions", json={"model": "tiny", **body}, timeout=60
         ) as r:
             assert r.status_code == 200
@@ -213,14 +213,14 @@ def test_pd_chat(servers, tiny_llama):
     llm = LLM(str(tiny_llama), kv_cache_bytes=1 << 20, enforce_eager=True)
     expected = llm.chat(messages, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))[0].outputs[0].text
     base = {"model": "tiny", "messages": messages, "temperature": 0}
-    first = httpx.post(
+    first = plain_http.post(
         servers["prefill"].url + "/v1/chat/completions",
         json={**base, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
         timeout=60,
     ).json()
     params = first["kv_transfer_params"]
     body = {**base, "max_tokens": MAX_TOKENS, "kv_transfer_params": params}
-    resp = httpx.post(servers["hnd"].url + "/v1/chat/completions", json=body, timeout=60).json()
+    resp = plain_http.post(servers["hnd"].url + "/v1/chat/completions", json=body, timeout=60).json()
     assert resp["choices"][0]["message"]["content"] == expected
     assert resp["usage"]["prompt_tokens_details"]["cached_tokens"] == params["remote_num_tokens"] - 1
     wait_idle(servers["hnd"])
@@ -246,7 +246,7 @@ class ProxyDeployment:
 
     def stream(self, path: str, body: dict) -> list[dict]:
         """The SSE data objects the client gets."""
-        with httpx.stream("POST", self.url + path, json={"model": "tiny", **body}, timeout=120) as r:
+        with plain_http.stream("POST", self.url + path, json={"model": "tiny", **body}, timeout=120) as r:
             assert r.status_code == 200, r.read()
             return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
 
@@ -254,7 +254,7 @@ class ProxyDeployment:
         body = {"prompt": prompt, "max_tokens": max_tokens, "stream": stream, **params}
         if stream:
             return "".join(_texts(self.stream("/v1/completions", body)))
-        resp = httpx.post(self.url + "/v1/completions", json={"model": "tiny", **body}, timeout=120)
+        resp = plain_http.post(self.url + "/v1/completions", json={"model": "tiny", **body}, timeout=120)
         assert resp.status_code == 200, resp.text
         return resp.json()["choices"][0]["text"]
 

@@ -23,6 +23,7 @@ import pytest
 
 from kvferry.engine.llm import LLM
 from kvferry.sampling_params import SamplingParams
+from tests import plain_http
 from tests.pd_support import (
     Server,
     decode,
@@ -122,7 +123,7 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
 def _hog(server: Server, stop_event: threading.Event) -> None:
     """A long streamed request that goes away (client disconnect) once stop_event is set."""
     body = {"model": "tiny", "prompt": "the old man", "max_tokens": 1000, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as resp:
+    with plain_http.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as resp:
         for _ in resp.iter_lines():
             if stop_event.is_set():
                 return

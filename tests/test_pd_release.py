@@ -26,6 +26,7 @@ from kvferry.entrypoints.openai.server import build_app as build_server
 from kvferry.entrypoints.proxy.app import build_app as build_proxy
 from kvferry.entrypoints.proxy.config import ProxyConfig
 from kvferry.entrypoints.proxy_secret import PROXY_SECRET_HEADER, ProxyCredential
+from tests import plain_http
 from tests.pd_support import MODEL as PD_MODEL
 from tests.pd_support import Server, nixl, start_server, stop, wait_healthy, wait_idle
 from tests.proxy_fakes import serve_in_thread as serve_app
@@ -48,7 +49,7 @@ def test_release_endpoint_contract(tiny_llama: Path) -> None:
             httpx.Client(base_url=url, headers=AS_PROXY, timeout=10) as proxy,
             httpx.Client(base_url=url, headers=AUTH, timeout=10) as client,
         ):
-            assert httpx.post(url + RELEASE, json={"request_id": "x"}).status_code == 401
+            assert plain_http.post(url + RELEASE, json={"request_id": "x"}).status_code == 401
             for bad in ({}, {"request_id": 5}, {"request_id": ""}):
                 assert proxy.post(RELEASE, json=bad).status_code == 400, bad
             body = {"model": MODEL, "prompt": [400], "max_tokens": 1}

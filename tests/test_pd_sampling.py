@@ -17,6 +17,7 @@ import pytest
 from kvferry.engine.llm import LLM
 from kvferry.entrypoints.openai.serving_completions import prompt_logprobs_json
 from kvferry.sampling_params import SamplingParams
+from tests import plain_http
 from tests.proxy_fakes import free_port, start_cli
 from tests.test_disagg import MODEL, Deployment, _disagg_args, _metric, _wait_blocks_free
 
@@ -97,7 +98,7 @@ def test_pd_n3_transfers_the_prompt_once(colocated: LLM, deployment: Deployment)
         _metric(decode, "kvferry:prefix_cache_hits_total"),
     )
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "n": 3}
-    resp = httpx.post(proxy + "/v1/completions", json=body, timeout=60).json()
+    resp = plain_http.post(proxy + "/v1/completions", json=body, timeout=60).json()
     assert [c["index"] for c in resp["choices"]] == [0, 1, 2]
     assert [c["text"] for c in resp["choices"]] == [want] * 3
     assert _metric(prefill, "kvferry:prompt_tokens_total") - before[0] == prompt_len  # one prefill
@@ -179,7 +180,7 @@ def test_pd_n3_streamed_equals_colocated_and_prefills_once(colocated: LLM, deplo
         "stream": True,
     }
     texts: dict[int, str] = {}
-    for chunk in _events(httpx.post(proxy + "/v1/completions", json=body, timeout=60).text):
+    for chunk in _events(plain_http.post(proxy + "/v1/completions", json=body, timeout=60).text):
         for choice in chunk["choices"]:
             texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
     assert texts == {0: want, 1: want, 2: want}

@@ -10,7 +10,6 @@ import re
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 import zmq.asyncio
 
@@ -27,6 +26,7 @@ from kvferry.sampling_params import SamplingParams
 from kvferry.scheduler.hashing import BlockHasher
 from kvferry.scheduler.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvferry.scheduler.request import Request
+from tests import plain_http
 from tests.proxy_fakes import free_port, start_cli
 
 H = [bytes([i]) * 32 for i in range(8)]
@@ -198,7 +198,7 @@ def test_short_prompts_are_prefilled_by_the_decoder_and_long_ones_transferred(ti
 
         def ask(prompt: str, stream: bool = False) -> None:
             body = {"model": "m", "prompt": prompt, "max_tokens": 3, "stream": stream}
-            assert httpx.post(proxy + "/v1/completions", json=body, timeout=30).status_code == 200
+            assert plain_http.post(proxy + "/v1/completions", json=body, timeout=30).status_code == 200
 
         ask("the cat")
         ask("a dog", stream=True)
@@ -208,7 +208,7 @@ def test_short_prompts_are_prefilled_by_the_decoder_and_long_ones_transferred(ti
         ask(" ".join(["the old man reads a golden book by the sea"] * 3))
         assert len(prefill.requests) == 1 and prefill.requests[0]["kv_transfer_params"]["do_remote_decode"]
         assert decode.requests[-1]["kv_transfer_params"]["remote_request_id"] == "p-0"  # transferred
-        metrics = httpx.get(proxy + "/metrics", timeout=10).text
+        metrics = plain_http.get(proxy + "/metrics", timeout=10).text
         assert 'kvferry_proxy:prefill_path_total{path="local"} 2.0' in metrics
         assert 'kvferry_proxy:prefill_path_total{path="remote"} 1.0' in metrics
 
@@ -220,7 +220,7 @@ READY = re.compile(r"proxy ready at (\S+) \(prefill: ([^;]+); decode: ([^;]+);")
 def prefix_stats(url: str) -> tuple[float, float]:
     """An instance's prefix cache (queried, hit) prompt tokens, from its /metrics."""
     values = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+    for line in plain_http.get(url + "/metrics", timeout=10).text.splitlines():
         for name in ("prefix_cache_queries", "prefix_cache_hits"):
             if line.startswith(f"kvferry:{name}") and not line.startswith("#"):
                 values[name] = float(line.rpartition(" ")[2])
@@ -228,13 +228,13 @@ def prefix_stats(url: str) -> tuple[float, float]:
 
 
 def known_blocks(proxy: str, url: str) -> int:
-    health = httpx.get(proxy + "/health", timeout=10).json()
+    health = plain_http.get(proxy + "/health", timeout=10).json()
     return next(i["cached_blocks"] for i in health["instances"]["prefill"] if i["url"] == url)
 
 
 def answer(proxy: str, prompt: str, stream: bool = False) -> str:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": stream}
-    resp = httpx.post(proxy + "/v1/completions", json=body, timeout=120)
+    resp = plain_http.post(proxy + "/v1/completions", json=body, timeout=120)
     assert resp.status_code == 200, resp.text
     if not stream:
         return str(resp.json()["choices"][0]["text"])
@@ -303,7 +303,7 @@ def test_disagg_routes_by_prefix_and_prefills_short_prompts_on_the_decoder(tiny_
         assert answer(proxy, shared[0]) == expected[shared[0]]  # cached on the decoder: local
         assert {url: prefix_stats(url)[0] for url in prefills} == queried
 
-        metrics = httpx.get(proxy + "/metrics", timeout=10).text
+        metrics = plain_http.get(proxy + "/metrics", timeout=10).text
         assert 'prefill_path_total{path="local"} 3.0' in metrics
         assert 'prefill_path_total{path="remote"} 4.0' in metrics
         assert _metric(decode, "kvferry:kv_connector_nixl_bytes_read_total") > 0

@@ -30,6 +30,7 @@ from kvferry.entrypoints.proxy.pd import (
 from kvferry.entrypoints.proxy.pool import InstancePool, LeastLoaded, RoundRobin
 from kvferry.entrypoints.proxy.streaming import strip_sent
 from kvferry.entrypoints.proxy.upstream import Upstream
+from tests import plain_http
 from tests.proxy_fakes import ANSWER, ANSWER_CHUNKS, FIRST, FakeInstance, free_port, serve_in_thread
 
 # ---- units ------------------------------------------------------------------------------
@@ -276,20 +277,20 @@ def test_stream_sends_the_prefill_token_first_and_once(deploy) -> None:
 def test_refused_connection_goes_to_the_next_instance(deploy) -> None:
     d = deploy(1, 1, dead_prefill=1)
     for _ in range(2):
-        resp = httpx.post(d.url + "/v1/completions", json={"prompt": "hi"}, timeout=10)
+        resp = plain_http.post(d.url + "/v1/completions", json={"prompt": "hi"}, timeout=10)
         assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == ANSWER
-    health = httpx.get(d.url + "/health").json()["instances"]["prefill"]
+    health = plain_http.get(d.url + "/health").json()["instances"]["prefill"]
     assert [i["healthy"] for i in health] == [False, True] and "ConnectError" in health[0]["error"]
 
 
 def test_dead_decoder_is_503_with_its_reason(deploy) -> None:
     d = deploy(1, 0, dead_decode=1)
     for body in ({"prompt": "hi"}, {"prompt": "hi", "stream": True}):
-        resp = httpx.post(d.url + "/v1/completions", json=body, timeout=10)
+        resp = plain_http.post(d.url + "/v1/completions", json=body, timeout=10)
         assert resp.status_code == 503  # the first health check (at start) found it dead
         message = resp.json()["error"]["message"]
         assert message.startswith("no healthy decode instance") and "ConnectError" in message
-    assert httpx.get(d.url + "/health").status_code == 503
+    assert plain_http.get(d.url + "/health").status_code == 503
 
 
 def test_refused_everywhere_is_502() -> None:
@@ -311,16 +312,16 @@ def test_refused_everywhere_is_502() -> None:
 def test_health_checks_take_instances_out_and_back(deploy) -> None:
     d = deploy(1, 2, health_interval_s=0.05)
     d.decode[0].health = 503
-    _wait(lambda: not httpx.get(d.url + "/health").json()["instances"]["decode"][0]["healthy"])
+    _wait(lambda: not plain_http.get(d.url + "/health").json()["instances"]["decode"][0]["healthy"])
     for _ in range(3):
-        httpx.post(d.url + "/v1/completions", json={"prompt": "hi"}, timeout=10).raise_for_status()
+        plain_http.post(d.url + "/v1/completions", json={"prompt": "hi"}, timeout=10).raise_for_status()
     assert len(d.decode[0].requests) == 0 and len(d.decode[1].requests) == 3
     d.decode[1].health = 500
-    _wait(lambda: httpx.get(d.url + "/health").status_code == 503)
-    assert httpx.post(d.url + "/v1/completions", json={"prompt": "hi"}, timeout=10).status_code == 503
+    _wait(lambda: plain_http.get(d.url + "/health").status_code == 503)
+    assert plain_http.post(d.url + "/v1/completions", json={"prompt": "hi"}, timeout=10).status_code == 503
     d.decode[0].health = 200
-    _wait(lambda: httpx.get(d.url + "/health").status_code == 200)
-    httpx.post(d.url + "/v1/completions", json={"prompt": "hi"}, timeout=10).raise_for_status()
+    _wait(lambda: plain_http.get(d.url + "/health").status_code == 200)
+    plain_http.post(d.url + "/v1/completions", json={"prompt": "hi"}, timeout=10).raise_for_status()
     assert len(d.decode[0].requests) == 1
 
 
@@ -344,7 +345,7 @@ def test_least_loaded_sends_to_the_idle_decoder(deploy) -> None:
 def test_upstream_error_keeps_status_and_body(deploy) -> None:
     d = deploy()
     d.decode[0].fail_status = 400
-    resp = httpx.post(d.url + "/v1/completions", json={"prompt": "hi"}, timeout=10)
+    resp = plain_http.post(d.url + "/v1/completions", json={"prompt": "hi"}, timeout=10)
     assert resp.status_code == 400
     assert resp.json() == {
         "error": {
@@ -356,14 +357,14 @@ def test_upstream_error_keeps_status_and_body(deploy) -> None:
     }
     # Once the first token is out (early, in a stream), a decoder error arrives in-stream.
     body = {"prompt": "hi", "stream": True, "temperature": 0}
-    with httpx.stream("POST", d.url + "/v1/completions", json=body, timeout=10) as resp:
+    with plain_http.stream("POST", d.url + "/v1/completions", json=body, timeout=10) as resp:
         lines = [line for line in resp.iter_lines() if line]
     assert resp.status_code == 200
     assert json.loads(lines[0][6:])["choices"][0]["text"] == FIRST
     assert json.loads(lines[1][6:])["error"]["message"] == "decode0 refuses" and lines[2] == "data: [DONE]"
     d.prefill[0].fail_status = 404
     chat = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
-    resp = httpx.post(d.url + "/v1/chat/completions", json=chat, timeout=10)
+    resp = plain_http.post(d.url + "/v1/chat/completions", json=chat, timeout=10)
     assert resp.status_code == 404 and resp.json()["error"]["message"] == "prefill0 refuses"
 
 
@@ -382,7 +383,7 @@ def test_which_streams_send_the_prefill_token_early(deploy, extra: dict, early: 
     d = deploy()
     d.decode[0].fail_status = 400
     body = {"prompt": "hi", "stream": True, **extra}
-    with httpx.stream("POST", d.url + "/v1/completions", json=body, timeout=10) as resp:
+    with plain_http.stream("POST", d.url + "/v1/completions", json=body, timeout=10) as resp:
         lines = [line for line in resp.iter_lines() if line]
     if not early:
         assert resp.status_code == 400
@@ -393,15 +394,15 @@ def test_which_streams_send_the_prefill_token_early(deploy, extra: dict, early: 
 
 def test_api_key_models_and_metrics(deploy) -> None:
     d = deploy(api_key="sk-proxy")
-    assert httpx.post(d.url + "/v1/completions", json={"prompt": "hi"}).status_code == 401
+    assert plain_http.post(d.url + "/v1/completions", json={"prompt": "hi"}).status_code == 401
     auth = {"Authorization": "Bearer sk-proxy"}
-    assert httpx.post(d.url + "/v1/completions", json={"prompt": "hi"}, headers=auth).status_code == 200
+    assert plain_http.post(d.url + "/v1/completions", json={"prompt": "hi"}, headers=auth).status_code == 200
     assert d.decode[0].requests  # the key was checked here, and the request went on
-    assert httpx.get(d.url + "/v1/models", headers=auth).json()["data"][0]["owned_by"] == "decode0"
-    bad = httpx.post(d.url + "/v1/completions", content=b"{nope", headers=auth)
+    assert plain_http.get(d.url + "/v1/models", headers=auth).json()["data"][0]["owned_by"] == "decode0"
+    bad = plain_http.post(d.url + "/v1/completions", content=b"{nope", headers=auth)
     assert bad.status_code == 400 and "malformed JSON" in bad.json()["error"]["message"]
-    assert httpx.get(d.url + "/metrics").status_code == 401  # the key guards it too
-    metrics = httpx.get(d.url + "/metrics", headers=auth).text
+    assert plain_http.get(d.url + "/metrics").status_code == 401  # the key guards it too
+    metrics = plain_http.get(d.url + "/metrics", headers=auth).text
     assert 'kvferry_proxy:requests_total{endpoint="/v1/completions",status="200"} 1.0' in metrics
     assert "kvferry_proxy:instance_healthy" in metrics
 
@@ -418,20 +419,20 @@ def test_a_leg_without_a_decoder_answer_releases_the_prefill(deploy) -> None:
     that prefill instance to free the KV it keeps for the leg; a decoded leg releases nothing."""
     d = deploy(2, 1)
     prefill = {f.name: f for f in d.prefill}
-    assert httpx.post(d.url + "/v1/completions", json={"prompt": "hi"}, timeout=10).status_code == 200
+    assert plain_http.post(d.url + "/v1/completions", json={"prompt": "hi"}, timeout=10).status_code == 200
     d.decode[0].delay = 3.0
     with pytest.raises(httpx.ReadTimeout):  # the client gives up while the decoder works
-        httpx.post(d.url + "/v1/completions", json={"prompt": "hi"}, timeout=1.0)
+        plain_http.post(d.url + "/v1/completions", json={"prompt": "hi"}, timeout=1.0)
     _wait(lambda: prefill["prefill1"].released == ["prefill1-0"])
     body = {"prompt": "hi", "stream": True, "temperature": 0}
-    with httpx.stream("POST", d.url + "/v1/completions", json=body, timeout=10) as resp:
+    with plain_http.stream("POST", d.url + "/v1/completions", json=body, timeout=10) as resp:
         first = next(line for line in resp.iter_lines() if line)  # the early token, then leave
     assert json.loads(first[6:])["choices"][0]["text"] == FIRST
     _wait(lambda: prefill["prefill0"].released == ["prefill0-1"])
     d.decode[0].delay = 0.0
     d.decode[0].fail_status = 400
     for stream in (False, True):
-        httpx.post(d.url + "/v1/completions", json={**body, "stream": stream}, timeout=10)
+        plain_http.post(d.url + "/v1/completions", json={**body, "stream": stream}, timeout=10)
     _wait(lambda: prefill["prefill1"].released == ["prefill1-0", "prefill1-1"])
     _wait(lambda: prefill["prefill0"].released == ["prefill0-1", "prefill0-2"])
     assert prefill["prefill0"].requests[0]["kv_transfer_params"] == {"do_remote_decode": True}

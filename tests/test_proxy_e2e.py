@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from tests import plain_http
 from tests.proxy_fakes import free_port, start_cli, stop, wait_healthy
 
 # slow: a `kvferry serve` process and a proxy process (make test-all only)
@@ -116,8 +117,8 @@ def test_upstream_errors_pass_through(urls: dict[str, str]) -> None:
         {"model": "nope", "prompt": "hi"},
         {"model": MODEL, "prompt": [10] * 1100},
     ):
-        direct = httpx.post(urls["decode"] + "/v1/completions", json=body, headers=headers)
-        proxied = httpx.post(urls["proxy"] + "/v1/completions", json=body, headers=headers)
+        direct = plain_http.post(urls["decode"] + "/v1/completions", json=body, headers=headers)
+        proxied = plain_http.post(urls["proxy"] + "/v1/completions", json=body, headers=headers)
         assert direct.status_code in (400, 404)
         assert (proxied.status_code, proxied.json()) == (direct.status_code, direct.json())
     with pytest.raises(openai.AuthenticationError):
@@ -125,7 +126,9 @@ def test_upstream_errors_pass_through(urls: dict[str, str]) -> None:
 
 
 def _metric(url: str, name: str, **labels: str) -> float:
-    for line in httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text.splitlines():
+    for line in plain_http.get(
+        url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}
+    ).text.splitlines():
         key, _, value = line.rpartition(" ")
         if key.split("{")[0] == name and all(f'{k}="{v}"' in key for k, v in labels.items()):
             return float(value)
@@ -150,7 +153,7 @@ def test_client_disconnect_aborts_the_decoder(urls: dict[str, str]) -> None:
         http.post(urls["proxy"] + "/v1/completions", json=long, timeout=0.5)
     _wait_not_running(urls["decode"])
     assert _metric(urls["decode"], "kvferry:request_success_total", finished_reason="abort") == aborted + 2
-    health = httpx.get(urls["proxy"] + "/health").json()
+    health = plain_http.get(urls["proxy"] + "/health").json()
     assert [i["in_flight"] for role in ("prefill", "decode") for i in health["instances"][role]] == [0, 0]
 
 

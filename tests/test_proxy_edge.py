@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvferry.entrypoints.proxy.app import build_app
 from kvferry.entrypoints.proxy.config import ProxyConfig
+from tests import plain_http
 from tests.edge_inputs import (
     STARTUP_S,
     bad_beside_good,
@@ -70,7 +71,7 @@ def proxy_url(proxy_and_log: tuple[str, Path]) -> str:
 def test_bad_inputs_are_refused_up_front_and_others_finish(proxy_url: str, tiny_llama: Path) -> None:
     vocab = json.loads((tiny_llama / "config.json").read_text())["vocab_size"]
     asyncio.run(bad_beside_good(proxy_url, {}, bad_inputs(vocab)))
-    assert httpx.get(proxy_url + "/health").json()["status"] == "ok"
+    assert plain_http.get(proxy_url + "/health").json()["status"] == "ok"
 
 
 @pytest.mark.parametrize("count", [4_000_000, 20_000])
@@ -92,13 +93,13 @@ def test_a_client_leaving_mid_body_is_one_line_and_a_499(proxy_and_log: tuple[st
     lines = disconnect_lines(log)
     assert len(lines) == 1 and "/v1/completions" in lines[0], lines
     check_log_has_no_crash(log)
-    statuses = counted_statuses(httpx.get(url + "/metrics").text, "/v1/completions")
+    statuses = counted_statuses(plain_http.get(url + "/metrics").text, "/v1/completions")
     assert statuses.get("499") == 1 and "500" not in statuses, statuses
 
 
 def test_bad_request_heads_are_400(proxy_url: str) -> None:
     check_bad_head_refused(proxy_url)
-    assert httpx.get(proxy_url + "/health").status_code == 200
+    assert plain_http.get(proxy_url + "/health").status_code == 200
 
 
 @contextmanager
@@ -144,7 +145,9 @@ def test_stream_with_line_separators_arrives_whole() -> None:
         stream = client.completions.create(model="m", prompt="hi", max_tokens=8, stream=True)
         text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
         # Also read as raw SSE: events end with a blank line; no line breaks inside one.
-        with httpx.stream("POST", proxy + "/v1/completions", json={"prompt": "hi", "stream": True}) as resp:
+        with plain_http.stream(
+            "POST", proxy + "/v1/completions", json={"prompt": "hi", "stream": True}
+        ) as resp:
             raw = resp.read().decode()
     assert text == "".join(SEPARATORS)
     events = [e.removeprefix("data: ") for e in raw.split("\n\n") if e]
@@ -160,7 +163,7 @@ def test_odd_upstream_statuses_are_not_passed_through(upstream: int, client: int
     with ExitStack() as stack:
         urls = [stack.enter_context(serve_in_thread(f.app)) for f in (prefill, decode)]
         proxy = stack.enter_context(_proxy([urls[0]], [urls[1]]))
-        resp = httpx.post(proxy + "/v1/completions", json={"prompt": "hi"}, timeout=10)
+        resp = plain_http.post(proxy + "/v1/completions", json={"prompt": "hi"}, timeout=10)
     assert resp.status_code == client
     error = resp.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -176,7 +179,7 @@ def test_unknown_routes_and_methods_are_openai_shaped_and_metrics_need_the_key()
         proxy = stack.enter_context(_proxy([urls[0]], [urls[1]], api_key="sk-p"))
         public = stack.enter_context(_proxy([urls[0]], [urls[1]], api_key="sk-p", metrics_public=True))
         for method, path, status in (("GET", "/nope", 404), ("GET", "/v1/completions", 405)):
-            resp = httpx.request(method, proxy + path, headers=auth)
+            resp = plain_http.request(method, proxy + path, headers=auth)
             assert resp.status_code == status and set(resp.json()["error"]) == {
                 "message",
                 "type",
@@ -184,10 +187,10 @@ def test_unknown_routes_and_methods_are_openai_shaped_and_metrics_need_the_key()
                 "code",
             }
         for path in ("/metrics", "/openapi.json"):
-            assert httpx.get(proxy + path).status_code == 401, path
-            assert httpx.get(proxy + path, headers=auth).status_code == 200, path
-            assert httpx.get(public + path).status_code == 200, path
-        assert httpx.get(proxy + "/health").status_code == 200
+            assert plain_http.get(proxy + path).status_code == 401, path
+            assert plain_http.get(proxy + path, headers=auth).status_code == 200, path
+            assert plain_http.get(public + path).status_code == 200, path
+        assert plain_http.get(proxy + "/health").status_code == 200
 
 
 class ClosingServer:
@@ -248,10 +251,10 @@ def test_a_pooled_connection_the_instance_closed_is_retried() -> None:
     upstream = ClosingServer()
     with _proxy([upstream.url], [upstream.url], early_first_token=False) as proxy:
         for _ in range(5):  # each leg after the first finds its pooled connection closed
-            resp = httpx.post(proxy + "/v1/completions", json={"prompt": "hi"}, timeout=10)
+            resp = plain_http.post(proxy + "/v1/completions", json={"prompt": "hi"}, timeout=10)
             assert resp.status_code == 200, resp.text
             assert resp.json()["choices"][0]["text"] == "ok"
-            resp = httpx.get(proxy + "/v1/models", timeout=10)
+            resp = plain_http.get(proxy + "/v1/models", timeout=10)
             assert resp.status_code == 200, resp.text
     assert upstream.closed_unanswered >= 5
     upstream.sock.close()
@@ -264,7 +267,7 @@ def test_a_silent_decoder_times_out_and_the_prefill_is_released() -> None:
         urls = [stack.enter_context(serve_in_thread(f.app)) for f in (prefill, decode)]
         proxy = stack.enter_context(_proxy([urls[0]], [urls[1]], read_timeout_s=0.5))
         start = time.monotonic()
-        resp = httpx.post(proxy + "/v1/completions", json={"prompt": "hi"}, timeout=20)
+        resp = plain_http.post(proxy + "/v1/completions", json={"prompt": "hi"}, timeout=20)
         took = time.monotonic() - start
         deadline = time.monotonic() + 5
         while not prefill.released and time.monotonic() < deadline:
@@ -299,7 +302,7 @@ def test_a_leg_cancelled_while_its_prefill_answers_releases_the_kv(stream: bool)
         urls = [stack.enter_context(serve_in_thread(f.app)) for f in (prefill, decode)]
         proxy = stack.enter_context(_proxy([urls[0]], [urls[1]]))
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(proxy + "/v1/completions", json={"prompt": "slow", "stream": stream}, timeout=0.3)
+            plain_http.post(proxy + "/v1/completions", json={"prompt": "slow", "stream": stream}, timeout=0.3)
         _wait_released(prefill)
     assert prefill.released == ["prefill0-0"] and not decode.requests
 
@@ -310,7 +313,7 @@ def test_a_batch_whose_other_prompt_is_refused_releases_the_kv() -> None:
     with ExitStack() as stack:
         urls = [stack.enter_context(serve_in_thread(f.app)) for f in (prefill, decode)]
         proxy = stack.enter_context(_proxy([urls[0]], [urls[1]]))
-        resp = httpx.post(proxy + "/v1/completions", json={"prompt": ["slow", "bad"]}, timeout=10)
+        resp = plain_http.post(proxy + "/v1/completions", json={"prompt": ["slow", "bad"]}, timeout=10)
         assert resp.status_code == 400
         _wait_released(prefill)
     # the fake names the kept KV after its request count when it answers: both had arrived
@@ -345,7 +348,7 @@ def test_a_decoder_silent_mid_stream_ends_the_stream_with_a_timeout_error() -> N
         proxy = stack.enter_context(_proxy([urls[0]], [urls[1]], read_timeout_s=0.5))
         start = time.monotonic()
         body = {"prompt": "hi", "stream": True}
-        with httpx.stream("POST", proxy + "/v1/completions", json=body, timeout=20) as resp:
+        with plain_http.stream("POST", proxy + "/v1/completions", json=body, timeout=20) as resp:
             events = [line for line in resp.iter_lines() if line]
         took = time.monotonic() - start
     assert resp.status_code == 200 and events[-1] == "data: [DONE]" and took < 10

@@ -26,6 +26,7 @@ from kvferry.engine.core_fake import (
 )
 from kvferry.entrypoints.openai.server import build_app
 from kvferry.ports import free_port
+from tests import plain_http
 
 MODEL = "fake-model"
 KEY = "sk-test"
@@ -265,7 +266,7 @@ def test_kv_transfer_params_returned(server: Server) -> None:
 def test_models_health(server: Server) -> None:
     models = server.client().models.list()
     assert [m.id for m in models.data] == [MODEL]
-    assert httpx.get(server.url + "/health").status_code == 200  # no key needed
+    assert plain_http.get(server.url + "/health").status_code == 200  # no key needed
 
 
 def test_concurrent_streams(server: Server) -> None:
@@ -396,13 +397,15 @@ def test_openai_client_raises_bad_request(server: Server) -> None:
 
 def test_api_key(server: Server) -> None:
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
-        resp = httpx.post(server.url + "/v1/completions", json={"prompt": "hi"}, headers=headers)
+        resp = plain_http.post(server.url + "/v1/completions", json={"prompt": "hi"}, headers=headers)
         assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
-    assert httpx.get(server.url + "/v1/models").status_code == 401
+    assert plain_http.get(server.url + "/v1/models").status_code == 401
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0).models.list()
-    assert httpx.get(server.url + "/metrics").status_code == 401  # the key guards it too
-    assert httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    assert plain_http.get(server.url + "/metrics").status_code == 401  # the key guards it too
+    assert (
+        plain_http.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    )
 
 
 def test_bad_requests_leave_server_serving(server: Server) -> None:
@@ -456,11 +459,11 @@ def test_dead_engine_is_503(tiny_llama: Path) -> None:
     engine = make_engine(tiny_llama)
     uv, thread, url = serve_in_thread(engine, api_key=None)
     try:
-        resp = httpx.post(url + "/v1/completions", json={"prompt": [CRASH_TOKEN, 10]}, timeout=10)
+        resp = plain_http.post(url + "/v1/completions", json={"prompt": [CRASH_TOKEN, 10]}, timeout=10)
         assert resp.status_code == 503 and resp.json()["error"]["type"] == "service_unavailable_error"
-        assert httpx.get(url + "/health").status_code == 503
-        assert httpx.post(url + "/v1/completions", json={"prompt": "hi"}).status_code == 503
-        assert metric(httpx.get(url + "/metrics").text, "kvferry:engine_alive") == 0
+        assert plain_http.get(url + "/health").status_code == 503
+        assert plain_http.post(url + "/v1/completions", json={"prompt": "hi"}).status_code == 503
+        assert metric(plain_http.get(url + "/metrics").text, "kvferry:engine_alive") == 0
     finally:
         uv.should_exit = True
         thread.join(10)

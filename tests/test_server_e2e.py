@@ -19,6 +19,7 @@ import pytest
 from kvferry.engine.llm import LLM
 from kvferry.ports import free_port
 from kvferry.sampling_params import SamplingParams
+from tests import plain_http
 
 MODEL = "tiny"
 KEY = "sk-e2e"
@@ -79,7 +80,7 @@ def _wait_healthy(proc: subprocess.Popen, base: str, log: Path) -> None:
         if proc.poll() is not None:
             pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
         try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
+            if plain_http.get(base + "/health", timeout=1).status_code == 200:
                 return
         except httpx.TransportError:
             pass
@@ -106,7 +107,7 @@ def _http(url: str) -> httpx.Client:
 def _wait_idle(url: str, timeout: float = 10.0) -> str:
     deadline = time.monotonic() + timeout
     while True:
-        text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+        text = plain_http.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
         total = _metric(text, "kvferry:num_blocks")
         if (
             _metric(text, "kvferry:num_requests_running") == 0
@@ -135,7 +136,7 @@ def test_n_min_tokens_and_prompt_logprobs(url: str, reference: dict[str, str]) -
     prompt = PROMPTS[0]
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0, "n": 2, "min_tokens": 12}
     auth = {"Authorization": f"Bearer {KEY}"}
-    resp = httpx.post(url + "/v1/completions", json={**body, "prompt_logprobs": 1}, headers=auth).json()
+    resp = plain_http.post(url + "/v1/completions", json={**body, "prompt_logprobs": 1}, headers=auth).json()
     assert [(c["index"], c["text"]) for c in resp["choices"]] == [
         (0, reference[prompt]),
         (1, reference[prompt]),
@@ -146,7 +147,7 @@ def test_n_min_tokens_and_prompt_logprobs(url: str, reference: dict[str, str]) -
         1 <= len(entry) <= 2 and all(v["rank"] >= 1 for v in entry.values()) for entry in prompt_logprobs[1:]
     )
     assert resp["usage"]["completion_tokens"] == 24
-    bad = httpx.post(url + "/v1/completions", json={**body, "logit_bias": {"1": 200}}, headers=auth)
+    bad = plain_http.post(url + "/v1/completions", json={**body, "logit_bias": {"1": 200}}, headers=auth)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias"
 
 
@@ -225,7 +226,7 @@ def test_prefix_cache_hits_show_in_usage(url: str) -> None:
     assert second.usage.prompt_tokens_details.cached_tokens >= 16
     assert (
         _metric(
-            httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text,
+            plain_http.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text,
             "kvferry:prefix_cache_hits_total",
         )
         >= 16
@@ -279,7 +280,7 @@ def test_malformed_json_and_api_key(url: str) -> None:
     with _http(url) as http:
         resp = http.post("/v1/completions", content=b"{nope", headers={"Content-Type": "application/json"})
     assert resp.status_code == 400
-    assert httpx.post(url + "/v1/completions", json={"prompt": "hi"}).status_code == 401
+    assert plain_http.post(url + "/v1/completions", json={"prompt": "hi"}).status_code == 401
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).completions.create(
             model=MODEL, prompt="x"

@@ -22,6 +22,7 @@ import pytest
 
 from kvferry.engine.core_proc import CORE_PROCESS_NAME
 from kvferry.ports import free_port
+from tests import plain_http
 from tests.test_server_e2e import ROOT, _metric, _wait_healthy
 
 # slow: `kvferry serve` processes stopped by signals (make test-all only)
@@ -151,7 +152,7 @@ def _stop(srv: Server, sig: signal.Signals) -> tuple[float, float]:
 
 def _wait_running(url: str, count: int, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
-    while _metric(httpx.get(url + "/metrics").text, "kvferry:num_requests_running") < count:
+    while _metric(plain_http.get(url + "/metrics").text, "kvferry:num_requests_running") < count:
         assert time.monotonic() < deadline, f"fewer than {count} requests running"
         time.sleep(0.02)
 
@@ -165,9 +166,13 @@ def test_signal_ends_open_requests_and_stops_every_process(server: Server, sig: 
     _wait_healthy(server.proc, server.url, server.log)
     answers: dict[str, httpx.Response] = {}
     plain = threading.Thread(
-        target=lambda: answers.update(plain=httpx.post(server.url + "/v1/completions", json=LONG, timeout=30))
+        target=lambda: answers.update(
+            plain=plain_http.post(server.url + "/v1/completions", json=LONG, timeout=30)
+        )
     )
-    with httpx.stream("POST", server.url + "/v1/completions", json={**LONG, "stream": True}, timeout=30) as r:
+    with plain_http.stream(
+        "POST", server.url + "/v1/completions", json={**LONG, "stream": True}, timeout=30
+    ) as r:
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         plain.start()

@@ -42,6 +42,7 @@ from kvferry.connector.nixl.protocol import (
 from kvferry.connector.nixl.sealing import Sealer
 from kvferry.engine.llm import LLM
 from kvferry.sampling_params import SamplingParams
+from tests import plain_http
 from tests.pd_support import Server, decode, nixl, prefill, start_server, stop, wait_healthy, wait_idle
 
 # slow: several `kvferry serve` processes with NIXL side channels (make test-all only)
@@ -272,7 +273,7 @@ def test_forged_remote_addresses_fail_their_request_with_bounded_attempts(
         assert other.accepted == 0  # never dialled
     finally:
         other.close()
-    assert httpx.get(dec.url + "/health").status_code == 200
+    assert plain_http.get(dec.url + "/health").status_code == 200
     assert _text(decode(dec, prompt, params)) == reference[prompt]  # the engine serves on
     wait_idle(pre)
     wait_idle(dec)

@@ -12,7 +12,6 @@ import signal
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import jsonschema
 import openai
 import pytest
@@ -22,6 +21,7 @@ from kvferry.engine.llm import LLM
 from kvferry.entrypoints.proxy.failover import SentTokens
 from kvferry.sampling_params import SamplingParams
 from kvferry.structured.params import StructuredOutputsParams
+from tests import plain_http
 from tests.proxy_fakes import free_port, start_cli
 from tests.test_disagg import MODEL, Deployment, _disagg_args, _wait_blocks_free
 from tests.test_structured import CHOICES, REGEX, SCHEMA
@@ -126,7 +126,7 @@ def test_invalid_schema_is_a_400_naming_the_field(deployment: Deployment) -> Non
     bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nosuch"}}}
     for url in (proxy, decode):
         body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 5, "response_format": bad}
-        response = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+        response = plain_http.post(url + "/v1/chat/completions", json=body, timeout=30)
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == "response_format"
 
@@ -138,16 +138,16 @@ def test_a_failover_continuation_resumes_the_grammar(deployment: Deployment) -> 
     _, _, decode = deployment.ready()
     body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0}
     body |= {"guided_json": SCHEMA, "return_token_ids": True}
-    whole = httpx.post(decode + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    whole = plain_http.post(decode + "/v1/completions", json=body, timeout=60).json()["choices"][0]
     sent_ids = whole["token_ids"][:5]
     sent = SentTokens(chat=False)
     sent.record({"choices": [{"token_ids": sent_ids, "prompt_token_ids": whole["prompt_token_ids"]}]}, False)
     resumed = sent.resume_body(body)
-    rest = httpx.post(decode + "/v1/completions", json=resumed, timeout=60).json()["choices"][0]
+    rest = plain_http.post(decode + "/v1/completions", json=resumed, timeout=60).json()["choices"][0]
     assert sent_ids + rest["token_ids"] == whole["token_ids"]
     _valid(whole["text"])
     resumed.pop("resumed_output_tokens")
-    restarted = httpx.post(decode + "/v1/completions", json=resumed, timeout=60).json()["choices"][0]
+    restarted = plain_http.post(decode + "/v1/completions", json=resumed, timeout=60).json()["choices"][0]
     assert sent_ids + restarted["token_ids"] != whole["token_ids"]
 
 
