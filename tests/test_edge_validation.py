@@ -144,7 +144,8 @@ def test_a_costly_integer_body_does_not_stall_health(server: str) -> None:
 
 def test_a_long_integer_prompt_is_refused_by_its_length_first(server: str) -> None:
     """20,000 token ids whose last is -1: refused for the model's context, by the list's
-    length, before the ids are validated one by one (which would name the negative id)."""
+    length, before the ids are validated one by one (which refuses the list for its negative
+    id: "none of the accepted forms")."""
     resp = plain_http.post(server + "/v1/completions", content=integer_body(20_000), headers=JSON, timeout=60)
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
