@@ -10,6 +10,7 @@ import logging
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -43,6 +44,13 @@ def _stats(llm) -> CaptureStats:
     return stats
 
 
+def _traces() -> Counter[str]:
+    """How often the compiler traced a frame, per attempt: `compile_attempt_1` counts the
+    traces it had to start again."""
+    timings = torch._dynamo.utils.compilation_time_metrics
+    return Counter({name: len(runs) for name, runs in timings.items() if name.startswith("compile_attempt_")})
+
+
 # The fast tier compiles one model (the tiny llama, a batch of 3); make test-all every pair.
 ARCH_BATCHES = [
     pytest.param(arch, batch, id=f"{arch}-{batch}", marks=() if (arch, batch) == ("llama", 3) else SLOW)
@@ -56,7 +64,10 @@ def test_captured_greedy_equals_eager(tiny_model: Path, batch: int) -> None:
     """Batches of 1 (padded to 2), 3 and 10 decodes; prompts of different lengths."""
     prompts = tokenize_all(tiny_model, PROMPT_TEXTS[:batch])
     eager = _tokens(make_llm(tiny_model, enforce_eager=True), prompts)
+    traces = _traces()
     llm = make_llm(tiny_model, capture=ALWAYS)
+    # The model was traced once, its floats read as constants (kvferry.worker.capture.floats_specialized).
+    assert _traces() - traces == Counter(compile_attempt_0=1)
     before = _stats(llm).compiled_steps
     assert _tokens(llm, prompts) == eager
     stats = _stats(llm)

@@ -33,6 +33,7 @@ eager micro-batched 169.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -89,6 +90,20 @@ def keep_compiled_programs_in(cache_dir: str | None) -> None:
     chosen = os.environ.get(INDUCTOR_CACHE_ENV)
     if cache_dir is not None and chosen in (None, os.path.abspath(default_cache_dir())):
         os.environ[INDUCTOR_CACHE_ENV] = str(Path(cache_dir) / "inductor")
+
+
+def floats_specialized() -> contextlib.AbstractContextManager[None]:
+    """The compiler's setting for the first call of a captured forward, the call that traces it.
+
+    A dynamic compile (`dynamic=True`) makes every float it reads a symbol: each norm's eps
+    and attention's scale, five per layer. The trace then specializes each on its value, and
+    a later pass finds symbols it cannot turn into tensors and traces the whole model again.
+    Read as the constants they are, they cost neither; the token count stays dynamic.
+    Measured on a 2-core AVX2 EPYC, no AVX-512 (2026-11-28, other work on the host, run back
+    to back from a cold compile cache): SmolLM2-135M's decode program compiled in 140.0 s
+    with two traces (37.8 s + 100.8 s) before, 125.3 s with one after."""
+    patch: contextlib.AbstractContextManager[None] = torch._dynamo.config.patch(specialize_float=True)
+    return patch
 
 
 def hook_placement(connector: KVConnectorBase | None) -> HookPlacement:
@@ -237,7 +252,8 @@ class CapturedForward:
         first = not self._compiled_once
         start = time.perf_counter()
         try:
-            hidden = compiled(input_ids, positions, ctx)
+            with floats_specialized() if first else contextlib.nullcontext():
+                hidden = compiled(input_ids, positions, ctx)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back, say why
             if not first:
                 raise
