@@ -2,7 +2,7 @@
 KV-shared layers, full-attention layers with twice the head size (their pages twice the
 sliding ones', so the sliding groups are padded), a window shorter than the prompts,
 per-layer input embeddings. Greedy tokens identical to HF transformers (float32), batched
-with --capture auto (compiled at warm-up, kept if faster) and eager, chunked, with a prefix-cache second pass, with
+with the captured forward (--capture always) and eager, chunked, with a prefix-cache second pass, with
 preemption, over two tensor-parallel ranks; the KV-shared layers own no KV tensor."""
 
 from __future__ import annotations
@@ -68,11 +68,13 @@ def test_the_window_changes_the_reference(gemma4) -> None:
     assert sum(a != b for a, b in zip(unwindowed, expected, strict=True)) >= 3
 
 
-@pytest.mark.parametrize("capture", [CaptureMode.AUTO, CaptureMode.NEVER], ids=["auto", "eager"])
+@pytest.mark.parametrize("capture", [CaptureMode.ALWAYS, CaptureMode.NEVER], ids=["captured", "eager"])
 def test_batched_greedy_matches_hf(gemma4, capture: CaptureMode) -> None:
     model_dir, prompts, expected = gemma4("gemma4")
     llm = make_llm(model_dir, capture=capture)
     assert _tokens(llm.generate(prompts, GREEDY)) == expected
+    (stats,) = llm.engine.executor.capture_stats()
+    assert (stats.compiled_steps > 0) is (capture is CaptureMode.ALWAYS)  # decode steps ran compiled
     assert_pool_full(llm)
 
 
