@@ -5,11 +5,13 @@ also hands to every outgoing connection. Between choosing such a port and bindin
 real (an engine binds its side channel only after loading its model, seconds later) any
 connection on the host, a health poll included, can take it, and the bind fails with
 "Address already in use". Ports are therefore chosen below that range, where the kernel
-never assigns one on its own, at random, checked bindable, and never twice by one picker.
+never assigns one on its own, at random, checked bindable, and never twice by one picker; a process forked from another picks from
+a sequence of its own.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 from pathlib import Path
@@ -61,9 +63,16 @@ class PortPicker:
         self.issued.add(port)
         return port
 
+    def start_anew_after_fork(self) -> None:
+        """A forked child picks from a random sequence of its own (the parent's would give it
+        the parent's next ports, and every sibling forked from the same point the same ones);
+        it keeps avoiding the ports its parent issued."""
+        self.random.seed()
+
 
 # One picker per process, so that servers started together by one process never share a port.
 PORTS = PortPicker()
+os.register_at_fork(after_in_child=PORTS.start_anew_after_fork)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 
+from kvferry import ports
 from kvferry.ports import LOWEST_PORT, PortPicker, ephemeral_start
 
 
@@ -37,3 +39,18 @@ def test_a_range_too_low_to_choose_from_leaves_the_choice_to_the_kernel(tmp_path
     picker = PortPicker(range_file)
     port = picker.pick()
     assert port >= 10100 and port in picker.issued
+
+
+def test_processes_forked_from_one_point_pick_different_ports() -> None:
+    """Engine cores, TP ranks and forked commands start from a parent that already holds the
+    picker: each must not repeat the parent's (or a sibling's) next port."""
+    parent_next = ports.PORTS.random.getstate()
+    reads, writes = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report where its sequence stands, leave at once
+        os.write(writes, str(ports.PORTS.random.getstate() != parent_next).encode())
+        os._exit(0)
+    os.close(writes)
+    with os.fdopen(reads) as answer:
+        assert answer.read() == "True"
+    assert os.waitpid(pid, 0)[1] == 0
