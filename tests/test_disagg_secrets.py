@@ -2,11 +2,13 @@
 channel's secret and the proxy's credential to its children by environment, and limits its
 decoders to its prefillers (allowed_remotes); `kvferry serve` takes the key from a file or
 $KVFERRY_API_KEY and refuses P/D with an API key but no side-channel secret or no proxy
-secret. kv_transfer_params from a client holding only the API key are refused (403)."""
+secret (the program's main() run in this process: exit code 2, the key never printed).
+kv_transfer_params from a client holding only the API key are refused (403)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -28,7 +30,7 @@ from tests.proxy_fakes import ROOT, free_port
 from tests.test_disagg import _descendants, _disagg_args, _wait_ready
 from tests.test_side_channel_auth import RawClient
 
-# slow: starts `kvferry disagg` and `kvferry serve` several times (make test-all only)
+# slow: starts a `kvferry disagg` deployment (make test-all only)
 pytestmark = pytest.mark.slow
 
 KEY = "sk-disagg-" + "7" * 24
@@ -140,24 +142,46 @@ def test_api_key_sources(tmp_path: Path) -> None:
         resolve_api_key(None, str(tmp_path / "missing"), {})
 
 
+def _refused_serve(
+    tiny_llama: Path, env: dict[str, str], monkeypatch: pytest.MonkeyPatch, capsys, caplog
+) -> str:
+    """`kvferry serve` with a producer NIXL connector, run through the program's main() in
+    this process with `env` as its only secrets: it must stop with exit code 2 before the
+    server starts. Returns what it printed (stdout, stderr and its log records)."""
+    from kvferry.entrypoints.cli import main
+    from kvferry.entrypoints.openai import server
+
+    def started(*args: object, **kwargs: object) -> None:
+        raise AssertionError("kvferry serve started a server it should have refused")
+
+    monkeypatch.setattr(server, "run_server", started)
+    for name in (API_KEY_ENV, SECRET_ENV, PROXY_SECRET_ENV):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    kv = json.dumps(nixl("producer"))
+    with caplog.at_level(logging.DEBUG), pytest.raises(SystemExit) as stopped:
+        main(["serve", str(tiny_llama), "--port", str(free_port()), "--kv-transfer-config", kv])
+    assert stopped.value.code == 2
+    out, err = capsys.readouterr()
+    assert err.startswith("kvferry: error: "), err
+    return out + err + caplog.text
+
+
 def test_serve_with_an_api_key_refuses_an_unauthenticated_side_channel(
-    tiny_llama: Path, tmp_path: Path
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, capsys, caplog
 ) -> None:
-    kv = json.dumps(nixl("producer"))
-    args = ["serve", str(tiny_llama), "--port", str(free_port()), "--kv-transfer-config", kv]
-    proc = _launch(args, tmp_path / "serve.log", {API_KEY_ENV: KEY})
-    assert proc.wait(120) == 2
-    log = (tmp_path / "serve.log").read_text()
-    assert "side channel would be unauthenticated" in log and KEY not in log
+    printed = _refused_serve(tiny_llama, {API_KEY_ENV: KEY}, monkeypatch, capsys, caplog)
+    assert "side channel would be unauthenticated" in printed and KEY not in printed
 
 
-def test_serve_with_an_api_key_and_a_connector_needs_a_proxy_secret(tiny_llama: Path, tmp_path: Path) -> None:
-    kv = json.dumps(nixl("producer"))
-    args = ["serve", str(tiny_llama), "--port", str(free_port()), "--kv-transfer-config", kv]
-    proc = _launch(args, tmp_path / "serve.log", {API_KEY_ENV: KEY, SECRET_ENV: "s" * 32})
-    assert proc.wait(120) == 2
-    log = (tmp_path / "serve.log").read_text()
-    assert "no proxy secret" in log and KEY not in log
+def test_serve_with_an_api_key_and_a_connector_needs_a_proxy_secret(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, capsys, caplog
+) -> None:
+    printed = _refused_serve(
+        tiny_llama, {API_KEY_ENV: KEY, SECRET_ENV: "s" * 32}, monkeypatch, capsys, caplog
+    )
+    assert "no proxy secret" in printed and KEY not in printed
 
 
 def test_proxy_secret_sources(tmp_path: Path) -> None:

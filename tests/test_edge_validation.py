@@ -1,8 +1,8 @@
 """The instance's HTTP edge against hostile input: `kvferry serve` in its own process on a
 tiny model, driven over real HTTP. Every class of bad body is a 400/413 with an OpenAI error
 body, never a 500, and never fails other clients' requests; a huge prompt is tokenized off
-the event loop (/health keeps answering); /metrics and /openapi.json need the API key; the
-model is named, never shown by its path."""
+the event loop (/health keeps answering); the model is named, never shown by its path.
+(/metrics and /openapi.json needing the API key: tests/test_server_api.py, the same app.)"""
 
 from __future__ import annotations
 
@@ -36,8 +36,6 @@ from tests.proxy_fakes import free_port, start_cli, stop, wait_healthy
 # slow: `kvferry serve` processes driven with hostile input (make test-all only)
 pytestmark = pytest.mark.slow
 
-KEY = "sk-edge"
-AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_BODY = 12_000_000
 DEFAULT_MAX_TOKENS = 5
 
@@ -61,21 +59,6 @@ def server_and_log(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -
 @pytest.fixture(scope="module")
 def server(server_and_log: tuple[str, Path]) -> str:
     return server_and_log[0]
-
-
-@pytest.fixture(scope="module")
-def server_with_key(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    url = f"http://127.0.0.1:{free_port()}"
-    log = tmp_path_factory.mktemp("edge_key") / "serve.log"
-    args = ["--log-level", "WARNING", "serve", str(tiny_llama), "--port", url.rsplit(":", 1)[1]]
-    args += ["--kv-cache-memory", "0.005", "--enforce-eager", "--api-key-file", str(log.parent / "key")]
-    (log.parent / "key").write_text(KEY)
-    proc = start_cli(args, log)
-    try:
-        wait_healthy(proc, url, log, STARTUP_S)
-        yield url
-    finally:
-        stop([proc])
 
 
 def _vocab(model: Path) -> int:
@@ -180,22 +163,14 @@ def test_default_max_tokens_caps_a_chat_request_that_sets_none(server: str) -> N
     assert resp.json()["usage"]["completion_tokens"] == DEFAULT_MAX_TOKENS + 2  # a request's own cap holds
 
 
-def test_metrics_and_openapi_need_the_key(server_with_key: str) -> None:
-    for path in ("/metrics", "/openapi.json"):
-        resp = plain_http.get(server_with_key + path)
-        assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key", path
-        assert plain_http.get(server_with_key + path, headers=AUTH).status_code == 200, path
-    assert plain_http.get(server_with_key + "/health").status_code == 200
-
-
-def test_the_model_is_named_not_shown_by_path(server_with_key: str, tiny_llama: Path) -> None:
-    models = plain_http.get(server_with_key + "/v1/models", headers=AUTH)
+def test_the_model_is_named_not_shown_by_path(server: str, tiny_llama: Path) -> None:
+    """Served without --served-model-name: the model's name is its directory's, never its path.
+    (The API key guarding /metrics and /openapi.json: tests/test_server_api.py::test_api_key.)"""
+    models = plain_http.get(server + "/v1/models")
     body = {"prompt": "hi", "max_tokens": 2}
-    answer = plain_http.post(server_with_key + "/v1/completions", json=body, headers=AUTH, timeout=60)
+    answer = plain_http.post(server + "/v1/completions", json=body, timeout=60)
     assert models.json()["data"][0]["id"] == tiny_llama.name == answer.json()["model"]
     for resp in (models, answer):
         assert str(tiny_llama.parent) not in resp.text
-    by_path = plain_http.post(
-        server_with_key + "/v1/completions", json={**body, "model": str(tiny_llama)}, headers=AUTH, timeout=60
-    )
+    by_path = plain_http.post(server + "/v1/completions", json={**body, "model": str(tiny_llama)}, timeout=60)
     assert by_path.status_code == 200 and by_path.json()["model"] == tiny_llama.name

@@ -1,6 +1,6 @@
 """Connectors over elastic KV memory: the offload connector (its copier reads sizes from
 the KVCacheConfig, not tensor shapes) and P/D over real NIXL agents with elastic memory on
-the decoder, the prefiller, or both."""
+the decoder, the prefiller, or both. The P/D cores run eager (the subject is the memory)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvferry.config import CacheConfig, EngineConfig, KVTransferConfig, ParallelConfig, SchedulerConfig
+from kvferry.config import (
+    CacheConfig,
+    CompilationConfig,
+    EngineConfig,
+    KVTransferConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from kvferry.connector.offload.blocks import BlockCopier
 from kvferry.engine.core import EngineCore
 from kvferry.kv.spec import KVAllocator
@@ -95,6 +102,7 @@ def _pd_config(model_dir: Path, allocator: KVAllocator, connector: bool) -> Engi
         scheduler=SchedulerConfig(64, 16, True),
         parallel=ParallelConfig(),
         kv_transfer=kv if connector else KVTransferConfig(),
+        compilation=CompilationConfig(enforce_eager=True),
     )
 
 

@@ -1,7 +1,11 @@
-"""P/D between real `kvferry serve` instances with elastic KV memory and different TP sizes:
-prefill TP=1 (eager) -> decode TP=2 (elastic, HND: converts on receive), prefill TP=2
-(elastic) -> decode TP=1 (elastic), and TP=2 -> TP=2 (both elastic). Outputs equal a
-colocated eager engine's; every pool ends all free."""
+"""P/D between real `kvferry serve` instances across TP sizes, with elastic KV memory:
+prefill TP=1 (eager allocator) -> decode TP=2 (elastic, HND: converts on receive; each
+decode rank reads its KV-head slice), prefill TP=2 (elastic) -> decode TP=1 (elastic; one
+decode rank reads from both prefill ranks), and TP=2 -> TP=2 (both elastic). Outputs equal
+a colocated eager engine's, the prefill's `remote_tp_size` names the prefiller's TP, the
+decoder's NIXL byte counter grows, the prefiller frees its blocks once every consuming rank
+reported, and every pool ends all free. (P/D across TP with the eager allocator on both
+sides: tests/test_pd_hybrid.py.)"""
 
 from __future__ import annotations
 
@@ -58,10 +62,13 @@ def _pd(prefiller: Server, decoder: Server, prompt) -> tuple[str, int, dict]:  #
 @pytest.mark.parametrize(("prefill_name", "decode_name"), [("p1", "d2"), ("p2", "d1"), ("p2", "d2")])
 def test_pd_across_tp_sizes_with_elastic_memory(servers, prompts, reference, prefill_name, decode_name):
     prefiller, decoder = servers[prefill_name], servers[decode_name]
+    before = decoder.metrics().get("kv_connector_nixl_bytes_read", 0.0)
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda p: _pd(prefiller, decoder, p), prompts))
     for prompt, (text, cached, params), expected in zip(prompts, results, reference, strict=True):
         assert text == expected, prompt
         assert cached == params["remote_num_tokens"] - 1  # the prompt's KV came over NIXL
+        assert params["remote_tp_size"] == (2 if prefill_name == "p2" else 1)
+    assert decoder.metrics()["kv_connector_nixl_bytes_read"] > before
     wait_idle(decoder)
-    wait_idle(prefiller)
+    wait_idle(prefiller)  # every consuming rank reported: all blocks back

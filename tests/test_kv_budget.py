@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import logging
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ import torch
 from kvferry.config import EngineConfig
 from kvferry.engine.llm import LLM
 from kvferry.engine.profile_run import profile_num_blocks, profile_prompt_lengths
+from kvferry.entrypoints.cli import main
 from kvferry.errors import ConfigError
 from kvferry.kv.budget import GIB, BudgetSource, MemorySize, format_bytes, parse_memory_size, plan_kv_budget
 from kvferry.worker import worker as worker_module
@@ -103,14 +102,20 @@ def test_a_larger_step_budget_measures_a_larger_activation_peak(tiny_llama: Path
     assert peaks[8192] > peaks[64] + 16 * MIB, peaks
 
 
-@pytest.mark.slow  # `kvferry generate` in a subprocess: imports, loads and profiles before refusing
-def test_asking_for_more_kv_than_memory_holds_stops_start_up(tiny_llama: Path) -> None:
-    cmd = [sys.executable, "-m", "kvferry.entrypoints.cli", "generate", str(tiny_llama)]
-    cmd += ["--dtype", "float32", "--max-tokens", "2", "--kv-cache-memory", "100000GiB", "--enforce-eager"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0
-    assert "asks for 100000.00 GiB per rank, but only" in proc.stderr
-    assert "activation peak" in proc.stderr and "Traceback" not in proc.stderr
+# `kvferry generate`'s main() in this process (about 1.5 s): loads and profiles before refusing
+def test_asking_for_more_kv_than_memory_holds_stops_start_up(
+    tiny_llama: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    # the model and the prompt: with one positional, generate takes it as the prompt (and smollm2)
+    argv = ["generate", str(tiny_llama), "the cat sees", "--dtype", "float32", "--max-tokens", "2"]
+    argv += ["--kv-cache-memory", "100000GiB", "--enforce-eager"]
+    with caplog.at_level(logging.DEBUG), pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # no answer was generated
+    assert err.startswith("kvferry: error: ") and "asks for 100000.00 GiB per rank, but only" in err
+    assert "activation peak" in err and "Traceback" not in err + caplog.text
 
 
 class FixedProbe(MemoryProbe):

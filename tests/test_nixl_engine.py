@@ -1,7 +1,8 @@
 """Two engine cores in one process, both kv_role "both", real NIXL agents: P/D without HTTP.
 
 Each engine prefills for the other and decodes what the other prefilled; outputs equal a
-colocated engine's, stats count the transfers, and both pools end all free.
+colocated engine's, stats count the transfers, and both pools end all free. The cores run
+eager: the subject is the transfer, the compiled forward is tests/test_capture.py's.
 """
 
 from __future__ import annotations
@@ -12,7 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from kvferry.config import CacheConfig, EngineConfig, KVTransferConfig, ParallelConfig, SchedulerConfig
+from kvferry.config import (
+    CacheConfig,
+    CompilationConfig,
+    EngineConfig,
+    KVTransferConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from kvferry.engine.core import EngineCore
 from kvferry.messages.engine_core import EngineCoreOutput, EngineCoreRequest
 from kvferry.model.resolve import resolve_model_config
@@ -29,6 +37,7 @@ def _config(model_dir: Path, kv: KVTransferConfig | None, layout: str, tp: int =
         scheduler=SchedulerConfig(64, 16, True),
         parallel=ParallelConfig(tensor_parallel_size=tp),
         kv_transfer=kv or KVTransferConfig(),
+        compilation=CompilationConfig(enforce_eager=True),
     )
 
 

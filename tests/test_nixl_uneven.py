@@ -3,6 +3,7 @@
 A TP=2 engine (NHD) and a TP=1 engine (HND), both kv_role "both", prefill and decode for
 each other: TP 2 -> 1 reads both prefill ranks' uneven head ranges into one rank, TP 1 -> 2
 gives each decode rank its own range; outputs equal a colocated engine's; pools end free.
+All three cores run eager (test_nixl_engine._config).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from kvferry.engine.core import EngineCore
 from tests.engine_helpers import PROMPT_TEXTS, tokenize_all
 from tests.test_nixl_engine import _config, _drain, _pd_round
 
-# slow: TP=2 and TP=1 engine cores with NIXL agents, compiled (make test-all only)
+# slow: TP=2 and TP=1 engine cores with NIXL agents, eager (make test-all only)
 pytestmark = pytest.mark.slow
 
 

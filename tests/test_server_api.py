@@ -402,10 +402,12 @@ def test_api_key(server: Server) -> None:
     assert plain_http.get(server.url + "/v1/models").status_code == 401
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0).models.list()
-    assert plain_http.get(server.url + "/metrics").status_code == 401  # the key guards it too
-    assert (
-        plain_http.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
-    )
+    for path in ("/metrics", "/openapi.json"):  # the key guards them too
+        resp = plain_http.get(server.url + path)
+        assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key", path
+        assert (
+            plain_http.get(server.url + path, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+        )
 
 
 def test_bad_requests_leave_server_serving(server: Server) -> None:

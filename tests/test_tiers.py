@@ -86,8 +86,8 @@ REPRESENTATIVES = {
 }
 
 
-# A test marked slow (its llama sibling is the TP representative): never in the fast tier.
-SLOW_EXAMPLE = "tests/test_tp.py::test_tp2_greedy_outputs_identical_to_tp1[qwen2]"
+# A test marked slow by tests/tiers.LLAMA_FAST (its [llama] sibling is fast): never in the fast tier.
+SLOW_EXAMPLE = "tests/test_engine_equivalence.py::test_batched_greedy_matches_hf[qwen2]"
 
 
 @pytest.fixture(scope="module")
