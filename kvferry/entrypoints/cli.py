@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvferry.entrypoints.edge_options import add_edge_args
-from kvferry.entrypoints.engine_args import add_engine_args, engine_config_from_args
-from kvferry.errors import KVFerryError
+from kvferry.entrypoints.engine_args import DEFAULT_MODEL, add_engine_args, engine_config_from_args
+from kvferry.errors import ConfigError, KVFerryError
 from kvferry.process_exit import leave_remaining_objects_to_the_os
 
 if TYPE_CHECKING:
@@ -48,6 +48,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from kvferry.engine.llm import LLM
     from kvferry.sampling_params import SamplingParams
 
+    refuse_a_model_read_as_the_prompt(args)
     llm = LLM.from_config(engine_config_from_args(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sample_seed)
     out = (
@@ -58,6 +59,17 @@ def cmd_generate(args: argparse.Namespace) -> None:
     print(out[0].outputs[0].text, flush=True)
     if args.startup_json:
         write_startup_json(llm, args.startup_json)
+
+
+def refuse_a_model_read_as_the_prompt(args: argparse.Namespace) -> None:
+    """`kvferry generate MODEL` without a prompt: the one positional is the prompt and the
+    model defaults to the embedded one, which would then answer a file name. A prompt that
+    names an existing file or directory, with the default model, is refused instead."""
+    if args.model == DEFAULT_MODEL and Path(args.prompt).exists():
+        raise ConfigError(
+            f"{args.prompt!r} was read as the prompt (and the model defaulted to {DEFAULT_MODEL}): "
+            f"give the model, then the prompt: kvferry generate {args.prompt} 'your prompt'"
+        )
 
 
 def write_startup_json(llm: LLM, path: str) -> None:
