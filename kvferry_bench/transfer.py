@@ -329,8 +329,10 @@ def plot(doc: dict, path: Path) -> bool:
 
 
 def connector_config(args: argparse.Namespace, role: str, layout: str):
-    """An engine of args.connector whose pool holds the longest prompt and a few blocks more."""
-    from kvferry.config import CacheConfig, EngineConfig, KVTransferConfig
+    """An engine of args.connector whose pool holds the longest prompt and a few blocks more,
+    eager: each round prefills on one engine and computes one token on the other, so no step
+    is a decode step that the captured forward would run (compiling it would only cost time)."""
+    from kvferry.config import CacheConfig, CompilationConfig, EngineConfig, KVTransferConfig
     from kvferry.model.resolve import resolve_model_config
 
     block_size = 16
@@ -346,6 +348,7 @@ def connector_config(args: argparse.Namespace, role: str, layout: str):
             kv_allocator=args.kv_allocator,
         ),
         kv_transfer=KVTransferConfig("NixlConnector", kv_role=role),
+        compilation=CompilationConfig(enforce_eager=True),
     )
 
 
