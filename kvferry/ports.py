@@ -5,8 +5,8 @@ also hands to every outgoing connection. Between choosing such a port and bindin
 real (an engine binds its side channel only after loading its model, seconds later) any
 connection on the host, a health poll included, can take it, and the bind fails with
 "Address already in use". Ports are therefore chosen below that range, where the kernel
-never assigns one on its own, at random, checked bindable, and never twice by one picker; a process forked from another picks from
-a sequence of its own.
+never assigns one on its own, at random, checked bindable, and never twice by one picker;
+a process forked from another picks from a sequence of its own.
 """
 
 from __future__ import annotations

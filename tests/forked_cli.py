@@ -2,8 +2,8 @@
 imported what they import. No tests here.
 
 Each `python -m kvferry.entrypoints.cli serve ...` spends 5-7 s of one core importing torch,
-transformers and the HTTP stack before it reads its arguments (docs/testing.md), and the
-end-to-end tests start well over a hundred of them. Here multiprocessing's forkserver
+transformers and the HTTP stack before it reads its arguments (docs/testing.md), and most
+end-to-end tests start several. Here multiprocessing's forkserver
 imports those modules once per test run, and each command is a fork of it running the
 program's own `cli.main` in its own process, session (process group), environment,
 working directory and log: it forks its engine core, starts its TP ranks and, under
