@@ -47,6 +47,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, default=1000, help="prompt tokens (exact)")
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    parser.add_argument("--json-schema", default=None, help="answers constrained to this JSON schema")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--log-dir", default=None, help="deployment logs (default: a new temporary dir)")
     parser.add_argument("--output", default="bench-results/pd.json")
@@ -70,6 +72,10 @@ def serve_args(args: argparse.Namespace, label: str, url: str, command: list[str
     argv += ["--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len)]
     argv += ["--output-len", str(args.output_len), "--seed", str(args.seed), "--output", args.output]
     argv += ["--request-rate", *(str(rate) for rate in args.request_rate)]
+    if args.max_concurrency:
+        argv += ["--max-concurrency", str(args.max_concurrency)]
+    if args.json_schema:
+        argv += ["--json-schema", args.json_schema]
     parsed = parser.parse_args(argv)
     parsed.deployment = shlex.join(["kvferry", *command[3:]])  # as a user would type it
     return parsed

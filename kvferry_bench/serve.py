@@ -61,6 +61,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--label", default="default", help="name of this run in the JSON and the plot")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--json-schema",
+        default=None,
+        help="every request's answer constrained to this JSON schema (structured_outputs.json)",
+    )
     parser.add_argument("--output", default="bench-results/serve.json")
 
 
@@ -182,7 +187,7 @@ async def run_rate(args: argparse.Namespace, prompts: list, rate: float) -> tupl
 
 
 def _body(args: argparse.Namespace, prompt, max_tokens: int | None = None) -> dict:
-    return {
+    body = {
         "model": args.model,
         "prompt": prompt,
         "max_tokens": max_tokens or args.output_len,
@@ -191,6 +196,9 @@ def _body(args: argparse.Namespace, prompt, max_tokens: int | None = None) -> di
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if args.json_schema:
+        body["structured_outputs"] = {"json": json.loads(args.json_schema)}
+    return body
 
 
 def _stats_ms(values: list[float]) -> dict[str, float]:
@@ -304,6 +312,7 @@ def run(args: argparse.Namespace) -> dict:
         "output_len": args.output_len,
         "exact_input_len": tokenizer is not None,
         "max_concurrency": args.max_concurrency,
+        "json_schema": args.json_schema,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "deployment": getattr(args, "deployment", None),  # the command that served it, if known
         "results": results,

@@ -12,9 +12,9 @@ from tests.proxy_fakes import ANSWER_CHUNKS, FakeInstance, serve_in_thread
 METRICS = ("ttft_ms", "itl_ms", "tpot_ms", "e2el_ms")
 
 
-def _bench(url: str, out: Path, label: str, *rates: str) -> dict:
+def _bench(url: str, out: Path, label: str, *rates: str, more: tuple[str, ...] = ()) -> dict:
     argv = ["serve", "--url", url, "--model", "fake", "--num-prompts", "4", "--input-len", "8"]
-    argv += ["--output-len", "3", "--label", label, "--output", str(out), "--request-rate", *rates]
+    argv += ["--output-len", "3", "--label", label, "--output", str(out), "--request-rate", *rates, *more]
     args = build_parser().parse_args(argv)
     return args.func(args)
 
@@ -58,3 +58,15 @@ def test_bench_serve_counts_failures(tmp_path: Path) -> None:
     result = doc["runs"][0]["results"][0]
     assert result["completed"] == 0 and result["failed"] == 4
     assert result["errors"] and "HTTP 503" in result["errors"][0]
+
+
+def test_bench_serve_constrains_every_request_to_a_json_schema(tmp_path: Path) -> None:
+    fake = FakeInstance("bench")
+    schema = {"type": "array", "items": {"type": "string"}}
+    with serve_in_thread(fake.app) as url:
+        doc = _bench(
+            url, tmp_path / "serve.json", "schema", "inf", more=("--json-schema", json.dumps(schema))
+        )
+    assert doc["runs"][0]["json_schema"] == json.dumps(schema)
+    assert len(fake.requests) == 4 + 1
+    assert all(body["structured_outputs"] == {"json": schema} for body in fake.requests)  # warm-up too
