@@ -110,20 +110,32 @@ void block_scales(const uint8_t* block, const BlockFormat& f, float& d, float& m
   m = f.has_min ? half_at(block + 2) : (f.four_bit ? -8.f * d : 0.f);
 }
 
+// A block's 32 weights as the integers q the format stores (Q4: 0..15, Q8_0: -128..127).
+// Decoded into their own array, apart from the dot product: GCC 12 at -march=native on an
+// AVX-512 VNNI CPU vectorized a loop that mixed the two (a nibble zero-extended, an int8
+// sign-extended, chosen per format) into a wrong Q8_0 dot product.
+void decode_block(const uint8_t* quants, bool four_bit, int16_t* w) {
+  if (four_bit) {
+    for (int64_t i = 0; i < kBlock / 2; ++i) {
+      w[i] = static_cast<int16_t>(quants[i] & 0x0F);
+      w[i + kBlock / 2] = static_cast<int16_t>(quants[i] >> 4);
+    }
+    return;
+  }
+  for (int64_t i = 0; i < kBlock; ++i) w[i] = static_cast<int16_t>(static_cast<int8_t>(quants[i]));
+}
+
 void portable_row(const Operands& op, int64_t feature, int64_t first, int64_t count) {
   const uint8_t* row = op.weight + feature * op.blocks * op.format.bytes;
+  int16_t w[kBlock];
   for (int64_t r = first; r < first + count; ++r) {
     float acc = 0.f;
     for (int64_t b = 0; b < op.blocks; ++b) {
       const uint8_t* block = row + b * op.format.bytes;
-      const uint8_t* quants = block + op.format.quants_at;
+      decode_block(block + op.format.quants_at, op.format.four_bit, w);
       const int8_t* qx = op.x->q.data() + (r * op.blocks + b) * kBlock;
       int32_t dot = 0;
-      for (int64_t i = 0; i < kBlock; ++i) {
-        const int32_t w = op.format.four_bit ? (i < 16 ? quants[i] & 0x0F : quants[i - 16] >> 4)
-                                             : static_cast<int8_t>(quants[i]);
-        dot += w * qx[i];
-      }
+      for (int64_t i = 0; i < kBlock; ++i) dot += static_cast<int32_t>(w[i]) * qx[i];
       float d, m;
       block_scales(block, op.format, d, m);
       const float dx = op.x->scale[r * op.blocks + b];
