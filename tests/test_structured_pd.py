@@ -251,23 +251,32 @@ def _accumulated(client: openai.OpenAI, kwargs: dict) -> tuple[str | None, list,
     return choice.message.content, calls, choice.finish_reason
 
 
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
 @pytest.mark.parametrize(
     "sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 5}], ids=["greedy", "seeded"]
 )
-def test_tool_choice_none_streams_the_first_token_early(deployment: Deployment, sampling: dict) -> None:
+def test_tool_choice_none_and_named_stream_the_first_token_early(
+    deployment: Deployment, sampling: dict
+) -> None:
     """With tool_choice none the answer is plain content (the tools are neither shown nor
-    parsed): the proxy sends the prefiller's token early, and the stream equals a colocated
-    one. With required the answer is the calls, parsed on the decoder: no early text."""
+    parsed), with a named function it is the call: the proxy sends the prefiller's token
+    early (as content; as the call's first tool_calls entry) and the stream, as the openai
+    client accumulates it, equals a colocated one. With required the answer is the calls,
+    parsed on the decoder: nothing goes early (kvferry/entrypoints/proxy/early_calls.py)."""
     proxy, prefill, decode = deployment.ready()
-    kwargs = {"model": MODEL, "messages": MESSAGES, "max_tokens": 20, "tools": TOOLS, **sampling}
-    none = {**kwargs, "tool_choice": "none"}
-    colocated = _accumulated(_client(decode), none)
-    assert colocated[0] and colocated[1] == []
+    kwargs = {"model": MODEL, "messages": MESSAGES, "max_tokens": 40, "tools": TOOLS, **sampling}
+    for choice in ("none", NAMED):
+        request = {**kwargs, "tool_choice": choice}
+        colocated = _accumulated(_client(decode), request)
+        assert bool(colocated[0]) == (choice == "none") and bool(colocated[1]) == (choice == NAMED)
+        early = _metric(proxy, EARLY)
+        assert _accumulated(_client(proxy), request) == colocated
+        assert _metric(proxy, EARLY) == early + 1, choice
     early = _metric(proxy, EARLY)
-    assert _accumulated(_client(proxy), none) == colocated
-    assert _metric(proxy, EARLY) == early + 1
     required = {**kwargs, "tool_choice": "required", "parallel_tool_calls": False}
     assert _accumulated(_client(proxy), required)[2] in ("tool_calls", "length")
-    assert _metric(proxy, EARLY) == early + 1
+    assert _metric(proxy, EARLY) == early
     _wait_blocks_free(prefill)
     _wait_blocks_free(decode)

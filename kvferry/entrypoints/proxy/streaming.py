@@ -8,7 +8,10 @@ text dropped from its start.
 
 The text is not sent early when it is incomplete (part of a character), when a stop
 string could end the answer inside it, when no decode instance is healthy (the client
-gets the 503 rather than a token and an in-stream error), or when logprobs are asked:
+gets the 503 rather than a token and an in-stream error), for a chat request whose tools
+make its answer calls the proxy cannot stream as a server would (``tool_choice`` ``auto``
+or ``required``; ``none`` goes early as text, a named function as its call's first
+``tool_calls`` entry: early_calls.py), or when logprobs are asked:
 every chunk's logprobs then come from the decoder, which computes the first token's too,
 instead of being spliced from two instances. In those cases the decoder's stream is
 opened before the response starts (so its errors keep their HTTP status) and passed
@@ -44,7 +47,14 @@ from typing import Any
 
 from kvferry.entrypoints.http_common import SSE_DONE as SSE_DONE_EVENT
 from kvferry.entrypoints.http_common import chat_role_chunk, gather_or_cancel, interleave, sse
-from kvferry.entrypoints.openai.tools import body_uses_tools
+from kvferry.entrypoints.proxy.early_calls import (
+    call_arguments,
+    early_with_tools,
+    first_call,
+    named_function,
+    skip_sent,
+    strip_calls,
+)
 from kvferry.entrypoints.proxy.errors import exception_event_body
 from kvferry.entrypoints.proxy.failover import DECODER_LOST, SentChoices, is_role_chunk
 from kvferry.entrypoints.proxy.pd import (
@@ -85,6 +95,8 @@ class StreamLeg:
         self.headers = headers
         self.prefill: Prefilled | None = None
         self.early: str | None = None  # choice 0's first text, sent before the decoder's stream
+        self.named = named_function(body) if path == CHAT else None  # the function forced
+        self.early_call: dict[str, Any] | None = None  # named: the early text as its call's first entry
         self.pending = ""  # early text still to drop from choice 0 of the decoder's stream
         self.first: UpstreamStream | None = None  # the decoder stream of all n answers
         self.streams: list[UpstreamStream] = []  # every decoder stream opened (closed at the end)
@@ -102,7 +114,11 @@ class StreamLeg:
     async def prepare(self, allow_early: bool) -> None:
         self.prefill = await run_prefill(self.ctx, self.path, self.body, self.headers)
         self.prompt_logprobs = prefill_prompt_logprobs(self.path, self.body, self.prefill.response)
-        text = first_text(self.path, self.prefill.response)
+        if self.named is not None:
+            self.early_call = first_call(self.prefill.response, self.named)
+            text = call_arguments(self.early_call)
+        else:
+            text = first_text(self.path, self.prefill.response)
         if allow_early and self._can_send_early(text):
             self.early = text
         else:
@@ -141,7 +157,8 @@ class StreamLeg:
         mid-stream is replaced by other ones continuing the answers (see failover.py)."""
         if self.early is not None:
             self.ctx.metrics.early_first_token()
-            for chunk in early_chunks(self.path, self._prefilled().response, self.early, self.answers):
+            prefill = self._prefilled().response
+            for chunk in early_chunks(self.path, prefill, self.early, self.answers, self.early_call):
                 yield self._with_prompt_logprobs(chunk)
             if self.path == CHAT:
                 self.roles_sent.update(range(self.answers))
@@ -258,12 +275,16 @@ class StreamLeg:
             await stream.aclose()
 
 
-def early_chunks(path: str, prefill: dict[str, Any], text: str, answers: int = 1) -> list[dict[str, Any]]:
+def early_chunks(
+    path: str, prefill: dict[str, Any], text: str, answers: int = 1, call: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
     """The chunks sent before the decoder's stream: choice 0's first ``text`` (chat: after
-    the role chunk of each of the ``answers`` choices, as a colocated server opens it)."""
+    the role chunk of each of the ``answers`` choices, as a colocated server opens it; a
+    named function's ``call``: that text as the call's first ``tool_calls`` entry)."""
     meta = chunk_meta(path, prefill)
     if path == CHAT:
-        first = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+        delta = {"tool_calls": [call]} if call is not None else {"content": text}
+        first = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
         return [_role_chunk(meta, index) for index in range(answers)] + [{**meta, "choices": [first]}]
     return [{**meta, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}]}]
 
@@ -281,14 +302,6 @@ def _role_chunk(meta: dict[str, Any], index: int) -> dict[str, Any]:
     return chunk
 
 
-def _skip(text: str, pending: str) -> tuple[str, str]:
-    n = min(len(text), len(pending))
-    if text[:n] != pending[:n]:
-        logger.warning("decoder's text %r does not start with the prefill's first token %r", text, pending)
-        return text[n:], ""
-    return text[n:], pending[n:]
-
-
 def strip_sent(path: str, chunk: dict[str, Any], pending: str) -> tuple[dict[str, Any] | None, str]:
     """Drop from a decoder chunk what the client already got early: choice 0's ``pending``
     text and, for chat, every choice's role (token ids stay: the early text carried none).
@@ -297,31 +310,37 @@ def strip_sent(path: str, chunk: dict[str, Any], pending: str) -> tuple[dict[str
     for choice in chunk.get("choices") or []:
         choice = dict(choice)
         if choice.get("index", 0) == 0:
-            text, pending = _strip_text(path, choice, pending)
+            left, pending = _strip_text(path, choice, pending, first=True)
         else:
-            text, _ = _strip_text(path, choice, "")
-        if text or choice.get("finish_reason") is not None or _carries_more(choice):
+            left, _ = _strip_text(path, choice, "", first=False)
+        if left or choice.get("finish_reason") is not None or _carries_more(choice):
             choices.append(choice)
     if not choices and not chunk.get("usage"):
         return None, pending
     return {**chunk, "choices": choices}, pending
 
 
-def _strip_text(path: str, choice: dict[str, Any], pending: str) -> tuple[str, str]:
-    """Drop ``pending`` from the start of ``choice``'s text (in place; chat: its role too);
-    returns the text left and what is still pending."""
+def _strip_text(path: str, choice: dict[str, Any], pending: str, first: bool) -> tuple[bool, str]:
+    """Drop ``pending`` from the start of ``choice``'s text (in place; chat: its role too,
+    and for the ``first`` choice a named call's announcement, early_calls.py); returns
+    whether text or calls are left, and what is still pending."""
     if path == CHAT:
         delta = {k: v for k, v in (choice.get("delta") or {}).items() if k != "role"}
         text = delta.pop("content", None) or ""
-        text, pending = _skip(text, pending) if text and pending else (text, pending)
+        text, pending = skip_sent(text, pending) if text and pending else (text, pending)
+        calls = delta.pop("tool_calls", None) or []
+        if first:
+            calls, pending = strip_calls(calls, pending)
         if text:
             delta["content"] = text
+        if calls:
+            delta["tool_calls"] = calls
         choice["delta"] = delta
-        return text, pending
+        return bool(text or calls), pending
     text = choice.get("text") or ""
-    text, pending = _skip(text, pending) if text and pending else (text, pending)
+    text, pending = skip_sent(text, pending) if text and pending else (text, pending)
     choice["text"] = text
-    return text, pending
+    return bool(text), pending
 
 
 def _carries_more(choice: dict[str, Any]) -> bool:
@@ -343,7 +362,7 @@ async def open_stream(
     """Run the prefills (errors raise here, before any response); the SSE lines to send."""
     legs = [StreamLeg(ctx, path, i, leg, headers) for i, leg in enumerate(split_legs(path, body))]
     allow_early = ctx.early_first_token and not wants_logprobs(path, body) and ctx.decode.num_healthy > 0
-    allow_early = allow_early and not body_uses_tools(body)  # tool calls are parsed from the whole answer
+    allow_early = allow_early and early_with_tools(body)  # see early_calls.py
     try:
         await gather_or_cancel([leg.prepare(allow_early) for leg in legs])
     except BaseException:
