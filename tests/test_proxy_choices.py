@@ -120,9 +120,15 @@ def test_leg_usage_counts_the_prompt_once_and_every_answer() -> None:
     for index in (1, 2):
         sent.resume_body({"prompt": "a", "max_tokens": 9}, index)
         usage = {"usage": {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}}
+        usage["usage"]["prompt_tokens_details"] = {"cached_tokens": 4}
         sent.choices[index].fix_usage(usage)  # the continuation's prompt held the 2 sent tokens
         resumed[index] = usage["usage"]
-    assert sent.leg_usage(resumed) == {"prompt_tokens": 3, "completion_tokens": 3 + 6 + 6, "total_tokens": 18}
+    assert sent.leg_usage(resumed) == {
+        "prompt_tokens": 3,
+        "completion_tokens": 3 + 6 + 6,
+        "total_tokens": 18,
+        "prompt_tokens_details": {"cached_tokens": 3},  # cached of the prompt, not of prompt + sent
+    }
     assert sent.leg_usage({}) is None
 
 

@@ -147,12 +147,16 @@ class SentChoices:
             for i, sent in enumerate(self.choices)
         )
         prompt = first.get("prompt_tokens", 0)
-        return {
-            **first,
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-        }
+        usage = {**first, "prompt_tokens": prompt, "completion_tokens": completion}
+        usage["total_tokens"] = prompt + completion
+        details = first.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            # the continuation's cached tokens are of its prompt plus the sent tokens
+            usage["prompt_tokens_details"] = {
+                **details,
+                "cached_tokens": min(details["cached_tokens"], prompt),
+            }
+        return usage
 
 
 def is_role_chunk(chunk: dict[str, Any]) -> bool:

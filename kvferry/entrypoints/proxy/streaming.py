@@ -245,7 +245,8 @@ class StreamLeg:
         self.failed_over = True
         self.ctx.decode.mark(lost.instance, False, str(exc))
         await lost.aclose()
-        release_abandoned(self.ctx, self._prefilled(), self.headers)
+        if lost is self.first:  # the decoder handed the prefill's KV
+            release_abandoned(self.ctx, self._prefilled(), self.headers)
         self.ctx.metrics.failover(streamed=True)
 
     def _role_again(self, chunk: dict[str, Any]) -> bool:
