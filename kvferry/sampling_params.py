@@ -14,6 +14,12 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what the engine's batch tensors ho
 FLOAT32_TINY, FLOAT32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38  # smallest normal, largest
 
 
+def child_seed(seed: int, index: int) -> int:
+    """The seed of answer ``index`` of a request seeded ``seed`` (n > 1: seed + index, as
+    vLLM), wrapped inside int64 as the batch tensors hold it."""
+    return (seed + index - INT64_MIN) % 2**64 + INT64_MIN
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int | None = 16

@@ -3,7 +3,7 @@
 the proxy continues the answer on the other decoder (from the token ids already sent,
 for a stream), so a greedy or seeded answer, completion or chat, equals the undisturbed
 one byte for byte, the proxy's failover counter goes up by 1, and the surviving instances
-end with every block free. A decoder that is dead before the request reaches it (it
+end with every block free; an n = 3 stream continues each of its answers. A decoder that is dead before the request reaches it (it
 refuses the connection) is counted as a moved request. The deployment is shared by the
 module: a killed decoder is started again on its port before the next test."""
 
@@ -113,6 +113,7 @@ class Client:
     def __init__(self, url: str, path: str, body: dict, stream: bool) -> None:
         self.url, self.path, self.body, self.stream = url + path, path, body, stream
         self.pieces: list[str] = []
+        self.by_choice: dict[int, list[str]] = {}  # n > 1: each choice's pieces
         self.role_chunks = 0
         self.error: BaseException | None = None
         self.done = threading.Event()
@@ -127,6 +128,11 @@ class Client:
         if self.error is not None:
             raise self.error
         return "".join(self.pieces)
+
+    def texts(self, timeout: float = 120) -> dict[int, str]:
+        """Each choice's text (by index)."""
+        self.text(timeout)
+        return {index: "".join(pieces) for index, pieces in self.by_choice.items()}
 
     def _run(self) -> None:
         try:
@@ -151,14 +157,16 @@ class Client:
 
     def _chunk(self, chunk: dict) -> None:
         assert "error" not in chunk, chunk
-        choice = chunk["choices"][0]
-        assert "token_ids" not in choice and "prompt_token_ids" not in choice  # not asked for
-        if "messages" not in self.body:
-            self.pieces.append(choice["text"])
-            return
-        delta = choice["delta"]
-        self.role_chunks += "role" in delta
-        self.pieces.append(delta.get("content") or "")
+        for choice in chunk["choices"]:
+            assert "token_ids" not in choice and "prompt_token_ids" not in choice  # not asked for
+            if "messages" in self.body:
+                delta = choice["delta"]
+                self.role_chunks += "role" in delta
+                piece = delta.get("content") or ""
+            else:
+                piece = choice["text"]
+            self.pieces.append(piece)
+            self.by_choice.setdefault(choice["index"], []).append(piece)
 
 
 def _busy_decoder(servers: dict[str, Server], timeout: float = 30.0) -> str:
@@ -256,6 +264,34 @@ def test_killed_decoder_answer_continues_on_the_other(
     assert _counter(url, "decode_failovers") == failovers + 1
     survivor = "b" if victim == "a" else "a"
     wait_idle(servers[survivor])
+    wait_idle(servers["prefill"])
+    deployment.wait_back(victim)
+
+
+@pytest.mark.parametrize(("path", "body"), [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)])
+def test_killed_decoder_mid_n3_stream_continues_every_choice(
+    deployment: Deployment, path: str, body: dict
+) -> None:
+    """n = 3, seeded, streamed: the decoder is killed while all three answers are under way;
+    each continues on the other decoder from its own sent tokens with its own seed (seed + i),
+    so every choice equals a colocated server's stream (a decoder asked directly), each chat
+    choice opens with one role chunk, and one failover is counted."""
+    servers, url = deployment.servers, deployment.proxy
+    request = {**body, **SEEDED, "n": 3}
+    colocated = Client(servers["a"].url, path, request, stream=True).start().texts()
+    assert sorted(colocated) == [0, 1, 2] and len(set(colocated.values())) == 3
+    wait_idle(servers["a"])
+    failovers = _counter(url, "decode_failovers")
+    client = Client(url, path, request, stream=True).start()
+    victim = _busy_decoder(servers)
+    _wait_chunks(client, CHUNKS_BEFORE_KILL)
+    kill(servers[victim])
+    servers[victim].proc.wait(10)
+    deployment.start_again(victim)
+    assert client.texts() == colocated
+    assert client.role_chunks == (3 if "messages" in body else 0)
+    assert _counter(url, "decode_failovers") == failovers + 1
+    wait_idle(servers["b" if victim == "a" else "a"])
     wait_idle(servers["prefill"])
     deployment.wait_back(victim)
 

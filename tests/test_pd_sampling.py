@@ -187,3 +187,83 @@ def test_pd_n3_streamed_equals_colocated_and_prefills_once(colocated: LLM, deplo
     assert _metric(prefill, "kvferry:prompt_tokens_total") - before == prompt_len  # one prefill
     _wait_blocks_free(prefill)
     _wait_blocks_free(decode)
+
+
+MESSAGES = [{"role": "user", "content": PROMPT}]
+GREEDY = {"temperature": 0}
+SEEDED = {"temperature": 0.9, "top_p": 0.95, "seed": 77}
+EARLY = "kvferry_proxy:early_first_tokens_total"
+
+
+def _by_choice(chunks: list[dict]) -> tuple[dict[int, str], dict[int, int]]:
+    """Each choice's text (completion text or chat content, concatenated) and, for chat, how
+    many role chunks it had."""
+    texts: dict[int, str] = {}
+    roles: dict[int, int] = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            index = choice["index"]
+            delta = choice.get("delta") or {}
+            texts[index] = texts.get(index, "") + (choice.get("text") or delta.get("content") or "")
+            roles[index] = roles.get(index, 0) + ("role" in delta)
+    return texts, roles
+
+
+def _streamed(url: str, path: str, body: dict) -> list[dict]:
+    resp = plain_http.post(url + path, json={**body, "stream": True}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    return _events(resp.text)
+
+
+def _n3_body(path: str, sampling: dict, prompt: str | list[str] = PROMPT) -> dict:
+    where = {"messages": MESSAGES} if path == "/v1/chat/completions" else {"prompt": prompt}
+    return {"model": MODEL, **where, "max_tokens": MAX_TOKENS, "n": 3, **sampling}
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"], ids=["completion", "chat"])
+def test_pd_n3_stream_sends_choice_0_early_and_equals_colocated(
+    deployment: Deployment, path: str, sampling: dict
+) -> None:
+    """n = 3 streamed through the proxy: choice 0's first token goes out as soon as the
+    prefill answers (the proxy's early_first_tokens counter), and every choice's text, role
+    chunk and usage equal a colocated server's stream (the decode instance asked directly:
+    it computes the prompt itself)."""
+    proxy, prefill, decode = deployment.ready()
+    body = {**_n3_body(path, sampling), "stream_options": {"include_usage": True}}
+    colocated = _streamed(decode, path, body)
+    early = _metric(proxy, EARLY)
+    pd = _streamed(proxy, path, body)
+    assert _metric(proxy, EARLY) == early + 1  # the early path was taken
+    want, want_roles = _by_choice(colocated)
+    got, got_roles = _by_choice(pd)
+    assert got == want and sorted(got) == [0, 1, 2]
+    assert got_roles == want_roles
+    if path == "/v1/chat/completions":
+        assert got_roles == {0: 1, 1: 1, 2: 1}
+        assert [c["choices"][0]["index"] for c in pd[:3]] == [0, 1, 2]  # the roles open the stream
+    if sampling is SEEDED:
+        assert len(set(got.values())) > 1  # each choice has its own seed
+    first_text = next(c for c in pd if _by_choice([c])[0].get(0))
+    assert first_text["choices"][0]["index"] == 0
+    usage = [(c["usage"]["prompt_tokens"], c["usage"]["completion_tokens"]) for c in pd if c.get("usage")]
+    assert usage == [
+        (c["usage"]["prompt_tokens"], c["usage"]["completion_tokens"]) for c in colocated if c.get("usage")
+    ]
+    _wait_blocks_free(prefill)
+    _wait_blocks_free(decode)
+
+
+def test_pd_n3_batch_stream_indexes_choices_prompt_by_prompt(deployment: Deployment) -> None:
+    """A completions batch of two prompts with n = 3, seeded: choice index = prompt * n + i,
+    each text as a colocated server streams it."""
+    proxy, prefill, decode = deployment.ready()
+    prompts = [PROMPT, "a small bird sings in the old tree"]
+    body = _n3_body("/v1/completions", SEEDED, prompts)
+    early = _metric(proxy, EARLY)
+    got, _ = _by_choice(_streamed(proxy, "/v1/completions", body))
+    assert _metric(proxy, EARLY) == early + 2  # each prompt's leg
+    want, _ = _by_choice(_streamed(decode, "/v1/completions", body))
+    assert got == want and sorted(got) == list(range(6))
+    _wait_blocks_free(prefill)
+    _wait_blocks_free(decode)

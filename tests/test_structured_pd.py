@@ -23,7 +23,7 @@ from kvferry.sampling_params import SamplingParams
 from kvferry.structured.params import StructuredOutputsParams
 from tests import plain_http
 from tests.proxy_fakes import free_port, start_cli
-from tests.test_disagg import MODEL, Deployment, _disagg_args, _wait_blocks_free
+from tests.test_disagg import MODEL, Deployment, _disagg_args, _metric, _wait_blocks_free
 from tests.test_structured import CHOICES, REGEX, SCHEMA
 from tests.test_tools import TOOLS, WEATHER
 
@@ -236,3 +236,47 @@ def test_auto_tool_calls_stream_as_parsed(deployment: Deployment) -> None:
         assert deltas[0][0].id and deltas[0][0].function.name == "get_weather"
         assert len(deltas) > 2 and all(d[0].function.name is None for d in deltas[1:])
     _wait_blocks_free(prefill)
+
+
+EARLY = "kvferry_proxy:early_first_tokens_total"
+
+
+def _accumulated(client: openai.OpenAI, kwargs: dict) -> tuple[str | None, list, str]:
+    """A streamed chat answer as the openai client accumulates it: content, calls, finish."""
+    state = ChatCompletionStreamState()
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        state.handle_chunk(chunk)
+    choice = state.current_completion_snapshot.choices[0]
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    return choice.message.content, calls, choice.finish_reason
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize(
+    "sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 5}], ids=["greedy", "seeded"]
+)
+def test_tool_choice_none_and_named_stream_the_first_token_early(
+    deployment: Deployment, sampling: dict
+) -> None:
+    """With tool_choice none the answer is plain content (the tools are neither shown nor
+    parsed), with a named function it is the call: the proxy sends the prefiller's token
+    early (as content; as the call's first tool_calls entry) and the stream, as the openai
+    client accumulates it, equals a colocated one. With required the answer is the calls,
+    parsed on the decoder: nothing goes early (kvferry/entrypoints/proxy/early_calls.py)."""
+    proxy, prefill, decode = deployment.ready()
+    kwargs = {"model": MODEL, "messages": MESSAGES, "max_tokens": 40, "tools": TOOLS, **sampling}
+    for choice in ("none", NAMED):
+        request = {**kwargs, "tool_choice": choice}
+        colocated = _accumulated(_client(decode), request)
+        assert bool(colocated[0]) == (choice == "none") and bool(colocated[1]) == (choice == NAMED)
+        early = _metric(proxy, EARLY)
+        assert _accumulated(_client(proxy), request) == colocated
+        assert _metric(proxy, EARLY) == early + 1, choice
+    early = _metric(proxy, EARLY)
+    required = {**kwargs, "tool_choice": "required", "parallel_tool_calls": False}
+    assert _accumulated(_client(proxy), required)[2] in ("tool_calls", "length")
+    assert _metric(proxy, EARLY) == early
+    _wait_blocks_free(prefill)
+    _wait_blocks_free(decode)

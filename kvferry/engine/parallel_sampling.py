@@ -23,7 +23,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 
 from kvferry.outputs import CompletionOutput, RequestOutput
-from kvferry.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from kvferry.sampling_params import SamplingParams, child_seed
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +41,7 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
     """The parameters of one child: one answer, its own seed, logprobs when ranked."""
     if num_children(params) == 1:
         return params
-    seed = params.seed
-    if seed is not None:  # wraps inside int64, as the batch tensors hold it
-        seed = (seed + index - INT64_MIN) % 2**64 + INT64_MIN
-        assert INT64_MIN <= seed <= INT64_MAX
+    seed = None if params.seed is None else child_seed(params.seed, index)
     logprobs = params.logprobs if params.logprobs is not None or not ranks_children(params) else 0
     return dataclasses.replace(params, n=1, best_of=None, seed=seed, logprobs=logprobs)
 

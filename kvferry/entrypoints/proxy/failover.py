@@ -24,6 +24,15 @@ new decoder draws what the lost one would have. (Unseeded sampled answers contin
 coherently but are not reproducible anyway. Presence and frequency penalties count only
 output tokens, so with those the continuation sees the sent tokens as prompt.)
 
+With n > 1 the decoder streams n answers (choices); the proxy keeps each one's sent ids
+(``SentChoices``). When the decoder is lost, every choice that has not finished continues
+on another decoder as its own n = 1 request: its prompt plus its sent ids, its own
+``resumed_output_tokens`` and shrunk ``max_tokens``, and its own seed, the request's seed
++ its index, as the decoder seeded that answer (engine/parallel_sampling.py), so a seeded
+choice continues byte-identically too. A choice that sent nothing yet starts over as that
+answer alone. The continuations' chunks are re-indexed to their choice, and their usage
+chunks combined into the leg's: the prompt once, every answer's completion tokens.
+
 Counted in the proxy's /metrics: ``kvferry_proxy:decode_failovers{mode}`` for an answer a
 decoder had accepted and was lost during (mode ``stream`` or ``complete``), and
 ``kvferry_proxy:requests_moved{role="decode", cause}`` for a request no decoder accepted
@@ -37,6 +46,7 @@ import copy
 from typing import Any
 
 from kvferry.entrypoints.proxy.errors import UpstreamTimeoutError, UpstreamUnavailableError
+from kvferry.sampling_params import child_seed
 
 # What a dead or hung decoder raises; another decoder may still answer.
 DECODER_LOST = (UpstreamUnavailableError, UpstreamTimeoutError)
@@ -51,19 +61,25 @@ class SentTokens:
         self.prompt: list[int] | None = None
         self.generated: list[int] = []
         self.resumed_after = 0  # tokens sent before the current decoder took over
+        self.finished = False  # the answer's last chunk (its finish_reason) was sent
 
     def record(self, chunk: dict[str, Any], keep_ids: bool) -> None:
         """Note the chunk's ids; drop them from it unless the client asked for them."""
         for choice in chunk.get("choices") or []:
-            prompt = choice.get("prompt_token_ids")
-            if self.prompt is None and isinstance(prompt, list):
-                self.prompt = list(prompt)  # a later decoder's (longer) prompt is not kept
-            self.generated.extend(choice.get("token_ids") or [])
-            if not keep_ids:
-                for name in TOKEN_ID_FIELDS:
-                    choice.pop(name, None)
-            elif self.resumed_after:
-                choice.pop("prompt_token_ids", None)  # the client got the real prompt's already
+            self.record_choice(choice, keep_ids)
+
+    def record_choice(self, choice: dict[str, Any], keep_ids: bool) -> None:
+        """``record`` for one choice of a chunk (this answer's)."""
+        prompt = choice.get("prompt_token_ids")
+        if self.prompt is None and isinstance(prompt, list):
+            self.prompt = list(prompt)  # a later decoder's (longer) prompt is not kept
+        self.generated.extend(choice.get("token_ids") or [])
+        self.finished = self.finished or choice.get("finish_reason") is not None
+        if not keep_ids:
+            for name in TOKEN_ID_FIELDS:
+                choice.pop(name, None)
+        elif self.resumed_after:
+            choice.pop("prompt_token_ids", None)  # the client got the real prompt's already
 
     def resume_body(self, body: dict[str, Any]) -> dict[str, Any]:
         """The request that continues the answer on another decoder."""
@@ -87,6 +103,60 @@ class SentTokens:
             return
         usage["prompt_tokens"] = usage.get("prompt_tokens", 0) - self.resumed_after
         usage["completion_tokens"] = usage.get("completion_tokens", 0) + self.resumed_after
+
+
+class SentChoices:
+    """The sent tokens of each of a leg's n answers (choices), by the leg's choice index.
+
+    A decoder lost during an n > 1 stream is replaced by one continuation per unfinished
+    choice, each an n = 1 request of its own: the choice's prompt and sent ids, its own seed
+    (the request's seed + index, as the decoder seeded that answer: parallel_sampling.py),
+    so a seeded answer continues with the draws it would have had."""
+
+    def __init__(self, chat: bool, answers: int) -> None:
+        self.choices = [SentTokens(chat) for _ in range(answers)]
+
+    def record(self, chunk: dict[str, Any], keep_ids: bool) -> None:
+        """``SentTokens.record`` for each choice of ``chunk`` (indexed as the leg's)."""
+        for choice in chunk.get("choices") or []:
+            self.choices[choice.get("index", 0)].record_choice(choice, keep_ids)
+
+    def unfinished(self, indices: list[int]) -> list[int]:
+        return [i for i in indices if not self.choices[i].finished]
+
+    def resume_body(self, body: dict[str, Any], index: int) -> dict[str, Any]:
+        """The n = 1 request that continues answer ``index`` on another decoder."""
+        out = self.choices[index].resume_body(body)
+        out.pop("n", None)
+        out.pop("best_of", None)
+        seed = out.get("seed")
+        if isinstance(seed, int) and not isinstance(seed, bool):
+            out["seed"] = child_seed(seed, index)
+        return out
+
+    def leg_usage(self, resumed: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
+        """The leg's usage after a failover, from each continuation's usage (by choice,
+        corrected by ``fix_usage``): the prompt once, as a colocated server counts it, and
+        every answer's completion tokens (a choice that ended before the failover: its
+        sent ids). None without any continuation's usage (the client did not ask for it)."""
+        if not resumed:
+            return None
+        first = resumed[min(resumed)]
+        completion = sum(
+            resumed[i].get("completion_tokens", 0) if i in resumed else len(sent.generated)
+            for i, sent in enumerate(self.choices)
+        )
+        prompt = first.get("prompt_tokens", 0)
+        usage = {**first, "prompt_tokens": prompt, "completion_tokens": completion}
+        usage["total_tokens"] = prompt + completion
+        details = first.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            # the continuation's cached tokens are of its prompt plus the sent tokens
+            usage["prompt_tokens_details"] = {
+                **details,
+                "cached_tokens": min(details["cached_tokens"], prompt),
+            }
+        return usage
 
 
 def is_role_chunk(chunk: dict[str, Any]) -> bool:

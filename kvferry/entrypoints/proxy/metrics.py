@@ -111,6 +111,13 @@ class ProxyMetrics:
             registry=self.registry,
         )
 
+        self._early = Counter(
+            "kvferry_proxy:early_first_tokens",
+            "streamed legs whose first token went to the client as soon as the prefill answered, "
+            "before the decoder's stream",
+            registry=self.registry,
+        )
+
         self._failovers = Counter(
             "kvferry_proxy:decode_failovers",
             "answers continued on another decoder after theirs, which had accepted the request, "
@@ -140,6 +147,9 @@ class ProxyMetrics:
 
     def moved(self, role: str, cause: MoveCause) -> None:
         self._moved.labels(role, cause.value).inc()
+
+    def early_first_token(self) -> None:
+        self._early.inc()
 
     def failover(self, streamed: bool) -> None:
         self._failovers.labels("stream" if streamed else "complete").inc()

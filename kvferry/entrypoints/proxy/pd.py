@@ -113,6 +113,12 @@ def answers_per_prompt(body: dict[str, Any]) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
 
 
+def choice_index(leg: int, answers: int, index: int) -> int:
+    """The client's index of answer ``index`` of prompt ``leg`` (``answers`` per prompt), as a
+    colocated server numbers a batch's choices: prompt by prompt."""
+    return leg * answers + index
+
+
 def decode_body(body: dict[str, Any], prefill_response: dict[str, Any]) -> dict[str, Any]:
     """The original request plus the prefill's kv_transfer_params (none: the decoder recomputes).
     A decoder handed the prompt's KV does not compute the prompt: its prompt_logprobs are the
@@ -330,9 +336,9 @@ def merge_answers(answers: list[dict[str, Any]]) -> dict[str, Any]:
     merged = {k: v for k, v in answers[0].items() if k not in ("choices", "usage", "kv_transfer_params")}
     choices = []
     for i, answer in enumerate(answers):
+        n = len(answer.get("choices", []))
         for choice in answer.get("choices", []):
-            n = len(answer.get("choices", []))
-            choices.append({**choice, "index": i * n + choice.get("index", 0)})
+            choices.append({**choice, "index": choice_index(i, n, choice.get("index", 0))})
     merged["choices"] = choices
     usages = [a["usage"] for a in answers if isinstance(a.get("usage"), dict)]
     if usages:

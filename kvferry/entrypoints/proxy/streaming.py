@@ -8,17 +8,31 @@ text dropped from its start.
 
 The text is not sent early when it is incomplete (part of a character), when a stop
 string could end the answer inside it, when no decode instance is healthy (the client
-gets the 503 rather than a token and an in-stream error), or when logprobs are asked:
+gets the 503 rather than a token and an in-stream error), for a chat request whose tools
+make its answer calls the proxy cannot stream as a server would (``tool_choice`` ``auto``
+or ``required``; ``none`` goes early as text, a named function as its call's first
+``tool_calls`` entry: early_calls.py), or when logprobs are asked:
 every chunk's logprobs then come from the decoder, which computes the first token's too,
 instead of being spliced from two instances. In those cases the decoder's stream is
 opened before the response starts (so its errors keep their HTTP status) and passed
 through.
 
+With n > 1 the prefiller samples one first token, which the decoder's first answer
+(choice 0) outputs as its own; its siblings start after it (engine/parallel_sampling.py).
+So choice 0's text goes early under the same rules, and is dropped from choice 0 of the
+decoder's stream only; a chat stream opens with every choice's role chunk, as a colocated
+server's does, and the decoder's role chunks are dropped.
+
+A decoder lost mid-stream is replaced (with two decoders or more): each unfinished answer
+continues on another decoder as an n = 1 request of its own, its chunks re-indexed to the
+answer's choice (failover.py). Usage is then the leg's: the prompt once, every answer's
+completion tokens.
+
 A leg that ends before its decoder answered (the client left, a decoder failed) asks the
 prefill instance to release the KV it keeps for the leg (see pd.py).
 
-All chunks get the proxy's id and their leg's choice index; usage chunks are summed into
-one at the end. An error after the response started is sent in-stream as an OpenAI error
+All chunks get the proxy's id and the client's choice index (prompt * n + answer, as a
+colocated server numbers a batch); usage chunks are summed into one at the end. An error after the response started is sent in-stream as an OpenAI error
 body, like the server does, then ``[DONE]``.
 """
 
@@ -33,14 +47,22 @@ from typing import Any
 
 from kvferry.entrypoints.http_common import SSE_DONE as SSE_DONE_EVENT
 from kvferry.entrypoints.http_common import chat_role_chunk, gather_or_cancel, interleave, sse
-from kvferry.entrypoints.openai.tools import body_uses_tools
+from kvferry.entrypoints.proxy.early_calls import (
+    call_arguments,
+    early_with_tools,
+    first_call,
+    named_function,
+    skip_sent,
+    strip_calls,
+)
 from kvferry.entrypoints.proxy.errors import exception_event_body
-from kvferry.entrypoints.proxy.failover import DECODER_LOST, SentTokens, is_role_chunk
+from kvferry.entrypoints.proxy.failover import DECODER_LOST, SentChoices, is_role_chunk
 from kvferry.entrypoints.proxy.pd import (
     CHAT,
     Prefilled,
     ProxyContext,
     answers_per_prompt,
+    choice_index,
     decode_body,
     decoder_repeats_first_token,
     first_text,
@@ -52,6 +74,7 @@ from kvferry.entrypoints.proxy.pd import (
     sum_usage,
     wants_logprobs,
 )
+from kvferry.entrypoints.proxy.prefix_index import RouteKey
 from kvferry.entrypoints.proxy.upstream import SSE_DONE, UpstreamStream
 
 logger = logging.getLogger(__name__)
@@ -60,7 +83,7 @@ REPLACEMENT_CHAR = "\ufffd"  # an incomplete character: never stream it early
 
 
 class StreamLeg:
-    """One prompt's prefill, then its decoder stream."""
+    """One prompt's prefill, then its decoder stream (n answers: choices 0..n-1 of the leg)."""
 
     def __init__(
         self, ctx: ProxyContext, path: str, index: int, body: dict[str, Any], headers: dict[str, str]
@@ -71,15 +94,19 @@ class StreamLeg:
         self.body = body
         self.headers = headers
         self.prefill: Prefilled | None = None
-        self.early: str | None = None  # the prefill's text, sent before the decoder's stream
-        self.pending = ""  # early text still to drop from the decoder's stream
-        self.stream: UpstreamStream | None = None
-        self.sent = SentTokens(chat=path == CHAT)
-        # n > 1: the decoder's answers are passed through as they come (no early text, no
-        # failover: both continue one answer)
+        self.early: str | None = None  # choice 0's first text, sent before the decoder's stream
+        self.named = named_function(body) if path == CHAT else None  # the function forced
+        self.early_call: dict[str, Any] | None = None  # named: the early text as its call's first entry
+        self.pending = ""  # early text still to drop from choice 0 of the decoder's stream
+        self.first: UpstreamStream | None = None  # the decoder stream of all n answers
+        self.streams: list[UpstreamStream] = []  # every decoder stream opened (closed at the end)
         self.answers = answers_per_prompt(body)
-        self.can_fail_over = len(ctx.decode.instances) > 1 and self.answers == 1
-        self.role_sent = False  # chat: the client got the role chunk (a later decoder's is dropped)
+        self.sent = SentChoices(chat=path == CHAT, answers=self.answers)
+        self.can_fail_over = len(ctx.decode.instances) > 1
+        self.failed_over = False
+        self.resumed_usage: dict[int, dict[str, Any]] = {}  # continuation's usage, by choice
+        self.usage_sent = False
+        self.roles_sent: set[int] = set()  # chat: choices whose role chunk the client got
         self.client_wants_ids = bool(body.get("return_token_ids"))
         self.prompt_logprobs: list[Any] | None = None  # the prefiller's, for the decoder's chunks
         self.prompt_logprobs_sent: set[int] = set()  # choices that got them (chat: index 0, once)
@@ -87,11 +114,15 @@ class StreamLeg:
     async def prepare(self, allow_early: bool) -> None:
         self.prefill = await run_prefill(self.ctx, self.path, self.body, self.headers)
         self.prompt_logprobs = prefill_prompt_logprobs(self.path, self.body, self.prefill.response)
-        text = first_text(self.path, self.prefill.response)
-        if allow_early and self.answers == 1 and self._can_send_early(text):
+        if self.named is not None:
+            self.early_call = first_call(self.prefill.response, self.named)
+            text = call_arguments(self.early_call)
+        else:
+            text = first_text(self.path, self.prefill.response)
+        if allow_early and self._can_send_early(text):
             self.early = text
         else:
-            await self._open_decoder()
+            self.first = await self._open_decoder()
 
     def _prefilled(self) -> Prefilled:
         """The prefill's answer (`start` waited for it)."""
@@ -107,50 +138,89 @@ class StreamLeg:
             and not stop_may_cut(text, self.body.get("stop"))
         )
 
-    async def _open_decoder(self) -> None:
+    async def _open_decoder(self) -> UpstreamStream:
         prefilled = self._prefilled()
         body = decode_body(self.body, prefilled.response)
         if self.can_fail_over:
             body["return_token_ids"] = True
-        self.stream = await self.ctx.upstream.open_stream(
-            self.ctx.decode, self.path, body, self.headers, route=prefilled.route
+        return await self._open(body, prefilled.route)
+
+    async def _open(self, body: dict[str, Any], route: RouteKey | None = None) -> UpstreamStream:
+        stream = await self.ctx.upstream.open_stream(
+            self.ctx.decode, self.path, body, self.headers, route=route
         )
+        self.streams.append(stream)
+        return stream
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
         """Chunks for the client; an ``{"error": ...}`` chunk ends the leg. A decoder lost
-        mid-stream is replaced by another one continuing the answer (see failover.py)."""
+        mid-stream is replaced by other ones continuing the answers (see failover.py)."""
         if self.early is not None:
-            for chunk in early_chunks(self.path, self._prefilled().response, self.early):
+            self.ctx.metrics.early_first_token()
+            prefill = self._prefilled().response
+            for chunk in early_chunks(self.path, prefill, self.early, self.answers, self.early_call):
                 yield self._with_prompt_logprobs(chunk)
-            self.role_sent = self.path == CHAT
+            if self.path == CHAT:
+                self.roles_sent.update(range(self.answers))
             self.pending = self.early
-            await self._open_decoder()
-        while True:
-            try:
-                async for chunk in self._decoder_chunks():
-                    yield chunk
-                break
-            except DECODER_LOST as exc:
-                if not self.can_fail_over:
-                    raise
-                await self._fail_over(exc)
+            self.first = await self._open_decoder()
+        assert self.first is not None
+        async for chunk in self._stream_chunks(self.first, list(range(self.answers))):
+            yield chunk
+        usage = self.sent.leg_usage(self.resumed_usage)
+        if usage is not None and not self.usage_sent:
+            yield {**chunk_meta(self.path, self._prefilled().response), "choices": [], "usage": usage}
         if self.pending:
             logger.warning("decoder's answer is shorter than the prefill's first token %r", self.early)
 
-    async def _decoder_chunks(self) -> AsyncIterator[dict[str, Any]]:
-        assert self.stream is not None
-        async for obj in self.stream.events():
+    async def _stream_chunks(
+        self, stream: UpstreamStream, choices: list[int]
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The client's chunks of one decoder stream, whose answer i is the leg's choice
+        ``choices[i]``; a stream lost midway is continued, per unfinished choice, on others."""
+        try:
+            async for chunk in self._decoder_chunks(stream, choices):
+                yield chunk
+            return
+        except DECODER_LOST as exc:
+            if not self.can_fail_over:
+                raise
+            await self._drop_lost(stream, exc)
+        unfinished = self.sent.unfinished(choices)
+        opened = await gather_or_cancel([self._open(self.sent.resume_body(self.body, i)) for i in unfinished])
+        sources = [(i, self._stream_chunks(s, [i])) for i, s in zip(unfinished, opened)]
+        async with contextlib.aclosing(interleave(sources)) as items:
+            async for _, chunk in items:
+                yield chunk
+
+    async def _decoder_chunks(
+        self, stream: UpstreamStream, choices: list[int]
+    ) -> AsyncIterator[dict[str, Any]]:
+        async for obj in stream.events():
             if obj is SSE_DONE:
                 return
             if isinstance(obj, dict) and "error" in obj:
                 yield obj
                 return
+            for choice in obj.get("choices") or []:
+                choice["index"] = choices[choice.get("index", 0)]
             if self.can_fail_over:
                 self.sent.record(obj, self.client_wants_ids)
-                self.sent.fix_usage(obj)
+                if self._keep_resumed_usage(obj, choices):
+                    continue
             chunk = self._strip_early(obj)
             if chunk is not None and not self._role_again(chunk):
+                self.usage_sent = self.usage_sent or bool(chunk.get("usage"))
                 yield self._with_prompt_logprobs(chunk)
+
+    def _keep_resumed_usage(self, chunk: dict[str, Any], choices: list[int]) -> bool:
+        """A continuation's usage chunk: corrected and kept for the leg's (sent at its end)."""
+        if not self.failed_over or chunk.get("choices") or not isinstance(chunk.get("usage"), dict):
+            return False
+        [index] = choices  # a continuation carries one answer
+        self.sent.choices[index].fix_usage(chunk)
+        self.resumed_usage[index] = chunk["usage"]
+        return True
 
     def _with_prompt_logprobs(self, chunk: dict[str, Any]) -> dict[str, Any]:
         """The prefiller's prompt_logprobs in the first chunk of each choice (chat: at the top
@@ -169,25 +239,24 @@ class StreamLeg:
                 choice["prompt_logprobs"] = self.prompt_logprobs
         return chunk
 
-    async def _fail_over(self, exc: Exception) -> None:
-        """Drop the lost decoder's stream and continue the answer on another decoder."""
+    async def _drop_lost(self, lost: UpstreamStream, exc: Exception) -> None:
+        """Drop a lost decoder's stream (its answers continue on others)."""
         logger.warning("decoder lost mid-stream (%s); continuing on another decoder", exc)
-        lost = self.stream
-        self.stream = None
-        if lost is not None:
-            self.ctx.decode.mark(lost.instance, False, str(exc))
-            await lost.aclose()
-        release_abandoned(self.ctx, self._prefilled(), self.headers)
+        self.failed_over = True
+        self.ctx.decode.mark(lost.instance, False, str(exc))
+        await lost.aclose()
+        if lost is self.first:  # the decoder handed the prefill's KV
+            release_abandoned(self.ctx, self._prefilled(), self.headers)
         self.ctx.metrics.failover(streamed=True)
-        body = self.sent.resume_body(self.body)
-        self.stream = await self.ctx.upstream.open_stream(self.ctx.decode, self.path, body, self.headers)
 
     def _role_again(self, chunk: dict[str, Any]) -> bool:
         """Whether ``chunk`` is a chat role chunk the client already got (from the prefill's
         early text, or from a decoder lost since)."""
-        if self.path != CHAT or self.answers > 1 or not is_role_chunk(chunk):
+        if self.path != CHAT or not is_role_chunk(chunk):
             return False
-        again, self.role_sent = self.role_sent, True
+        indices = {choice.get("index", 0) for choice in chunk["choices"]}
+        again = indices <= self.roles_sent
+        self.roles_sent |= indices
         return again
 
     def _strip_early(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
@@ -197,57 +266,82 @@ class StreamLeg:
         return stripped
 
     async def aclose(self) -> None:
-        """Drop the decoder's stream; with none opened, release the prefill's kept KV (no
+        """Drop the decoder streams; with none opened, release the prefill's kept KV (no
         await before that: the caller may be in a cancelled scope)."""
-        if self.stream is None:
+        if not self.streams:
             if self.prefill is not None:
                 release_abandoned(self.ctx, self.prefill, self.headers)
             return
-        await self.stream.aclose()
+        for stream in self.streams:
+            await stream.aclose()
 
 
-def early_chunks(path: str, prefill: dict[str, Any], text: str) -> list[dict[str, Any]]:
-    meta = {"id": None, "created": prefill.get("created", int(time.time())), "model": prefill.get("model")}
+def early_chunks(
+    path: str, prefill: dict[str, Any], text: str, answers: int = 1, call: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """The chunks sent before the decoder's stream: choice 0's first ``text`` (chat: after
+    the role chunk of each of the ``answers`` choices, as a colocated server opens it; a
+    named function's ``call``: that text as the call's first ``tool_calls`` entry)."""
+    meta = chunk_meta(path, prefill)
     if path == CHAT:
-        meta["object"] = "chat.completion.chunk"
-        first = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
-        return [chat_role_chunk(meta), {**meta, "choices": [first]}]
-    meta["object"] = "text_completion"
+        delta = {"tool_calls": [call]} if call is not None else {"content": text}
+        first = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+        return [_role_chunk(meta, index) for index in range(answers)] + [{**meta, "choices": [first]}]
     return [{**meta, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}]}]
 
 
-def _skip(text: str, pending: str) -> tuple[str, str]:
-    n = min(len(text), len(pending))
-    if text[:n] != pending[:n]:
-        logger.warning("decoder's text %r does not start with the prefill's first token %r", text, pending)
-        return text[n:], ""
-    return text[n:], pending[n:]
+def chunk_meta(path: str, prefill: dict[str, Any]) -> dict[str, Any]:
+    """A chunk's fields besides its choices (the proxy sets the id)."""
+    created = prefill.get("created", int(time.time()))
+    kind = "chat.completion.chunk" if path == CHAT else "text_completion"
+    return {"id": None, "object": kind, "created": created, "model": prefill.get("model")}
+
+
+def _role_chunk(meta: dict[str, Any], index: int) -> dict[str, Any]:
+    chunk = chat_role_chunk(meta)
+    chunk["choices"][0]["index"] = index
+    return chunk
 
 
 def strip_sent(path: str, chunk: dict[str, Any], pending: str) -> tuple[dict[str, Any] | None, str]:
-    """Drop from a decoder chunk what the client already got early: ``pending`` text and,
-    for chat, the role (token ids stay: the early text carried none). Returns the chunk (None when nothing is left) and what is still pending."""
+    """Drop from a decoder chunk what the client already got early: choice 0's ``pending``
+    text and, for chat, every choice's role (token ids stay: the early text carried none).
+    Returns the chunk (None when nothing is left) and what is still pending."""
     choices = []
     for choice in chunk.get("choices") or []:
         choice = dict(choice)
-        if path == CHAT:
-            delta = {k: v for k, v in (choice.get("delta") or {}).items() if k != "role"}
-            text = delta.get("content") or ""
-            text, pending = _skip(text, pending) if text and pending else (text, pending)
-            delta.pop("content", None)
-            if text:
-                delta["content"] = text
-            choice["delta"] = delta
+        if choice.get("index", 0) == 0:
+            left, pending = _strip_text(path, choice, pending, first=True)
         else:
-            text, pending = (
-                _skip(choice.get("text") or "", pending) if pending else (choice.get("text"), pending)
-            )
-            choice["text"] = text
-        if text or choice.get("finish_reason") is not None or _carries_more(choice):
+            left, _ = _strip_text(path, choice, "", first=False)
+        if left or choice.get("finish_reason") is not None or _carries_more(choice):
             choices.append(choice)
     if not choices and not chunk.get("usage"):
         return None, pending
     return {**chunk, "choices": choices}, pending
+
+
+def _strip_text(path: str, choice: dict[str, Any], pending: str, first: bool) -> tuple[bool, str]:
+    """Drop ``pending`` from the start of ``choice``'s text (in place; chat: its role too,
+    and for the ``first`` choice a named call's announcement, early_calls.py); returns
+    whether text or calls are left, and what is still pending."""
+    if path == CHAT:
+        delta = {k: v for k, v in (choice.get("delta") or {}).items() if k != "role"}
+        text = delta.pop("content", None) or ""
+        text, pending = skip_sent(text, pending) if text and pending else (text, pending)
+        calls = delta.pop("tool_calls", None) or []
+        if first:
+            calls, pending = strip_calls(calls, pending)
+        if text:
+            delta["content"] = text
+        if calls:
+            delta["tool_calls"] = calls
+        choice["delta"] = delta
+        return bool(text or calls), pending
+    text = choice.get("text") or ""
+    text, pending = skip_sent(text, pending) if text and pending else (text, pending)
+    choice["text"] = text
+    return bool(text), pending
 
 
 def _carries_more(choice: dict[str, Any]) -> bool:
@@ -269,7 +363,7 @@ async def open_stream(
     """Run the prefills (errors raise here, before any response); the SSE lines to send."""
     legs = [StreamLeg(ctx, path, i, leg, headers) for i, leg in enumerate(split_legs(path, body))]
     allow_early = ctx.early_first_token and not wants_logprobs(path, body) and ctx.decode.num_healthy > 0
-    allow_early = allow_early and not body_uses_tools(body)  # tool calls are parsed from the whole answer
+    allow_early = allow_early and early_with_tools(body)  # see early_calls.py
     try:
         await gather_or_cancel([leg.prepare(allow_early) for leg in legs])
     except BaseException:
@@ -294,7 +388,7 @@ async def _events(ctx: ProxyContext, path: str, legs: list[StreamLeg], start: fl
                     usages.append(chunk)
                     continue
                 for choice in chunk["choices"]:
-                    choice["index"] = leg.index * leg.answers + choice.get("index", 0)
+                    choice["index"] = choice_index(leg.index, leg.answers, choice.get("index", 0))
                 if first and _has_text(chunk):
                     first = False
                     ctx.metrics.first_chunk(time.monotonic() - start)
