@@ -32,8 +32,9 @@ A leg that ends before its decoder answered (the client left, a decoder failed) 
 prefill instance to release the KV it keeps for the leg (see pd.py).
 
 All chunks get the proxy's id and the client's choice index (prompt * n + answer, as a
-colocated server numbers a batch); usage chunks are summed into one at the end. An error after the response started is sent in-stream as an OpenAI error
-body, like the server does, then ``[DONE]``.
+colocated server numbers a batch); usage chunks are summed into one at the end. An error
+after the response started is sent in-stream as an OpenAI error body, like the server
+does, then ``[DONE]``.
 """
 
 from __future__ import annotations
