@@ -76,13 +76,14 @@ class ModelConfig:
     mla_forms: MLAForms = field(default_factory=MLAForms)  # latent-attention models only
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "quantization", _member(WeightQuantization, self.quantization, "quantization")
-        )
+        object.__setattr__(self, "quantization", weight_quantization(self.quantization))
 
 
-def weight_quantization(value: WeightQuantization | str) -> WeightQuantization:
-    """`value` ("none", "int4", "gguf" or a member) as a WeightQuantization, or a ConfigError."""
+def weight_quantization(value: WeightQuantization | str | None) -> WeightQuantization:
+    """`value` ("none", "int4", "gguf" or a member) as a WeightQuantization, or a ConfigError.
+    None is "none", as `LLM(model, quantization=None)` means in vLLM."""
+    if value is None:
+        return WeightQuantization.NONE
     return _member(WeightQuantization, value, "quantization")
 
 
@@ -441,9 +442,7 @@ class EngineOptions:
     mla_decode: MLAForm = MLAForms.decode
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "quantization", _member(WeightQuantization, self.quantization, "quantization")
-        )
+        object.__setattr__(self, "quantization", weight_quantization(self.quantization))
         object.__setattr__(self, "mla_prefill", _member(MLAForm, self.mla_prefill, "MLA prefill form"))
         object.__setattr__(self, "mla_decode", _member(MLAForm, self.mla_decode, "MLA decode form"))
         object.__setattr__(self, "kv_layout", _member(Layout, self.kv_layout, "KV layout"))

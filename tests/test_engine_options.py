@@ -156,3 +156,12 @@ def test_options_are_checked():
             EngineOptions("m", **{name: 0}).engine_config(None)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="block_sise"):
         EngineOptions("m", block_sise=16)  # type: ignore[call-arg]
+
+
+def test_quantization_none_means_unquantized(tiny_llama: Path):
+    """vLLM's `LLM(model, quantization=None)`: no quantization, not an unknown mode."""
+    options = EngineOptions(str(tiny_llama), quantization=None)  # type: ignore[arg-type]
+    assert options.quantization is WeightQuantization.NONE
+    assert engine_config(options).model.quantization is WeightQuantization.NONE
+    with pytest.raises(ConfigError, match="unknown quantization 'int3'"):
+        EngineOptions("m", quantization="int3")  # type: ignore[arg-type]

@@ -228,7 +228,7 @@ def resolve_model_config(
     dtype: str = "auto",
     max_model_len: int | None = None,
     served_model_name: str | None = None,
-    quantization: WeightQuantization | str = WeightQuantization.NONE,
+    quantization: WeightQuantization | str | None = WeightQuantization.NONE,
     mla_forms: MLAForms | None = None,
 ) -> ModelConfig:
     """Resolve `model` to a ModelConfig (see module docstring for the accepted forms)."""
