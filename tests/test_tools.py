@@ -62,6 +62,14 @@ def test_required_and_named_choices_become_schemas() -> None:
     assert _request().template_tools() == TOOLS
 
 
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_resumed_answers_call_grammar_resumes_after_it(choice: object) -> None:
+    """The P/D proxy's failover continues an answer from its tokens so far (the prompt's
+    last resumed_output_tokens): the forced calls' grammar resumes after them."""
+    spec = _request(tool_choice=choice, resumed_output_tokens=3).to_sampling_params().structured_outputs
+    assert spec is not None and spec.resumed_output_tokens == 3
+
+
 @pytest.mark.parametrize(
     "fields",
     [
