@@ -1,13 +1,14 @@
 """Streamed tool calls across a decoder failover, in real processes: `kvferry disagg` with
-1 prefiller and 2 decoders (NIXL) on the tiny llama. A chat answer forced to call a tool
-(`tool_choice` `required`, or the function named: with the proxy's early first token as
-the call's announcement, and without it) is streamed through the proxy and the
-decoder writing it is SIGKILLed mid-call; the other decoder continues it, its tool-call
-parser primed with the answer so far (openai/answer_calls.py). The openai client's
-accumulation of the stream equals a colocated server's (a decoder asked directly): one
-call, announced once (its id never doubled), whose arguments parse and validate against
-the tool's schema; one failover is counted and the surviving instances end with every KV
-block free. The launcher restarts the killed decoder before the next case."""
+1 prefiller and 2 decoders (NIXL) on the tiny llama. A chat answer that calls a tool
+(`tool_choice` `required`; the function named, with the proxy's early first token as the
+call's announcement and without it; `auto`, the call in the template's markup) is streamed
+through the proxy and the decoder writing it is SIGKILLed mid-call; the other decoder
+continues it, its tool-call parser primed with the answer so far (openai/answer_calls.py).
+The openai client's accumulation of the stream equals a colocated server's (a decoder
+asked directly): one call, announced once (its id never doubled), whose arguments parse
+and validate against the tool's schema; one failover is counted and the surviving
+instances end with every KV block free. The launcher restarts the killed decoder before
+the next case."""
 
 from __future__ import annotations
 
@@ -165,11 +166,16 @@ def _wait_idle(url: str, timeout: float = 30.0) -> None:
 
 
 NAMED = {"type": "function", "function": {"name": "record"}}
+AUTO_CALL = r'\{"name": "record", "arguments": \{"digits": \[[0-9](,[0-9]){59}\]\}\}'
+
 CASES = [
     pytest.param({"tool_choice": "required"}, id="required"),
     # the proxy sends the prefill's token early, as the call's announcement (early_calls.py)
     pytest.param({"tool_choice": NAMED}, id="named"),
     pytest.param({"tool_choice": NAMED, "logprobs": True}, id="named-logprobs"),  # nothing early
+    # auto: the tiny model's template writes a call as a JSON object (Llama 3's form); a
+    # regex makes the random model write one
+    pytest.param({"tool_choice": "auto", "structured_outputs": {"regex": AUTO_CALL}}, id="auto"),
 ]
 
 
