@@ -2,7 +2,7 @@
 
 from transformers import AutoTokenizer
 
-from kvferry.engine.detokenizer import IncrementalDetokenizer
+from kvferry.engine.detokenizer import IncrementalDetokenizer, streamed_text
 from kvferry.engine.output_processor import OutputProcessor
 from kvferry.messages.engine_core import EngineCoreOutput, FinishReason
 from kvferry.sampling_params import SamplingParams
@@ -84,3 +84,16 @@ def test_streamed_deltas_carry_the_tokens_whose_text_they_carry(tiny_llama):
         for tokens, text in _sent_so_far(outs):
             assert tok.decode(tokens) == text
         assert tokens == ids and text == tok.decode(ids)
+
+
+def test_the_text_of_sent_tokens_is_the_text_streamed(tiny_llama):
+    """What a continued answer's tool-call parser is primed with (the P/D proxy's failover
+    sends the answer's tokens so far): at every delta, the text of the tokens sent so far,
+    decoded after the prompt a token at a time, is the text the client got."""
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    prompt = tok.encode("hello there")
+    processor = OutputProcessor(tok)
+    processor.add_request("r", None, prompt, SamplingParams())
+    outs, _ = _stream(processor, "r", tok.encode(TEXT, add_special_tokens=False))
+    for tokens, text in _sent_so_far(outs):
+        assert streamed_text(tok, prompt, tokens) == text

@@ -9,6 +9,7 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
+from kvferry.entrypoints.openai.answer_calls import CallsStream, calls_delta, calls_stream
 from kvferry.entrypoints.openai.auto_tool_stream import AutoToolStream, ToolCallFormat
 from kvferry.entrypoints.openai.protocol import ChatCompletionRequest
 from kvferry.entrypoints.openai.tool_stream import ToolCallStream
@@ -60,6 +61,14 @@ def test_required_and_named_choices_become_schemas() -> None:
         assert _request(tool_choice=choice).to_sampling_params().structured_outputs is None
     assert _request(tool_choice="none").template_tools() is None
     assert _request().template_tools() == TOOLS
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_resumed_answers_call_grammar_resumes_after_it(choice: object) -> None:
+    """The P/D proxy's failover continues an answer from its tokens so far (the prompt's
+    last resumed_output_tokens): the forced calls' grammar resumes after them."""
+    spec = _request(tool_choice=choice, resumed_output_tokens=3).to_sampling_params().structured_outputs
+    assert spec is not None and spec.resumed_output_tokens == 3
 
 
 @pytest.mark.parametrize(
@@ -259,3 +268,60 @@ def test_auto_parses_cut_off_calls_and_keeps_text() -> None:
     assert [(c.name, c.arguments) for c in parsed.tool_calls] == [("get_weather", '{"city": "Paris", ')]
     text = AUTO_ANSWERS[1][1]
     assert parse_answer(text, _request(tool_choice="auto"), ToolCallFormat.HERMES).content == text
+
+
+# Every forced answer and every auto answer in each markup (Hermes, Mistral, JSON).
+RESUMED_ANSWERS = [(choice, ToolCallFormat.JSON, text) for choice, text in STREAMED_ANSWERS] + [
+    ("auto", fmt, text) for fmt, text in AUTO_ANSWERS
+]
+
+
+@pytest.mark.parametrize(("choice", "fmt", "text"), RESUMED_ANSWERS)
+def test_a_resumed_answer_streams_on_as_the_undisturbed_one(
+    choice: object, fmt: ToolCallFormat, text: str
+) -> None:
+    """A P/D decoder lost mid-answer; another continues it (resumed_output_tokens), its
+    parser primed with the text the client has. At every cut, what the lost decoder sent
+    joined with the continuation's deltas is exactly the undisturbed stream (same call
+    indices, argument fragments, content), each call announced once (one id, one name)."""
+    request = _request(tool_choice=choice, resumed_output_tokens=1)
+    for cut in range(len(text) + 1):
+        before, after = _pieces(text[:cut]), _pieces(text[cut:])
+        whole = _server_deltas(calls_stream(request, fmt), [*before, *after])
+        lost = _server_deltas(calls_stream(request, fmt), before, finished=False)
+        primed = calls_stream(request, fmt, text[:cut] if cut else None)  # cut 0: nothing to resume
+        resumed = _server_deltas(primed, after)
+        joined, ids = _without_ids(lost + resumed)
+        assert joined == _without_ids(whole)[0]
+        assert len(ids) == len(set(ids)) == len(parse_answer(text, request, fmt).tool_calls)
+    cut = len(text) // 2
+    lost = _server_deltas(calls_stream(request, fmt), _pieces(text[:cut]), finished=False)
+    resumed = _server_deltas(calls_stream(request, fmt, text[:cut]), _pieces(text[cut:]))
+    whole = parse_answer(text, request, fmt)
+    assert _accumulated(lost + resumed) == (whole.content, [(c.name, c.arguments) for c in whole.tool_calls])
+
+
+def _pieces(text: str, size: int = 2) -> list[str]:
+    return [text[i : i + size] for i in range(0, len(text), size)]
+
+
+def _server_deltas(stream: CallsStream, pieces: list[str], finished: bool = True) -> list[dict]:
+    """The non-empty deltas a server sends for ``pieces`` of an answer (then its end)."""
+    deltas = [calls_delta(stream, piece, False) for piece in pieces]
+    if finished:
+        deltas.append(calls_delta(stream, "", True))
+    return [d for d in deltas if d]
+
+
+def _without_ids(deltas: list[dict]) -> tuple[list[dict], list[str]]:
+    """The deltas without their calls' ids, and those ids (ids are random per stream)."""
+    ids: list[str] = []
+    plain = []
+    for delta in deltas:
+        entries = []
+        for entry in delta.get("tool_calls", []):
+            if "id" in entry:
+                ids.append(entry["id"])
+            entries.append({k: v for k, v in entry.items() if k != "id"})
+        plain.append({**delta, "tool_calls": entries} if entries else delta)
+    return plain, ids

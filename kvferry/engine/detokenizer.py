@@ -66,3 +66,16 @@ def _common_prefix_len(a: str, b: str) -> int:
             break
         n += 1
     return n
+
+
+def streamed_text(
+    tokenizer: PreTrainedTokenizerBase,
+    context_ids: list[int],
+    token_ids: list[int],
+    skip_special_tokens: bool = True,
+) -> str:
+    """The text an output processor streams for ``token_ids`` generated after
+    ``context_ids`` (the prompt), a token a step as an engine outputs them: the deltas of
+    an ``IncrementalDetokenizer`` joined, bytes of an unfinished character left out."""
+    detokenizer = IncrementalDetokenizer(tokenizer, context_ids, skip_special_tokens)
+    return "".join(detokenizer.step([token_id]) for token_id in token_ids)

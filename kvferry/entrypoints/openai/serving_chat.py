@@ -3,7 +3,10 @@
 Extras: ``prompt_token_ids`` is the prompt as token ids instead of the messages' template,
 and ``return_token_ids`` has choices carry ``token_ids`` (and ``prompt_token_ids`` once),
 as for completions: together they let the P/D proxy continue a chat answer on another
-decoder from exactly the tokens already sent.
+decoder from exactly the tokens already sent. With ``resumed_output_tokens`` (the
+prompt's last tokens are the answer so far) a streamed answer's tool-call parse starts
+where the answer stands, so its deltas go on as the undisturbed stream's would
+(answer_calls.py).
 """
 
 from __future__ import annotations
@@ -19,11 +22,11 @@ from fastapi.responses import Response
 
 from kvferry.entrypoints.http_common import chat_role_chunk
 from kvferry.entrypoints.openai import serving_common as common
-from kvferry.entrypoints.openai.auto_tool_stream import AutoToolStream, StreamDelta, ToolCallFormat
+from kvferry.entrypoints.openai.answer_calls import CallsStream, calls_delta, calls_stream, resumed_answer
+from kvferry.entrypoints.openai.auto_tool_stream import ToolCallFormat
 from kvferry.entrypoints.openai.protocol import ChatCompletionRequest
 from kvferry.entrypoints.openai.serving_common import ServerState, Streams
 from kvferry.entrypoints.openai.serving_completions import prompt_logprobs_json
-from kvferry.entrypoints.openai.tool_stream import ToolCallStream
 from kvferry.entrypoints.openai.tools import parse_answer
 from kvferry.messages.model_runner import SampleLogprobs
 from kvferry.outputs import RequestOutput
@@ -133,7 +136,7 @@ async def _chunks(
         yield {**role, **_prompt_logprobs_field(firsts[0])} if index == 0 else role
     finals: dict[int, RequestOutput] = {}
     sent_prompt_ids: set[int] = set()
-    calls: dict[int, ToolCallStream | AutoToolStream] = {}  # each answer's calls, parsed as it grows
+    calls: dict[int, CallsStream] = {}  # each answer's calls, parsed as it grows
     async for index, out in common.merge(firsts, gens):
         if out.finished:
             finals[index] = out
@@ -143,8 +146,9 @@ async def _chunks(
         delta: dict[str, Any] = {"content": out.delta_text} if out.delta_text or lps is not None else {}
         ids = common.delta_token_id_fields(body.return_token_ids, out, index not in sent_prompt_ids)
         if body.uses_tools:
-            stream = calls.setdefault(index, _calls_stream(state, body))
-            delta = _calls_delta(stream, out.delta_text, out.finished)
+            if index not in calls:
+                calls[index] = _open_calls(state, body, out)
+            delta = calls_delta(calls[index], out.delta_text, out.finished)
         chunk = common.stream_chunk(meta, index, {"delta": delta, **ids}, lps, out, bool(ids))
         called = index in calls and bool(calls[index].calls)
         if chunk is not None and called and chunk["choices"][0]["finish_reason"] == "stop":
@@ -157,24 +161,10 @@ async def _chunks(
         yield {**meta, "choices": [], "usage": common.usage([finals[i] for i in sorted(finals)], body.n)}
 
 
-def _calls_stream(state: ServerState, body: ChatCompletionRequest) -> ToolCallStream | AutoToolStream:
-    """The parse of one streamed answer with tools: ``required`` and named calls are the
-    whole answer; with ``auto`` they are found in the model's markup around its text."""
-    if body.forces_calls:
-        return ToolCallStream(body.named_tool())
-    return AutoToolStream(ToolCallFormat.of_template(state.engine.tokenizer.chat_template))
-
-
-def _calls_delta(stream: ToolCallStream | AutoToolStream, text: str, finished: bool) -> dict[str, Any]:
-    """The chunk's delta for the answer's next ``text``: its content and tool_calls entries."""
-    if isinstance(stream, ToolCallStream):
-        entries = stream.feed(text)
-        return {"tool_calls": entries} if entries else {}
-    part = stream.feed(text)
-    if finished:
-        tail = stream.finish()
-        part = StreamDelta(part.content + tail.content, part.tool_calls + tail.tool_calls)
-    delta: dict[str, Any] = {"content": part.content} if part.content else {}
-    if part.tool_calls:
-        delta["tool_calls"] = part.tool_calls
-    return delta
+def _open_calls(state: ServerState, body: ChatCompletionRequest, out: RequestOutput) -> CallsStream:
+    """The parse of one streamed answer with tools, from where a resumed answer stands
+    (``resumed_output_tokens``: the prompt's last tokens are the answer so far)."""
+    tokenizer = state.engine.tokenizer
+    count = body.resumed_output_tokens
+    resumed = resumed_answer(tokenizer, out.prompt_token_ids, count, body.skip_special_tokens)
+    return calls_stream(body, ToolCallFormat.of_template(tokenizer.chat_template), resumed)

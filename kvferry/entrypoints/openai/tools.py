@@ -14,6 +14,7 @@ tools are neither shown to the model nor parsed.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from dataclasses import dataclass
@@ -94,7 +95,8 @@ class ToolsFields(StructuredOutputsFields):
                 param="tool_choice",
             )
         forced.validate(param="tools")
-        return forced
+        # a continued answer (P/D failover): the calls' grammar resumes after the answer so far
+        return dataclasses.replace(forced, resumed_output_tokens=self.resumed_output_tokens)
 
     def _forced_calls_spec(self) -> StructuredOutputsParams | None:
         if self.tool_choice is None or self.tool_choice in ("none", "auto"):

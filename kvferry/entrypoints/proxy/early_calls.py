@@ -12,7 +12,11 @@ one call, whose arguments are that token's text), so the proxy sends the announc
 those arguments as soon as the prefill answers, and drops from choice 0 of the decoder's
 stream the announcement's ``id``, ``type`` and ``name`` and the arguments already sent. The
 openai client's accumulation of the stream then equals a colocated one's (the call's id is
-the proxy's, as random as the server's).
+the proxy's, as random as the server's). After a decoder failover the continuation's
+parser starts where the answer stands (openai/answer_calls.py): it announces the call
+only when nothing of the answer was sent yet (the answer starts over; the announcement is
+dropped as above), otherwise it sends argument fragments alone, which the stripping
+leaves as they are.
 
 Not for ``auto`` or ``required``:
 

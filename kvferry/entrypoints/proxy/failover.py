@@ -17,7 +17,9 @@ answer stays a chat stream, its repeated role chunk dropped). ``max_tokens`` (an
 ``max_completion_tokens``) shrinks by the tokens already sent, and usage is corrected to
 count them as completion tokens; ``resumed_output_tokens`` tells the new decoder how
 many of the prompt's tokens are the answer so far, so a structured-output grammar resumes
-after them instead of starting over (docs/structured.md). A greedy answer is then
+after them instead of starting over (docs/structured.md), and so does a streamed answer's
+tool-call parse (openai/answer_calls.py): the continuation's ``tool_calls`` deltas extend
+the calls the client has, under their ids, and the proxy passes them through. A greedy answer is then
 byte-identical to an undisturbed one, and so is a seeded sampled one: an engine's seeded draw for a token is keyed by the
 seed and the token's position in the sequence (kvferry/worker/seeded_draws.py), so the
 new decoder draws what the lost one would have. (Unseeded sampled answers continue
