@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvferry.model.graph_ops
 import kvferry.model.layers.attention
@@ -27,3 +28,41 @@ def test_an_operator_computes_through_torch_ops() -> None:
 
     weight, x = torch.randn(5, 3), torch.randn(4, 3)
     torch.testing.assert_close(packed_linear(x, pack(weight)), x @ weight.T)
+
+
+class _RecordedOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_an_eager_call_runs_the_kernel_without_the_dispatcher() -> None:
+    from kvferry.model.layers.packed import pack, packed_linear
+
+    weight, x = torch.randn(5, 3), torch.randn(4, 3)
+    packed = pack(weight)
+    with _RecordedOps() as recorded:
+        packed_linear(x, packed)
+    assert recorded.names and not [name for name in recorded.names if name.startswith("kvferry.")]
+
+
+def test_a_compiled_call_is_one_operator_in_the_graph() -> None:
+    from kvferry.model.layers.packed import pack, packed_linear
+
+    weight, x = torch.randn(5, 3), torch.randn(4, 3)
+    packed = pack(weight)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def keep_graph(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> torch.fx.GraphModule:
+        graphs.append(gm)
+        return gm
+
+    compiled = torch.compile(lambda t: packed_linear(t, packed), backend=keep_graph, fullgraph=True)
+    torch.testing.assert_close(compiled(x), x @ weight.T)
+    (graph,) = graphs
+    targets = [node.target for node in graph.graph.nodes if node.op == "call_function"]
+    assert targets == [torch.ops.kvferry.packed_linear.default]

@@ -73,7 +73,7 @@ class Int4Weight(DenseFallbackWeight):
         self.max_rows = MAX_INT4_ROWS.get(weight.dtype, 8)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        out: torch.Tensor = torch.ops.kvferry.int4_linear(x, self, bias, self.out_features)
+        out: torch.Tensor = int4_linear_op(x, self, bias, self.out_features)
         return out
 
 

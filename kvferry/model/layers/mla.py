@@ -268,7 +268,7 @@ class LatentAttention(KVCacheLayer):
     ) -> torch.Tensor:
         out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.value_size)
         graph_ops.before_attention(self.hooks, out, ctx, self.layer_name)
-        torch.ops.kvferry.latent_attention(
+        latent_attend(
             q_nope,
             q_rope,
             rows,

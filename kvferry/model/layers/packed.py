@@ -104,7 +104,7 @@ def pack(weight: torch.Tensor, batch_hint: int = BATCH_HINT) -> PackedWeight:
 
 def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + b with W packed by `pack`; x may have any leading dims, including 0 rows."""
-    out: torch.Tensor = torch.ops.kvferry.packed_linear(x, packed, bias, packed.out_features)
+    out: torch.Tensor = packed_linear_op(x, packed, bias, packed.out_features)
     return out
 
 
