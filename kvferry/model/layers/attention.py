@@ -417,9 +417,7 @@ class PagedAttention(KVCacheLayer):
         graph_ops.before_attention(self.hooks, out, ctx, self.layer_name)
         window = self.sliding_window or 0
         cache_layer = self.kv_owner or self.layer_name
-        attend(
-            q, k, v, out, ctx, cache_layer, self.scale, window, self.kv_owner is None
-        )
+        attend(q, k, v, out, ctx, cache_layer, self.scale, window, self.kv_owner is None)
         graph_ops.after_attention(self.hooks, out, ctx, self.layer_name)
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
