@@ -27,7 +27,7 @@ from kvferry.model.layers.linear import (
 )
 from kvferry.model.layers.norm import RMSNorm
 from kvferry.model.layers.parallel import TPGroup
-from kvferry.model.layers.rotary import RotaryEmbedding, apply_rope, rope_parameters
+from kvferry.model.layers.rotary import RotaryEmbedding, apply_rope, rope_parameters, rotate
 
 logger = logging.getLogger(__name__)
 
@@ -72,14 +72,28 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(self, rope: CosSin, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden))
-        q = q.view(q.shape[0], self.qkv_proj.num_heads, self.head_dim)
-        k = k.view(k.shape[0], self.qkv_proj.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(rope, q, k)
+            q, k, v = self.qkv_proj.split_qkv(qkv)
+            q = self.q_norm(q.view(q.shape[0], self.qkv_proj.num_heads, self.head_dim))
+            k = self.k_norm(k.view(k.shape[0], self.qkv_proj.num_kv_heads, self.head_dim))
+            q, k = apply_rope(rope, q, k)
+        else:
+            q, k, v = self._rotated_qkv(rope, qkv)
         out: torch.Tensor = self.o_proj(self.attn(q, k, v, ctx))
         return out
+
+    def _rotated_qkv(
+        self, rope: CosSin, qkv: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q and k rotated in one pass (they are adjacent in qkv, every head at the same
+        positions: half the rotary's operator calls of rotating each), and v."""
+        heads, kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        qk, v = qkv.split_with_sizes(((heads + kv_heads) * self.head_dim, kv_heads * self.head_dim), dim=-1)
+        cos, sin = rope
+        rotated = rotate(qk.reshape(qk.shape[0], heads + kv_heads, self.head_dim), cos, sin)
+        q, k = rotated.split_with_sizes((heads, kv_heads), dim=1)
+        return q, k, v
 
 
 class LlamaMLP(nn.Module):
