@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch._library.opaque_object import MemberType, register_opaque_type
 
-from kvferry.model.layers.dense_fallback import DenseFallbackWeight
+from kvferry.model.layers.dense_fallback import DenseFallbackWeight, quantized_linear
 from kvferry.model.layers.gguf_kernel import GGUFBlocks, gguf_matmul
 from kvferry.model.layers.packed import PackedWeight
 from kvferry.model.operators import operator
@@ -50,21 +50,12 @@ register_opaque_type(
 def gguf_linear_op(
     x: torch.Tensor, weight: GGUFWeight, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
-    # A decode step calls this ~120 times with float32 [rows, in]: no reshape or cast is
-    # dispatched that would change nothing (each costs an operator call, ~1 us).
-    flat = x.dim() == 2
-    rows = x if flat else x.reshape(-1, x.shape[-1])
-    if rows.shape[0] == 0:
-        out = x.new_empty(0, out_features)
-    elif rows.shape[0] > weight.max_rows:
-        out = weight.dense_matmul(rows)
-    elif x.dtype == torch.float32:
-        out = gguf_matmul(rows, weight.blocks)
-    else:
-        out = gguf_matmul(rows.float(), weight.blocks).to(x.dtype)
-    if not flat:
-        out = out.reshape(*x.shape[:-1], out_features)
-    return out if bias is None else out + bias
+    def block_kernel(rows: torch.Tensor) -> torch.Tensor:
+        if rows.dtype == torch.float32:  # no cast dispatched that would change nothing
+            return gguf_matmul(rows, weight.blocks)
+        return gguf_matmul(rows.float(), weight.blocks).to(rows.dtype)
+
+    return quantized_linear(x, weight, bias, out_features, block_kernel)
 
 
 @gguf_linear_op.register_fake

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch._library.opaque_object import MemberType, register_opaque_type
 
-from kvferry.model.layers.dense_fallback import DenseFallbackWeight
+from kvferry.model.layers.dense_fallback import DenseFallbackWeight, quantized_linear
 from kvferry.model.layers.int4_kernel import NibbleTiles, can_tile, int4_kernel_available, tiles_matmul
 from kvferry.model.layers.packed import PackedWeight
 from kvferry.model.operators import operator
@@ -119,15 +119,13 @@ def int4_matmul(rows: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
 def int4_linear_op(
     x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] == 0:
-        out = x.new_empty(0, out_features)
-    elif rows.shape[0] > weight.max_rows:
-        out = weight.dense_matmul(rows)
-    else:
-        out = int4_matmul(rows.to(torch.bfloat16), weight).to(x.dtype)
-    out = out.reshape(*x.shape[:-1], out_features)
-    return out if bias is None else out + bias
+    return quantized_linear(
+        x,
+        weight,
+        bias,
+        out_features,
+        lambda rows: int4_matmul(rows.to(torch.bfloat16), weight).to(rows.dtype),
+    )
 
 
 @int4_linear_op.register_fake
