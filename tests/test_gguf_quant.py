@@ -37,9 +37,10 @@ pytestmark = pytest.mark.skipif(not gguf_kernel_available(), reason="no C++ comp
 # and then, and such a step is far coarser than int4's bfloat16 rounding (test_int4: 0.1):
 # over SmolLM2's 30 layers the chosen tokens' logprobs differed from the reference's by a
 # median 0.017, p90 0.10 and at most 0.15 over 95 compared steps, and one answer parted
-# from it where the reference's top two were 0.43 apart (2026-11-28, e9a2a2c, AVX2). A wrong
-# block layout, scale or minimum moves logprobs by whole units.
-GGUF_LOGPROB_TOLERANCE = 0.25
+# from it where the reference's top two were 0.43 apart (2026-11-28, e9a2a2c, AVX2). On an
+# AVX-512 host one full-suite run saw 0.29 at one step (2026-11-28, 2716846), alone it passed at
+# 0.25. A wrong block layout, scale or minimum moves logprobs by whole units.
+GGUF_LOGPROB_TOLERANCE = 0.4
 
 
 def gguf_reference(model: torch.nn.Module) -> torch.nn.Module:
