@@ -142,14 +142,17 @@ def _without_ids(answer: tuple[str | None, list[tuple[str, str, str]], str]) -> 
     return content, [(name, arguments) for _, name, arguments in calls], reason
 
 
-def _busy_decoder(dep: Deployment) -> str:
+def _busy_decoder(dep: Deployment, client: Streamer) -> str:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         for url in dep.decoders:
             if _metric(url, "kvferry:num_requests_running") > 0:
                 return url
+        if client.done.is_set():  # ended before a decoder was seen running: say how
+            chunks = client.result()
+            raise AssertionError(f"the answer ended before a decoder was seen running it: {chunks[-2:]}")
         time.sleep(0.005)
-    raise AssertionError("no decoder started the request")
+    raise AssertionError(f"no decoder started the request in 60 s:\n{dep.log.read_text()[-3000:]}")
 
 
 def _wait_idle(url: str, timeout: float = 30.0) -> None:
@@ -193,7 +196,7 @@ def test_a_call_streamed_across_a_killed_decoder_equals_a_colocated_one(
     _wait_idle(dep.decoders[0])
     failovers = _metric(dep.proxy, "kvferry_proxy:decode_failovers_total")
     client = Streamer(dep.proxy, body)
-    victim = _busy_decoder(dep)
+    victim = _busy_decoder(dep, client)
     pid = dep.instance_pid(victim)
     assert pid is not None
     _wait(
