@@ -10,6 +10,7 @@ exits non-zero, saying why."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -86,18 +87,18 @@ def _wait_ready(proc: subprocess.Popen, log: Path, timeout: float = 600.0) -> re
     raise AssertionError(f"disagg not ready after {timeout} s:\n{log.read_text()[-4000:]}")
 
 
-@pytest.fixture(scope="module")
-def launched(
-    tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
+@contextlib.contextmanager
+def disagg_launched(
+    model: Path, tmp: Path, served_name: str, max_restarts: int
 ) -> Iterator[tuple[subprocess.Popen, Path]]:
-    """`kvferry disagg` 1P+2D started (not yet ready), at most 1 restart per process."""
-    tmp = tmp_path_factory.mktemp("disagg-restart")
+    """`kvferry disagg` 1P+2D started (not yet ready) with its log, killed on the way out;
+    each process restarted at most `max_restarts` times."""
     log = tmp / "disagg.log"
-    args = ["--log-level", "INFO", "disagg", str(tiny_llama), "--prefill", "1", "--decode", "2"]
-    args += ["--port", str(free_port()), "--log-dir", str(tmp / "logs"), "--served-model-name", MODEL]
+    args = ["--log-level", "INFO", "disagg", str(model), "--prefill", "1", "--decode", "2"]
+    args += ["--port", str(free_port()), "--log-dir", str(tmp / "logs"), "--served-model-name", served_name]
     # eager (no compile at each start) and one thread each: three engines share the cores
     args += ["--kv-cache-memory", "0.02", "--enforce-eager", "--cpu-threads", "1", "--health-interval", "0.5"]
-    args += ["--max-restarts", "1", "--restart-backoff", "0.5"]
+    args += ["--max-restarts", str(max_restarts), "--restart-backoff", "0.5"]
     cmd = [sys.executable, "-m", "kvferry.entrypoints.cli", *args]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     with open(log, "wb") as out:
@@ -110,6 +111,15 @@ def launched(
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def launched(
+    tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[subprocess.Popen, Path]]:
+    """`kvferry disagg` 1P+2D started (not yet ready), at most 1 restart per process."""
+    with disagg_launched(tiny_llama, tmp_path_factory.mktemp("disagg-restart"), MODEL, 1) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")

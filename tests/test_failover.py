@@ -206,13 +206,18 @@ CASES = [
 
 
 # A long answer under a schema (80 digits: about 160 tokens), so the kill lands mid-JSON.
-DIGITS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}}
-LONG_SCHEMA = {
-    "type": "object",
-    "properties": {"digits": {**DIGITS, "minItems": 80, "maxItems": 80}},
-    "required": ["digits"],
-    "additionalProperties": False,
-}
+def digits_schema(count: int) -> dict:
+    """An object holding exactly `count` one-digit integers: a long answer of known length."""
+    digits = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}}
+    return {
+        "type": "object",
+        "properties": {"digits": {**digits, "minItems": count, "maxItems": count}},
+        "required": ["digits"],
+        "additionalProperties": False,
+    }
+
+
+LONG_SCHEMA = digits_schema(80)
 
 
 @pytest.mark.parametrize("stream", [True, False])

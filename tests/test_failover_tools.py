@@ -13,10 +13,6 @@ the next case."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -27,30 +23,24 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
-from kvferry.ports import free_port
 from tests import plain_http
 from tests.test_disagg_restart import (
-    ROOT,
     Deployment,
     _decoder_health,
     _kill_group,
     _metric,
     _wait,
     _wait_ready,
+    disagg_launched,
 )
+from tests.test_failover import digits_schema
 
 # slow: three `kvferry serve` processes and a proxy, a decoder killed and restarted (make test-all only)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 MODEL = "tiny"
 # 60 digits (about 120 tokens of compact JSON): the kill lands inside the call's arguments.
-DIGITS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}}
-SCHEMA = {
-    "type": "object",
-    "properties": {"digits": {**DIGITS, "minItems": 60, "maxItems": 60}},
-    "required": ["digits"],
-    "additionalProperties": False,
-}
+SCHEMA = digits_schema(60)
 TOOL = {
     "type": "function",
     "function": {"name": "record", "description": "Record digits", "parameters": SCHEMA},
@@ -71,25 +61,9 @@ CALLS_BEFORE_KILL = 12  # chunks with tool_calls the client has when the decoder
 def deployment(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     """`kvferry disagg` 1P+2D, ready; a decoder may be restarted once per case."""
     tmp = tmp_path_factory.mktemp("failover-tools")
-    log = tmp / "disagg.log"
-    args = ["--log-level", "INFO", "disagg", str(tiny_llama), "--prefill", "1", "--decode", "2"]
-    args += ["--port", str(free_port()), "--log-dir", str(tmp / "logs"), "--served-model-name", MODEL]
-    # eager (no compile at each start) and one thread each: three engines share the cores
-    args += ["--kv-cache-memory", "0.02", "--enforce-eager", "--cpu-threads", "1", "--health-interval", "0.5"]
-    args += ["--max-restarts", str(len(CASES)), "--restart-backoff", "0.5"]
-    cmd = [sys.executable, "-m", "kvferry.entrypoints.cli", *args]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
-        )
-    try:
+    with disagg_launched(tiny_llama, tmp, MODEL, len(CASES)) as (proc, log):
         proxy, prefill, decode = _wait_ready(proc, log).groups()
         yield Deployment(proc, log, proxy, prefill, decode.split())
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 class Streamer:
