@@ -12,6 +12,7 @@ from kvferry.cache_dir import default_cache_dir
 from kvferry.errors import ConfigError
 from kvferry.kv.shared_pool import KVPoolSpec
 from kvferry.kv.spec import KVAllocator, Layout
+from kvferry.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:  # torch only types ModelConfig.dtype: launchers and the proxy never import it
     import torch
@@ -397,6 +398,7 @@ class EngineConfig:
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)  # --kv-events-config
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # --speculative-config
     device: str = "cpu"
     seed: int = 0
     # Set by kvferry.connector.factory.resolve_connector (kv_transfer then holds the settled
@@ -440,9 +442,12 @@ class EngineOptions:
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     mla_prefill: MLAForm = MLAForms.prefill  # "decompressed" etc. coerced (latent attention only)
     mla_decode: MLAForm = MLAForms.decode
+    # a dict of vLLM's keys (or the flag's JSON) coerced: {"method": "ngram", ...}
+    speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "quantization", weight_quantization(self.quantization))
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
         object.__setattr__(self, "mla_prefill", _member(MLAForm, self.mla_prefill, "MLA prefill form"))
         object.__setattr__(self, "mla_decode", _member(MLAForm, self.mla_decode, "MLA decode form"))
         object.__setattr__(self, "kv_layout", _member(Layout, self.kv_layout, "KV layout"))
@@ -484,5 +489,6 @@ class EngineOptions:
                 capture=self.capture, enforce_eager=self.enforce_eager, cache_dir=self.cache_dir
             ),
             kv_events=self.kv_events,
+            speculative=self.speculative_config,
             seed=self.seed,
         )

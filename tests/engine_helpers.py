@@ -24,6 +24,7 @@ from kvferry.config import (
 from kvferry.engine.llm import LLM
 from kvferry.kv.spec import Layout
 from kvferry.model.resolve import resolve_model_config
+from kvferry.spec_decode.config import SpeculativeConfig
 
 PROMPT_TEXTS = [
     "the cat",
@@ -65,6 +66,7 @@ def engine_config_of(
     kv_events: KVEventsConfig | None = None,
     mla_forms: MLAForms | None = None,
     cache_dir: Path | None = None,  # keeps --capture auto's decision across starts; None: nothing kept
+    speculative: SpeculativeConfig | None = None,
 ) -> EngineConfig:
     """The EngineConfig make_llm builds (its keyword arguments), without an engine."""
     model = resolve_model_config(
@@ -92,6 +94,7 @@ def engine_config_of(
             cache_dir=None if cache_dir is None else str(cache_dir),
         ),
         kv_events=kv_events or KVEventsConfig(),
+        speculative=speculative or SpeculativeConfig(),
         device=device,
         seed=seed,
     )

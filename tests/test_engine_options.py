@@ -128,6 +128,7 @@ def test_every_option_reaches_the_config(tiny_llama: Path):
         "cache_dir": "/elsewhere",
         "seed": 7,
         "kv_events": KVEventsConfig(enable_kv_cache_events=True, publisher="zmq"),
+        "speculative_config": {"method": "ngram", "num_speculative_tokens": 2},
     }
     checked_below = {"kv_memory_pool"}  # needs the elastic allocator
     resolved_by_the_model = {

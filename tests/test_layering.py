@@ -23,7 +23,8 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
     for layer in (
         "errors cpu_features ports cache_dir process_name process_exit",
         "kv",  # KV specs, layouts, allocators: the vocabulary both halves share
-        "constraint_params structured",  # request options sampling_params holds (limits, grammars)
+        # request options sampling_params holds (limits, grammars); speculative decoding's config and rules
+        "constraint_params structured spec_decode",
         "config sampling_params",
         "messages",  # what crosses layers: requests, finish reasons, runner and connector outputs
         "outputs",  # the public result types

@@ -43,6 +43,8 @@ class EngineStats:
     kv_groups: list[KVGroupStats] = field(default_factory=list)  # one per KV cache group
     kv_event_batches_published: int = 0  # KV event batches queued for the publisher's socket
     kv_event_batches_dropped: int = 0  # batches dropped because the publisher's queue was full
+    spec_decode_num_draft_tokens: int = 0  # draft tokens verified (--speculative-config)
+    spec_decode_num_accepted_tokens: int = 0  # of those, kept
 
 
 def make_executor(config: EngineConfig, rank_start: RankStart = RankStart.SUBPROCESS) -> Executor:
@@ -83,6 +85,7 @@ class EngineCore:
             config.model.max_model_len,
             connector=self.connector,
             kv_events_medium=kv_events_medium(config.device) if events.enabled else None,
+            speculative=config.speculative,
         )
         self.kv_events = KVEventPublisher(events) if events.enabled else None
         clock.lap(StartupPhase.KV_CACHE)
@@ -171,6 +174,8 @@ class EngineCore:
             kv_groups=list(s.kv_cache_manager.group_stats()),
             kv_event_batches_published=0 if self.kv_events is None else self.kv_events.num_queued,
             kv_event_batches_dropped=0 if self.kv_events is None else self.kv_events.num_dropped,
+            spec_decode_num_draft_tokens=0 if s.drafts is None else s.drafts.num_draft_tokens,
+            spec_decode_num_accepted_tokens=0 if s.drafts is None else s.drafts.num_accepted_tokens,
         )
 
     def _maybe_log(self) -> None:
@@ -188,6 +193,13 @@ class EngineCore:
             st.prefix_cache_queries,
             st.num_preemptions,
         )
+        if st.spec_decode_num_draft_tokens:
+            logger.info(
+                "speculative decoding: %d of %d draft tokens kept (%.1f%%)",
+                st.spec_decode_num_accepted_tokens,
+                st.spec_decode_num_draft_tokens,
+                100 * st.spec_decode_num_accepted_tokens / st.spec_decode_num_draft_tokens,
+            )
         if st.kv_connector:
             logger.info(
                 "KV connector: %s", ", ".join(f"{k} {v:g}" for k, v in sorted(st.kv_connector.items()))

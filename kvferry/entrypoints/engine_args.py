@@ -140,6 +140,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         '"tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv-events"} publishes the '
         "prefix cache's changes (docs/architecture.md, KV events)",
     )
+    parser.add_argument(
+        "--speculative-config",
+        help='JSON, as vLLM: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+        '"prompt_lookup_min": 2} drafts tokens by prompt lookup and verifies them in one step; '
+        "answers stay token for token the same (docs/architecture.md, speculative decoding)",
+    )
 
 
 def parse_kv_transfer_config(raw: str | None) -> KVTransferConfig:
@@ -203,6 +209,7 @@ def engine_config_from_args(args: argparse.Namespace, served: ServedInstance | N
     from kvferry.config import EngineOptions, KVEventsConfig
     from kvferry.connector.factory import resolve_connector
     from kvferry.engine.options import engine_config
+    from kvferry.spec_decode.config import SpeculativeConfig
     from kvferry.worker.cpu_placement import parse_core_list
 
     kv_transfer = parse_kv_transfer_config(args.kv_transfer_config)  # config errors before loading
@@ -219,6 +226,7 @@ def engine_config_from_args(args: argparse.Namespace, served: ServedInstance | N
         kv_transfer=kv_transfer,
         enforce_eager=args.enforce_eager,
         kv_events=KVEventsConfig.from_json(args.kv_events_config),
+        speculative_config=SpeculativeConfig.from_value(args.speculative_config),
         **given,
     )
     return resolve_connector(engine_config(options), served)

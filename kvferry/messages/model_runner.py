@@ -48,9 +48,9 @@ class RequestFailure:
 class ModelRunnerOutput:
     req_ids: list[str] = field(default_factory=list)
     # Per request, in req_ids order: the tokens sampled this step (empty for a prefill chunk
-    # that has not reached the end of the prompt).
+    # that has not reached the end of the prompt; with drafts, the kept ones and one more).
     sampled_token_ids: list[list[int]] = field(default_factory=list)
-    logprobs: list[SampleLogprobs | None] = field(default_factory=list)
+    logprobs: list[list[SampleLogprobs] | None] = field(default_factory=list)  # one per sampled token
     kv_connector_output: KVConnectorOutput | None = None  # this worker's; aggregated by the executor
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # req id -> this step's
     failed: dict[str, RequestFailure] = field(default_factory=dict)  # req id -> why; its tokens void

@@ -46,6 +46,9 @@ class SchedulerOutput:
     kv_connector_metadata: object | None = None
     # Elastic KV memory: pages workers map before this step and return (kvferry.kv.pages).
     kv_pages: PageChanges | None = None
+    # Speculative decoding: req_id -> draft tokens past its last token, included in its
+    # num_scheduled_tokens; the step verifies them (kvferry.spec_decode.verify).
+    scheduled_spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
     def empty(cls) -> SchedulerOutput:

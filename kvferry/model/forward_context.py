@@ -37,7 +37,7 @@ class AttentionMetadata:
     """Attention inputs for one KV cache group."""
 
     slot_mapping: torch.Tensor  # int64 [num_tokens]: block_id * block_size + offset
-    num_decodes: int  # the first num_decodes tokens are decodes, one per request
+    num_decodes: int  # the first num_decodes tokens are decodes (one query each)
     decode_block_table: torch.Tensor  # int64 [num_decodes, max_blocks], padded with 0
     decode_seq_lens: torch.Tensor  # int64 [num_decodes]: tokens visible incl. the new one
     prefills: list[PrefillSpan] = field(default_factory=list)
@@ -45,6 +45,10 @@ class AttentionMetadata:
     # int64 [num_decodes]: position of each decode table's first key. Set for sliding-window
     # groups, whose decode tables start at the first block the window sees; None: 0.
     decode_start_pos: torch.Tensor | None = None
+    # Index of each request's first decode row, where a request has several (a token and
+    # its drafts, kvferry.spec_decode: a later row reads the KV an earlier one writes, so a
+    # batch is never cut between them); None: one row per request.
+    decode_request_starts: tuple[int, ...] | None = None
     # The decode mask per (window, keys): built by the step's first layer of that window,
     # read by the others (kvferry.model.layers.attention). Lives and dies with the step.
     decode_masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)

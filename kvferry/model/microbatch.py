@@ -104,7 +104,9 @@ class MicroBatcher:
 
 def _boundaries(attn: AttentionMetadata, num_tokens: int) -> list[int]:
     """Token indices where a request starts (and the end): where a batch may be cut."""
-    starts = list(range(attn.num_decodes)) + [span.query_start for span in attn.prefills]
+    decodes = attn.decode_request_starts
+    starts = list(range(attn.num_decodes) if decodes is None else decodes)
+    starts += [span.query_start for span in attn.prefills]
     return [*starts, num_tokens]
 
 
@@ -147,4 +149,10 @@ def _sub_metadata(attn: AttentionMetadata, start: int, stop: int) -> AttentionMe
         prefills=spans,
         block_size=attn.block_size,
         decode_start_pos=None if attn.decode_start_pos is None else attn.decode_start_pos[lo:hi],
+        decode_request_starts=_rebased_starts(attn.decode_request_starts, lo, hi),
     )
+
+
+def _rebased_starts(starts: tuple[int, ...] | None, lo: int, hi: int) -> tuple[int, ...] | None:
+    """A part's first decode rows per request (its parts are cut at request starts)."""
+    return None if starts is None else tuple(s - lo for s in starts if lo <= s < hi)

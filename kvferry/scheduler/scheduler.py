@@ -26,6 +26,7 @@ from kvferry.messages.model_runner import (
     SampleLogprobs,
 )
 from kvferry.messages.scheduler_output import SchedulerOutput
+from kvferry.scheduler.drafts import DraftProposer
 from kvferry.scheduler.hashing import BlockHasher
 from kvferry.scheduler.interfaces import SchedulerConnector
 from kvferry.scheduler.kv_cache_manager import KVCacheManager
@@ -33,6 +34,7 @@ from kvferry.scheduler.kv_events import KVEventsList
 from kvferry.scheduler.request import Request, RequestStatus
 from kvferry.scheduler.step_plan import StepPlan
 from kvferry.scheduler.stop import append_sampled
+from kvferry.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +70,10 @@ class Scheduler:
         connector: SchedulerConnector | None = None,
         kv_load_failure_policy: LoadFailurePolicy | str | None = None,
         kv_events_medium: str | None = None,
+        speculative: SpeculativeConfig | None = None,
     ):
-        """`kv_events_medium`: record the prefix cache's changes (take_kv_events)."""
+        """`kv_events_medium`: record the prefix cache's changes (take_kv_events);
+        `speculative`: draft tokens for decoding requests (kvferry.scheduler.drafts)."""
         self.config = scheduler_config
         self.max_model_len = max_model_len
         self.connector = connector
@@ -95,6 +99,8 @@ class Scheduler:
         self.prefix_cache_hits = 0
         self.connector_hit_tokens = 0  # tokens a connector loaded (external hits)
         self.num_preemptions = 0
+        enabled = speculative is not None and speculative.enabled
+        self.drafts = DraftProposer(speculative, max_model_len) if speculative and enabled else None
 
     # ---- requests in and out ----------------------------------------------------------
 
@@ -176,6 +182,7 @@ class Scheduler:
 
     def _schedule_running(self, plan: StepPlan) -> None:
         kv = self.kv_cache_manager
+        drafting = self.drafts is not None and self.drafts.active(len(self.running))
         i = 0
         while i < len(self.running) and plan.token_budget > 0:
             request = self.running[i]
@@ -191,6 +198,9 @@ class Scheduler:
                 )
                 self._finish(request, RequestStatus.FINISHED_LENGTH_CAPPED)
                 continue
+            if drafting and num_new == 1 and self._schedule_drafts(request, plan):
+                i += 1
+                continue
             while (new_ids := kv.allocate_slots(request, num_new)) is None:
                 victim = self._pick_victim()
                 if self.running.index(victim) < i:
@@ -201,6 +211,19 @@ class Scheduler:
             if new_ids is not None:
                 plan.add_running(request, num_new, new_ids)
                 i += 1
+
+    def _schedule_drafts(self, request: Request, plan: StepPlan) -> bool:
+        """Schedule a decoding request with draft tokens, when it has some and their blocks
+        are free (never preempting for a draft); False: schedule it plainly."""
+        assert self.drafts is not None
+        drafts = self.drafts.propose(request, plan.token_budget)
+        if not drafts or not self.kv_cache_manager.can_fit(request.num_tokens + len(drafts)):
+            return False
+        new_ids = self.kv_cache_manager.allocate_slots(request, 1 + len(drafts))
+        if new_ids is None:
+            return False
+        plan.add_running(request, 1 + len(drafts), new_ids, drafts)
+        return True
 
     def _pick_victim(self) -> Request:
         """The lowest-priority running request: latest arrival (later position on ties)."""
@@ -329,13 +352,14 @@ class Scheduler:
                 continue  # aborted, preempted or reset since it was scheduled
             i = index.get(req_id)
             sampled = model_runner_output.sampled_token_ids[i] if i is not None else []
-            logprobs = (
+            logprobs = (  # one per sampled token
                 model_runner_output.logprobs[i]
                 if i is not None and i < len(model_runner_output.logprobs)
                 else None
             )
             record_prompt_logprobs(request, model_runner_output.prompt_logprobs.get(req_id))
-            output = self._apply_sampled(request, sampled, logprobs)
+            drafts = scheduler_output.scheduled_spec_token_ids.get(req_id, ())
+            output = self._apply_sampled(request, sampled, logprobs, len(drafts))
             if output is not None and request.num_output_tokens == len(output.new_token_ids):
                 output.prompt_logprobs = prompt_logprobs_of(request)  # with the first tokens
             if output is not None:
@@ -357,16 +381,30 @@ class Scheduler:
                 )
 
     def _apply_sampled(
-        self, request: Request, sampled: list[int], logprobs: SampleLogprobs | None
+        self, request: Request, sampled: list[int], logprobs: list[SampleLogprobs] | None, num_drafts: int
     ) -> EngineCoreOutput | None:
-        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+        """`sampled`: the step's tokens, its kept drafts and one sampled token. The KV
+        computed for the drafts it did not keep is void: the request's computed tokens
+        step back past them (their slots are written again by the next steps)."""
         if not sampled:
+            request.num_computed_tokens -= num_drafts
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
             return None
-        assert request.num_computed_tokens == request.num_tokens, f"{request} sampled before its last token"
+        num_kept = len(sampled) - 1
+        if num_drafts:
+            assert self.drafts is not None and num_kept <= num_drafts, (
+                f"{request}: {sampled} for {num_drafts} drafts"
+            )
+            request.num_computed_tokens -= num_drafts - num_kept
+            self.drafts.record(num_drafts, num_kept)
+        assert request.num_computed_tokens == request.num_tokens + num_kept, (
+            f"{request} sampled before its last token"
+        )
         new_tokens = append_sampled(request, sampled, self.max_model_len)
+        self.kv_cache_manager.cache_blocks(request, min(request.num_computed_tokens, request.num_tokens))
         output = self._output(request, new_tokens)
         if logprobs is not None:
-            output.new_logprobs = [logprobs]
+            output.new_logprobs = logprobs[: len(new_tokens)]
         if request.is_finished:
             output.kv_transfer_params = self._release(request, receiving=False)
         return output

@@ -22,11 +22,18 @@ class StepPlan:
     running_reqs: list[Request] = field(default_factory=list)  # already known to the workers
     new_block_ids: dict[str, BlockIds] = field(default_factory=dict)  # of running_reqs
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts, of running_reqs
     num_preempted: int = 0
 
-    def add_running(self, request: Request, num_tokens: int, new_block_ids: BlockIds) -> None:
+    def add_running(
+        self, request: Request, num_tokens: int, new_block_ids: BlockIds, drafts: list[int] | None = None
+    ) -> None:
+        """`drafts`: tokens proposed past the request's last one, counted in `num_tokens`
+        (they are not prompt tokens: the step's prefill room does not pay for them)."""
         self.running_reqs.append(request)
         self.new_block_ids[request.req_id] = new_block_ids
+        if drafts:
+            self.spec_token_ids[request.req_id] = drafts
         self._take(request, num_tokens)
 
     def add_new(self, request: Request, num_tokens: int) -> None:
@@ -50,16 +57,21 @@ class StepPlan:
         self.running_reqs.remove(request)
         del self.new_block_ids[request.req_id]
         self.token_budget += num_tokens
-        if num_tokens > 1 and self.prefill_room is not None:
+        if self._prompt_tokens(request, num_tokens) > 1 and self.prefill_room is not None:
             self.prefill_room += num_tokens
+        self.spec_token_ids.pop(request.req_id, None)
 
     def _take(self, request: Request, num_tokens: int) -> None:
         assert 0 < num_tokens <= self.token_budget
         assert request.req_id not in self.num_scheduled_tokens
         self.num_scheduled_tokens[request.req_id] = num_tokens
         self.token_budget -= num_tokens
-        if num_tokens > 1 and self.prefill_room is not None:
+        if self._prompt_tokens(request, num_tokens) > 1 and self.prefill_room is not None:
             self.prefill_room -= num_tokens
+
+    def _prompt_tokens(self, request: Request, num_tokens: int) -> int:
+        """Of a request's `num_tokens` this step, those that are not its drafts."""
+        return num_tokens - len(self.spec_token_ids.get(request.req_id, ()))
 
     def build(self, kv: KVCacheManager, finished_ids: set[str], preempted_ids: set[str]) -> SchedulerOutput:
         """The step's output; request.num_computed_tokens must not have advanced yet."""
@@ -88,4 +100,5 @@ class StepPlan:
             total_num_scheduled_tokens=sum(self.num_scheduled_tokens.values()),
             finished_req_ids=finished_ids,
             preempted_req_ids=preempted_ids,
+            scheduled_spec_token_ids=dict(self.spec_token_ids),
         )

@@ -18,8 +18,11 @@ class StepInputs:
     positions: torch.Tensor  # int64 [T]
     attn: tuple[AttentionMetadata, ...]  # per KV cache group
     ordered: list[RequestState]  # requests in batch order (decodes first)
-    sample_rows: list[int]  # token index of each sampling request's last token
-    sample_states: list[RequestState]
+    sample_rows: list[int]  # token index of each row sampled: a request's last token, its drafts
+    sample_states: list[RequestState]  # per sampled row: its request
+    # per sampled row: its position past the request's known tokens (j for a request's
+    # j-th draft row, 0 for every other row)
+    sample_offsets: list[int]
 
 
 @dataclass
@@ -27,24 +30,43 @@ class _Span:
     state: RequestState
     start: int  # first position computed this step
     length: int
+    drafts: list[int]  # speculative tokens past the request's last one (length counts them)
+
+    @property
+    def decodes(self) -> bool:
+        """Whether each row attends as a decode: one query token, or a token and its drafts
+        (each draft row sees the cache up to itself, as plain decoding's step would)."""
+        return self.length == 1 or bool(self.drafts)
 
 
 def build_step_inputs(
-    states: list[RequestState], num_scheduled: dict[str, int], kv_config: KVCacheConfig, device: torch.device
+    states: list[RequestState],
+    num_scheduled: dict[str, int],
+    kv_config: KVCacheConfig,
+    device: torch.device,
+    drafts: dict[str, list[int]] | None = None,
 ) -> StepInputs:
-    spans = [_Span(s, s.num_computed_tokens, num_scheduled[s.req_id]) for s in states]
-    spans.sort(key=lambda span: span.length != 1)  # decodes (one query token) first; stable
+    """`drafts`: per request, the draft tokens it verifies this step (kvferry.spec_decode)."""
+    drafts = drafts or {}
+    spans = [
+        _Span(s, s.num_computed_tokens, num_scheduled[s.req_id], drafts.get(s.req_id, [])) for s in states
+    ]
+    spans.sort(key=lambda span: not span.decodes)  # decode rows first; stable
     token_ids: list[int] = []
     positions: list[np.ndarray] = []
     sample_rows: list[int] = []
     sample_states: list[RequestState] = []
+    sample_offsets: list[int] = []
     for span in spans:
         end = span.start + span.length
-        token_ids.extend(span.state.token_ids[span.start : end])
+        known = span.state.token_ids + span.drafts if span.drafts else span.state.token_ids
+        token_ids.extend(known[span.start : end])
         positions.append(np.arange(span.start, end, dtype=np.int64))
-        if end == len(span.state.token_ids):  # reached the end of what is known: sample
-            sample_rows.append(len(token_ids) - 1)
-            sample_states.append(span.state)
+        if end == len(known):  # reached the end of what is known: sample (every draft row too)
+            num_rows = len(span.drafts) + 1
+            sample_rows.extend(range(len(token_ids) - num_rows, len(token_ids)))
+            sample_states.extend([span.state] * num_rows)
+            sample_offsets.extend(range(num_rows))
     flat_positions = np.concatenate(positions) if positions else np.zeros(0, dtype=np.int64)
     attn = tuple(
         _group_metadata(spans, flat_positions, gid, kv_config, device) for gid in range(len(kv_config.groups))
@@ -56,6 +78,7 @@ def build_step_inputs(
         ordered=[span.state for span in spans],
         sample_rows=sample_rows,
         sample_states=sample_states,
+        sample_offsets=sample_offsets,
     )
 
 
@@ -69,6 +92,7 @@ def _group_metadata(
     decode_tables: list[list[int]] = []
     decode_lens: list[int] = []
     decode_starts: list[int] = []  # first block a decode's window sees (0: full attention)
+    request_starts: list[int] = []  # first decode row of each request
     prefills: list[PrefillSpan] = []
     offset = 0
     for span in spans:
@@ -77,11 +101,13 @@ def _group_metadata(
         slots.append(blocks[pos // block_size] * block_size + pos % block_size)
         seq_len = span.start + span.length
         needed = blocks[: -(-seq_len // block_size)]
-        if span.length == 1:
-            first = max(0, seq_len - window) // block_size if window else 0
-            decode_tables.append(needed[first:].tolist())
-            decode_lens.append(seq_len)
-            decode_starts.append(first * block_size)
+        if span.decodes:
+            request_starts.append(len(decode_lens))
+            for row_len in range(span.start + 1, seq_len + 1):
+                first = max(0, row_len - window) // block_size if window else 0
+                decode_tables.append(needed[first : -(-row_len // block_size)].tolist())
+                decode_lens.append(row_len)
+                decode_starts.append(first * block_size)
         else:
             table = torch.from_numpy(needed.copy()).to(device)
             prefills.append(PrefillSpan(offset, span.length, span.start, table))
@@ -96,4 +122,5 @@ def _group_metadata(
         prefills=prefills,
         block_size=block_size,
         decode_start_pos=torch.tensor(decode_starts, dtype=torch.int64, device=device) if window else None,
+        decode_request_starts=None if len(request_starts) == len(decode_lens) else tuple(request_starts),
     )

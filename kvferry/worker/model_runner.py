@@ -15,6 +15,7 @@ from kvferry.messages.kv_connector import KVConnectorOutput, KVConnectorStats
 from kvferry.messages.model_runner import ModelRunnerOutput, RequestFailure, SampleLogprobs
 from kvferry.messages.scheduler_output import SchedulerOutput
 from kvferry.model.forward_context import ForwardContext, Workspace
+from kvferry.spec_decode.verify import accepted_tokens
 from kvferry.structured.backend import GrammarBackend, GrammarCompileError
 from kvferry.worker.capture import CapturedForward, hook_placement
 from kvferry.worker.connector_guard import ConnectorGuard
@@ -130,7 +131,10 @@ class ModelRunner:
             return ModelRunnerOutput.empty()
         states = [self.states[req_id] for req_id in scheduler_output.num_scheduled_tokens]
         kv_config = self._bound_kv_config()
-        inputs = build_step_inputs(states, scheduler_output.num_scheduled_tokens, kv_config, self.device)
+        drafts = scheduler_output.scheduled_spec_token_ids
+        inputs = build_step_inputs(
+            states, scheduler_output.num_scheduled_tokens, kv_config, self.device, drafts
+        )
         # structured outputs: the grammars' masks are filled while the forward runs
         masks = self.grammars.start_fill([s.grammar for s in inputs.sample_states]) if self.grammars else None
         hidden = self._forward(inputs, hooks)
@@ -139,10 +143,11 @@ class ModelRunner:
             output.prompt_logprobs = compute_prompt_logprobs(
                 hidden, inputs.ordered, scheduler_output.num_scheduled_tokens, self.model.compute_logits
             )
-        sampled = self._sample(hidden, inputs, masks)
+        sampled = self._sample(hidden, inputs, masks, drafts)
         for state in inputs.ordered:
-            state.num_computed_tokens += scheduler_output.num_scheduled_tokens[state.req_id]
             tokens, logprobs = sampled.get(state.req_id, ([], None))
+            num_void = len(drafts.get(state.req_id, ())) - max(0, len(tokens) - 1)  # drafts not kept
+            state.num_computed_tokens += scheduler_output.num_scheduled_tokens[state.req_id] - num_void
             state.token_ids.extend(tokens)
             output.sampled_token_ids.append(tokens)
             output.logprobs.append(logprobs)
@@ -160,13 +165,21 @@ class ModelRunner:
         return self.bound_forward()(inputs.input_ids, inputs.positions, ctx)
 
     def _sample(
-        self, hidden: torch.Tensor, inputs: StepInputs, masks: Future[torch.Tensor] | None = None
-    ) -> dict[str, tuple[list[int], SampleLogprobs | None]]:
+        self,
+        hidden: torch.Tensor,
+        inputs: StepInputs,
+        masks: Future[torch.Tensor] | None,
+        drafts: dict[str, list[int]],
+    ) -> dict[str, tuple[list[int], list[SampleLogprobs] | None]]:
+        """Per sampling request, its tokens (with drafts: the kept ones and one more) and
+        their logprobs."""
         if not inputs.sample_rows:
             return {}
         rows = torch.tensor(inputs.sample_rows, dtype=torch.int64, device=hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
-        batch = build_sampling_batch(inputs.sample_states, self.config.model.eos_token_ids)
+        batch = build_sampling_batch(
+            inputs.sample_states, self.config.model.eos_token_ids, inputs.sample_offsets
+        )
         batch.token_bitmask = masks.result() if masks is not None else None
         sampled = self.sampler(logits, batch)
         for row in sampled.refused_rows:
@@ -178,12 +191,9 @@ class ModelRunner:
                 param="allowed_token_ids" if state.params.allowed_token_ids is not None else "",
             )
         for state, token in zip(inputs.sample_states, sampled.tokens):
-            if state.grammar is not None:
+            if state.grammar is not None:  # never drafted for (kvferry.scheduler.drafts)
                 state.grammar.accept(token)
-        return {
-            s.req_id: ([tok], lp)
-            for s, tok, lp in zip(inputs.sample_states, sampled.tokens, sampled.logprobs)
-        }
+        return per_request_samples(inputs.sample_states, sampled.tokens, sampled.logprobs, drafts)
 
     def _grammar_backend(self) -> GrammarBackend:
         if self.grammars is None:
@@ -221,3 +231,25 @@ class ModelRunner:
             if new_blocks is not None:
                 for group_blocks, added in zip(state.block_ids, new_blocks, strict=True):
                     group_blocks.extend(added)
+
+
+def per_request_samples(
+    states: list[RequestState],
+    tokens: list[int],
+    logprobs: list[SampleLogprobs | None],
+    drafts: dict[str, list[int]],
+) -> dict[str, tuple[list[int], list[SampleLogprobs] | None]]:
+    """The sampled rows grouped by request (a request with drafts has one row per draft
+    and one more, consecutive), its drafts judged by kvferry.spec_decode.verify."""
+    result: dict[str, tuple[list[int], list[SampleLogprobs] | None]] = {}
+    row = 0
+    while row < len(states):
+        state = states[row]
+        req_drafts = drafts.get(state.req_id, [])
+        stop = row + len(req_drafts) + 1
+        kept = accepted_tokens(req_drafts, tokens[row:stop]) if req_drafts else [tokens[row]]
+        row_logprobs = logprobs[row : row + len(kept)]
+        has_logprobs = all(lp is not None for lp in row_logprobs)
+        result[state.req_id] = (kept, [lp for lp in row_logprobs if lp is not None] if has_logprobs else None)
+        row = stop
+    return result

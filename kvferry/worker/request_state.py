@@ -52,15 +52,20 @@ class RequestState:
         return None if len(self.token_ids) > self.num_prompt_tokens else self.forced_first_token_id
 
 
-def build_sampling_batch(states: list[RequestState], eos_token_ids: Sequence[int] = ()) -> SamplingBatch:
+def build_sampling_batch(
+    states: list[RequestState], eos_token_ids: Sequence[int] = (), offsets: Sequence[int] | None = None
+) -> SamplingBatch:
+    """One row per entry of `states` (a request with drafts has several); `offsets`: each
+    row's position past its request's known tokens (None: all 0)."""
     params = [s.params for s in states]
+    offsets = offsets or [0] * len(states)
     batch = SamplingBatch(
         temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32),
         top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64),
         top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
         min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
         seeds=[s.seed for s in states],
-        positions=[len(s.token_ids) for s in states],  # the token sampled now goes there
+        positions=[len(s.token_ids) + j for s, j in zip(states, offsets)],  # where the sampled token goes
         num_logprobs=[p.logprobs for p in params],
     )
     forced = [s.forced_token_id for s in states]

@@ -125,6 +125,12 @@ class EngineStatsCollector(Collector):
                 "KV event batches dropped because the publisher's queue was full (max_queue_size).",
                 s.kv_event_batches_dropped,
             ),
+            (
+                "spec_decode_num_draft_tokens",
+                "Draft tokens verified (--speculative-config).",
+                s.spec_decode_num_draft_tokens,
+            ),
+            ("spec_decode_num_accepted_tokens", "Draft tokens kept.", s.spec_decode_num_accepted_tokens),
         ]
         gauges += _kv_memory_gauges(s.kv_memory)
         counters += [

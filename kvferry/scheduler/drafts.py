@@ -1,0 +1,61 @@
+"""Which running requests get draft tokens this step, and which (kvferry.spec_decode).
+
+A request is drafted for only where plain decoding's sample at each draft's position can
+be computed from the logits alone, so the verifying step samples exactly as plain steps
+would: no grammar, penalties or logits constraints (their state moves with every token),
+min_tokens reached, and a first output token already there (a P/D decoder's first sample
+is forced to the prefiller's token).
+"""
+
+from __future__ import annotations
+
+from kvferry.scheduler.request import Request
+from kvferry.spec_decode.config import SpeculativeConfig, SpeculativeMethod
+from kvferry.spec_decode.ngram import propose_ngram
+
+
+def can_speculate(request: Request) -> bool:
+    params = request.sampling_params
+    return (
+        request.num_output_tokens > 0
+        and request.num_output_tokens >= params.min_tokens
+        and params.structured_outputs is None
+        and not params.uses_penalties
+        and not params.uses_logits_constraints
+    )
+
+
+class DraftProposer:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        assert config.method is SpeculativeMethod.NGRAM, f"no proposer for {config.method}"
+        self.config = config
+        self.max_model_len = max_model_len
+        self.num_draft_tokens = 0  # proposed and verified, since start
+        self.num_accepted_tokens = 0  # of those, kept
+
+    def active(self, num_running: int) -> bool:
+        """Whether a step with `num_running` requests drafts at all."""
+        limit = self.config.disable_by_batch_size
+        return limit is None or num_running < limit
+
+    def propose(self, request: Request, token_budget: int) -> list[int]:
+        """Drafts for a decoding request: at most what the step's budget, the request's
+        max_tokens and the model's context leave room for (the step also yields one
+        sampled token past the kept drafts)."""
+        if not can_speculate(request):
+            return []
+        room = min(
+            self.config.num_speculative_tokens,
+            token_budget - 1,
+            request.max_tokens - request.num_output_tokens - 1,
+            self.max_model_len - request.num_tokens - 1,
+        )
+        if room < 1:
+            return []
+        return propose_ngram(
+            request.all_token_ids, room, self.config.prompt_lookup_min, self.config.prompt_lookup_max
+        )
+
+    def record(self, num_drafts: int, num_kept: int) -> None:
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_kept
