@@ -253,3 +253,24 @@ def test_a_pd_decoder_drafts_on_the_kv_it_pulled(tiny_qwen2):
     finally:
         for core in (prefiller, decoder, colocated):
             core.shutdown()
+
+
+def test_a_request_whose_drafts_miss_waits_longer_each_time():
+    from kvferry.scheduler.drafts import MAX_BACKOFF_TOKENS, DraftProposer
+    from kvferry.scheduler.request import Request
+
+    request = Request("r", [1, 2, 3, 1, 2], SamplingParams(max_tokens=100, temperature=0.0), [0], 512)
+    request.append_output_token_ids(3)
+    proposer = DraftProposer(NGRAM, max_model_len=512)
+    assert proposer.propose(request, token_budget=64) == [1, 2, 3]
+    waits = []
+    for _ in range(7):  # every draft missed: the request waits 1, 2, 4, ... output tokens
+        proposer.record(request, 3, 0)
+        waits.append(request.drafts_resume_at - request.num_output_tokens - 1)
+    assert waits == [1, 2, 4, 8, 16, MAX_BACKOFF_TOKENS, MAX_BACKOFF_TOKENS]
+    assert proposer.propose(request, token_budget=64) == []  # still waiting
+    request.append_output_token_ids([1, 2, 3] * 6)  # past the wait
+    assert proposer.propose(request, token_budget=64) == [1, 2, 3]
+    proposer.record(request, 3, 1)  # a kept draft ends the backoff
+    assert request.draft_misses == 0
+    assert (proposer.num_draft_tokens, proposer.num_accepted_tokens) == (24, 1)

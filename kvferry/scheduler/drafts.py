@@ -5,6 +5,13 @@ be computed from the logits alone, so the verifying step samples exactly as plai
 would: no grammar, penalties or logits constraints (their state moves with every token),
 min_tokens reached, and a first output token already there (a P/D decoder's first sample
 is forced to the prefiller's token).
+
+Drafts that are not kept cost a verifying step more rows than plain decoding's. A request
+whose drafts all missed waits before it is drafted for again: 1 output token after the
+first miss in a row, then 2, 4, up to `MAX_BACKOFF_TOKENS`; a kept draft ends the wait.
+Answers that never repeat their context then pay for few verifications, and answers that
+do are drafted for at every step (measured on SmolLM2, docs/benchmarks.md, "Speculative
+decoding").
 """
 
 from __future__ import annotations
@@ -12,6 +19,8 @@ from __future__ import annotations
 from kvferry.scheduler.request import Request
 from kvferry.spec_decode.config import SpeculativeConfig, SpeculativeMethod
 from kvferry.spec_decode.ngram import propose_ngram
+
+MAX_BACKOFF_TOKENS = 16
 
 
 def can_speculate(request: Request) -> bool:
@@ -42,7 +51,7 @@ class DraftProposer:
         """Drafts for a decoding request: at most what the step's budget, the request's
         max_tokens and the model's context leave room for (the step also yields one
         sampled token past the kept drafts)."""
-        if not can_speculate(request):
+        if not can_speculate(request) or request.num_output_tokens < request.drafts_resume_at:
             return []
         room = min(
             self.config.num_speculative_tokens,
@@ -56,6 +65,13 @@ class DraftProposer:
             request.all_token_ids, room, self.config.prompt_lookup_min, self.config.prompt_lookup_max
         )
 
-    def record(self, num_drafts: int, num_kept: int) -> None:
+    def record(self, request: Request, num_drafts: int, num_kept: int) -> None:
+        """A verified step's outcome, before its tokens are appended to `request`."""
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_kept
+        if num_kept:
+            request.draft_misses = 0
+            return
+        wait = min(MAX_BACKOFF_TOKENS, 1 << request.draft_misses)
+        request.draft_misses += 1
+        request.drafts_resume_at = request.num_output_tokens + 1 + wait

@@ -106,6 +106,10 @@ class Request:
         self.forced_first_token_id: int | None = None  # see force_first_token
         self.prompt_logprobs: list[PromptLogprob] = []  # entry i: of prompt token i + 1
         self.block_hashes: list[BlockHash] = []
+        # Speculative decoding (kvferry.scheduler.drafts): verified steps in a row whose
+        # drafts all missed, and the output count before which none is proposed again.
+        self.draft_misses = 0
+        self.drafts_resume_at = 0
         self._block_hasher = block_hasher
         if block_hasher is not None:
             block_hasher.update(self)

@@ -396,7 +396,7 @@ class Scheduler:
                 f"{request}: {sampled} for {num_drafts} drafts"
             )
             request.num_computed_tokens -= num_drafts - num_kept
-            self.drafts.record(num_drafts, num_kept)
+            self.drafts.record(request, num_drafts, num_kept)
         assert request.num_computed_tokens == request.num_tokens + num_kept, (
             f"{request} sampled before its last token"
         )
