@@ -8,7 +8,20 @@ import logging
 from dataclasses import dataclass
 from types import ModuleType
 
-from kvferry_bench import goodput, hybrid, mla, moe, moe_split, pd, serve, soak, startup, throughput, transfer
+from kvferry_bench import (
+    goodput,
+    hybrid,
+    mla,
+    moe,
+    moe_split,
+    pd,
+    serve,
+    soak,
+    spec_decode,
+    startup,
+    throughput,
+    transfer,
+)
 from kvferry_bench.peers import command as peers
 
 logger = logging.getLogger(__name__)
@@ -41,6 +54,7 @@ BENCHES: tuple[Bench, ...] = (
         "startup", startup, "time to the first answer and to /health, start-up broken down, cold vs cached"
     ),
     Bench("soak", soak, "many streaming clients against kvferry disagg: held blocks, mismatches, RSS"),
+    Bench("spec-decode", spec_decode, "batch-1 decode with and without speculative decoding, same ids"),
 )
 
 
