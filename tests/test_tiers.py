@@ -44,6 +44,9 @@ REPRESENTATIVES = {
         "[deepseek_v3-prefill_absorbed-decode_decompressed]"
     ),
     "the embedded SmolLM2 GGUF against HF": "tests/test_model_gguf.py::test_greedy_continuation_matches_hf",
+    "speculative decoding: drafting servers, colocated and a P/D decoder, over HTTP": (
+        "tests/test_spec_decode_http.py::test_drafting_servers_answer_as_a_plain_one"
+    ),
     "the OpenAI server: `kvferry serve` over HTTP": (
         "tests/test_server_e2e.py::test_completions_match_offline_engine"
     ),
