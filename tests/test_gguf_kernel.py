@@ -84,3 +84,16 @@ def test_a_block_count_that_does_not_match_the_inputs_is_an_error():
     blocks = random_blocks(BlockType.Q4_0, 16, 64, gen)
     with pytest.raises(RuntimeError, match="bytes per weight row"):
         gguf_matmul(torch.randn(1, 96), blocks)
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["vector", "portable"])
+@pytest.mark.parametrize("block_type", list(BlockType), ids=lambda t: t.name)
+def test_a_row_computes_the_same_bits_whatever_rows_share_its_call(block_type: BlockType, portable: bool):
+    """Batch invariance: each row of a 1..9-row call equals, bit for bit, the row alone
+    (a verifying step of speculative decoding computes a token with its drafts)."""
+    gen = torch.Generator().manual_seed(int(block_type))
+    blocks = random_blocks(block_type, 40, 576, gen)
+    x = torch.randn(9, 576, generator=gen)
+    alone = torch.cat([gguf_matmul(x[i : i + 1], blocks, portable=portable) for i in range(9)])
+    for rows in range(1, 10):
+        assert torch.equal(gguf_matmul(x[:rows], blocks, portable=portable), alone[:rows]), rows

@@ -20,7 +20,10 @@
 // AVX-512 BW (two blocks per 512-bit `vpmaddubsw`), AVX2 (`vpmaddubsw` on one block), and
 // a portable scalar one, which a caller can also force (`portable`) to test it anywhere.
 // Output rows are split over the threads (at::parallel_for); activation rows are
-// taken in turns of up to kMaxRows per weight row while that row is in L1.
+// taken in turns of up to kMaxRows per weight row while that row is in L1. A row's result
+// does not depend on the rows beside it (each has its own accumulators, summed in the same
+// order whatever the turn's size): batch-invariant, as speculative decoding's exactness
+// needs (kvferry/spec_decode).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -44,7 +47,13 @@
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kMaxRows = 4;  // activation rows per pass over a weight row
+// Activation rows per pass over a weight row: as many as the vector registers hold
+// accumulators for (AVX-512: 32 registers, two accumulators a row; AVX2: 16).
+#ifdef KVFERRY_GGUF_AVX512
+constexpr int64_t kMaxRows = 8;
+#else
+constexpr int64_t kMaxRows = 4;
+#endif
 // gguf.GGMLQuantizationType values
 constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
 
@@ -65,7 +74,11 @@ BlockFormat format_of(int64_t qtype) {
 float half_at(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
+#ifdef KVFERRY_GGUF_AVX2
+  return _cvtsh_ss(bits);  // F16C: one instruction (c10::Half converts in software)
+#else
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
 }
 
 // One quantized activation row: int8 values, and per block its scale and sum of values.
@@ -179,8 +192,15 @@ void avx2_row(const Operands& op, int64_t feature, int64_t first) {
   int64_t b = 0;
 #ifdef KVFERRY_GGUF_AVX512
   // Two blocks per step: 64 weights against 64 activations, one scale per 256-bit half.
+  // What depends on the weight alone (its bytes, d of both blocks as a 16-lane vector) is
+  // made once per step and shared by the rows; per row: the integer dot and its two dx
+  // (one 8-byte load spread over the halves). The products and sums are those of the
+  // scalar form, in the same order (the offsets stay scalar for that reason: a change of
+  // rounding there moves int8 roundings of later layers' activations, and answers).
   __m512 wide[R];
   for (int r = 0; r < R; ++r) wide[r] = _mm512_setzero_ps();
+  const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i ones = _mm512_set1_epi16(1);
   for (; b + 1 < op.blocks; b += 2) {
     const uint8_t* block0 = row + b * op.format.bytes;
     const uint8_t* block1 = block0 + op.format.bytes;
@@ -189,7 +209,7 @@ void avx2_row(const Operands& op, int64_t feature, int64_t first) {
     float d0, m0, d1, m1;
     block_scales(block0, op.format, d0, m0);
     block_scales(block1, op.format, d1, m1);
-    const __m512i ones = _mm512_set1_epi16(1);
+    const __m512 d = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(d0)), _mm256_set1_ps(d1), 1);
     const __m512i w_abs = four_bit ? w : _mm512_abs_epi8(w);
     const __mmask64 negative = four_bit ? 0 : _mm512_movepi8_mask(w);
     for (int r = 0; r < R; ++r) {
@@ -197,11 +217,13 @@ void avx2_row(const Operands& op, int64_t feature, int64_t first) {
       __m512i x = _mm512_loadu_si512(op.x->q.data() + at * kBlock);
       if (!four_bit) x = _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x);
       const __m512i dot = _mm512_madd_epi16(_mm512_maddubs_epi16(w_abs, x), ones);
-      const float dx0 = op.x->scale[at], dx1 = op.x->scale[at + 1];
-      const __m512 scale = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(d0 * dx0)),
-                                              _mm256_set1_ps(d1 * dx1), 1);
-      wide[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, wide[r]);
-      offsets[r] += m0 * dx0 * static_cast<float>(op.x->sum[at]) + m1 * dx1 * static_cast<float>(op.x->sum[at + 1]);
+      const __m512 dx = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_castpd_ps(
+                                                  _mm_load_sd(reinterpret_cast<const double*>(&op.x->scale[at])))));
+      wide[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, dx), wide[r]);
+      if (four_bit) {
+        const float dx0 = op.x->scale[at], dx1 = op.x->scale[at + 1];
+        offsets[r] += m0 * dx0 * static_cast<float>(op.x->sum[at]) + m1 * dx1 * static_cast<float>(op.x->sum[at + 1]);
+      }
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -230,7 +252,11 @@ void vector_row(const Operands& op, int64_t feature, int64_t first, int64_t coun
     case 1: avx2_row<1>(op, feature, first); break;
     case 2: avx2_row<2>(op, feature, first); break;
     case 3: avx2_row<3>(op, feature, first); break;
-    default: avx2_row<4>(op, feature, first); break;
+    case 4: avx2_row<4>(op, feature, first); break;
+    case 5: avx2_row<5>(op, feature, first); break;
+    case 6: avx2_row<6>(op, feature, first); break;
+    case 7: avx2_row<7>(op, feature, first); break;
+    default: avx2_row<8>(op, feature, first); break;
   }
 }
 
