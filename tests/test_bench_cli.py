@@ -56,6 +56,7 @@ def test_every_benchmark_is_listed_by_kvferry_bench_help(capsys: pytest.CaptureF
             "moe",
             "moe-split",
             "startup",
+            "spec-decode",
         )
     }
     for name in BENCH_NAMES:
