@@ -99,8 +99,11 @@ class Scheduler:
         self.prefix_cache_hits = 0
         self.connector_hit_tokens = 0  # tokens a connector loaded (external hits)
         self.num_preemptions = 0
-        enabled = speculative is not None and speculative.enabled
-        self.drafts = DraftProposer(speculative, max_model_len) if speculative and enabled else None
+        self.drafts = (
+            DraftProposer(speculative, max_model_len)
+            if speculative is not None and speculative.enabled
+            else None
+        )
 
     # ---- requests in and out ----------------------------------------------------------
 
