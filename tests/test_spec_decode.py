@@ -274,3 +274,13 @@ def test_a_request_whose_drafts_miss_waits_longer_each_time():
     proposer.record(request, 3, 1)  # a kept draft ends the backoff
     assert request.draft_misses == 0
     assert (proposer.num_draft_tokens, proposer.num_accepted_tokens) == (24, 1)
+
+
+def test_preempted_drafting_requests_resume_with_the_same_tokens(tiny_llama):
+    """A cache too small for every request: drafted requests are preempted (their drafts
+    dropped with their blocks) and recomputed, and still answer as plain decoding."""
+    prompts = LOOPING + [[7, 8, 9, 7, 8, 9, 7, 8, 9, 7], [50, 51, 52, 50, 51, 52, 50]]
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    plain, drafted, spec_llm = _compare(tiny_llama, params, prompts, num_blocks=10, block_size=8)
+    assert _tokens(drafted) == _tokens(plain)
+    assert spec_llm.stats().num_preemptions > 0

@@ -53,15 +53,17 @@ def write_kv(
     pad = kv_cache.shape[-1] - k.shape[-1]
     if pad:
         k, v = F.pad(k, (0, pad)), F.pad(v, (0, pad))
+    if k.dtype != kv_cache.dtype:
+        k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
     if layout is Layout.NHD:
         flat = kv_cache.flatten(1, 2)  # [2, num_blocks * block_size, H, D] (a view)
-        flat[0].index_copy_(0, slots, k.to(flat.dtype))
-        flat[1].index_copy_(0, slots, v.to(flat.dtype))
+        flat[0].index_copy_(0, slots, k)
+        flat[1].index_copy_(0, slots, v)
         return
     block_size = kv_cache.shape[3]
     blocks, offsets = slots // block_size, slots % block_size
-    kv_cache[0][blocks, :, offsets] = k.to(kv_cache.dtype)
-    kv_cache[1][blocks, :, offsets] = v.to(kv_cache.dtype)
+    kv_cache[0][blocks, :, offsets] = k
+    kv_cache[1][blocks, :, offsets] = v
 
 
 def gather_kv(
@@ -145,7 +147,7 @@ def attend(
         write_kv(kv_cache, ctx.layout, k, v, attn.slot_mapping)
     score = Scores(scale, window)
     if attn.num_decodes:
-        out[: attn.num_decodes] = _decode(q[: attn.num_decodes], kv_cache, ctx, attn, score)
+        _decode(q[: attn.num_decodes], kv_cache, ctx, attn, score, out[: attn.num_decodes])
     for run in fresh_runs(attn.prefills):
         rows = slice(run[0].query_start, run[-1].query_start + run[-1].query_len)
         if len(run) > 1:
@@ -185,22 +187,30 @@ class Scores:
 
 
 def _decode(
-    q: torch.Tensor, kv_cache: torch.Tensor, ctx: ForwardContext, attn: AttentionMetadata, score: Scores
-) -> torch.Tensor:
-    """All decode tokens: on CPU the paged decode kernel (reads the cache in place), else
-    (no kernel for this device, or it could not be built) one SDPA call over gathered KV."""
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    ctx: ForwardContext,
+    attn: AttentionMetadata,
+    score: Scores,
+    out: torch.Tensor,
+) -> None:
+    """All decode tokens into `out` (the layer's first rows): on CPU the paged decode
+    kernel (reads the cache in place), else (no kernel for this device, or it could not be
+    built) one SDPA call over gathered KV."""
     if q.device.type == "cpu" and q.dtype == kv_cache.dtype and decode_kernel_available():
-        return paged_decode(
+        paged_decode(
             q,
             kv_cache,
             ctx.layout,
             attn.decode_block_table,
             attn.decode_seq_lens,
-            attn.decode_start_pos,
+            attn.decode_kernel_starts(),
             score.window,
             score.scale,
+            out,
         )
-    return _decode_sdpa(q, kv_cache, ctx, attn, score)
+        return
+    out.copy_(_decode_sdpa(q, kv_cache, ctx, attn, score))
 
 
 def _decode_sdpa(

@@ -62,8 +62,11 @@ def paged_decode(
     start_pos: torch.Tensor | None,
     window: int,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of decode queries q [B, heads, D] over their cached keys: [B, heads, D].
+    """Attention of decode queries q [B, heads, D] over their cached keys: [B, heads, D],
+    into `out` when given (q's shape and dtype, e.g. a layer's output rows; copied there when
+    it is not contiguous).
 
     `block_table` [B, n] int64 names each sequence's blocks from the one holding position
     `start_pos` (None: 0); `seq_lens` counts positions including the query's own (already
@@ -71,7 +74,7 @@ def paged_decode(
     store heads wider than D (padded groups): the first D values of each are read.
     """
     q = q.contiguous()
-    out = torch.empty_like(q)
+    into = out if out is not None and out.is_contiguous() else torch.empty_like(q)
     geometry = CacheGeometry.of(kv_cache, layout)
     starts = start_pos if start_pos is not None else torch.zeros_like(seq_lens)
     torch.ops.kvferry_cpu.paged_decode(
@@ -80,7 +83,7 @@ def paged_decode(
         block_table.contiguous(),
         seq_lens,
         starts,
-        out,
+        into,
         geometry.kv_heads,
         geometry.block_size,
         geometry.block_stride,
@@ -90,7 +93,10 @@ def paged_decode(
         window,
         scale,
     )
-    return out
+    if out is not None and into is not out:
+        out.copy_(into)
+        return out
+    return into
 
 
 @functools.cache
