@@ -59,6 +59,10 @@ REPRESENTATIVES = {
     "MultiConnector: two offload tiers": (
         "tests/test_multi_connector.py::test_two_offload_tiers_load_from_the_first_with_a_hit"
     ),
+    "KV load failures, layer-wise offload: a read failing at the second layer": (
+        "tests/test_offload_layerwise_failures.py::"
+        "test_a_read_that_fails_for_the_second_layer_fails_only_its_loads[later-loads-fail]"
+    ),
     "KV load failures: policy fail": (
         "tests/test_offload_failures.py::test_fail_policy_errors_only_the_request_whose_load_failed"
     ),
