@@ -136,15 +136,17 @@ def test_greedy_tokens_and_logprobs_equal_plain_decoding(tiny_llama):
 
 
 def test_a_looping_answer_takes_fewer_forwards(tiny_llama):
+    """Every kept draft is a token without a forward of its own: 40 tokens take 40
+    forwards plainly (the prompt's gives the first), and 40 minus the kept drafts drafted."""
     counts = []
     for llm in (make_llm(tiny_llama), make_llm(tiny_llama, speculative=NGRAM)):
         before = _forwards(llm)
         (out,) = _generate(llm, SamplingParams(max_tokens=40, temperature=0.0), LOOPING[:1])
         counts.append(_forwards(llm) - before)
         assert len(out.outputs[0].token_ids) == 40
-    plain, drafted = counts
-    assert plain == 40  # the prompt's forward gives the first token, then one per token
-    assert drafted <= 20, f"{drafted} forwards for 40 tokens with 3 drafts a step"
+    kept = llm.engine.scheduler.drafts.num_accepted_tokens
+    assert kept > 0
+    assert counts == [40, 40 - kept]
 
 
 def test_seeded_sampling_draws_the_same_tokens(tiny_llama):
