@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from enum import Enum
@@ -10,6 +9,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvferry.cache_dir import default_cache_dir
 from kvferry.errors import ConfigError
+from kvferry.json_flags import json_object, parse_json_flag
 from kvferry.kv.shared_pool import KVPoolSpec
 from kvferry.kv.spec import KVAllocator, Layout
 from kvferry.spec_decode.config import SpeculativeConfig
@@ -264,12 +264,7 @@ class KVTransferConfig:
 
     @classmethod
     def from_dict(cls, raw: object) -> KVTransferConfig:
-        if not isinstance(raw, dict):
-            raise ConfigError("--kv-transfer-config must be a JSON object")
-        unknown = set(raw) - {f for f in cls.__dataclass_fields__}
-        if unknown:
-            raise ConfigError(f"--kv-transfer-config: unknown keys {sorted(unknown)}")
-        config = cls(**raw)
+        config = cls(**json_object(raw, "--kv-transfer-config", cls.__dataclass_fields__))
         config.validate()
         return config
 
@@ -377,16 +372,8 @@ class KVEventsConfig:
     def from_json(cls, raw: str | None) -> KVEventsConfig:
         if raw is None:
             return cls()
-        try:
-            data = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"--kv-events-config is not valid JSON: {exc}") from exc
-        if not isinstance(data, dict):
-            raise ConfigError("--kv-events-config must be a JSON object")
-        unknown = set(data) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ConfigError(f"--kv-events-config: unknown keys {sorted(unknown)}")
-        return cls(**data)
+        flag = "--kv-events-config"
+        return cls(**json_object(parse_json_flag(raw, flag), flag, [f.name for f in fields(cls)]))
 
 
 @dataclass(frozen=True)

@@ -213,6 +213,21 @@ def _check(
     assert_pool_full(llm)
 
 
+def _check_long_lost_blocks(
+    llm: LLM, ids: list[list[int]], expected: list[list[int]], policy: str, num_errors: int, num_kept: int
+) -> None:
+    """Run all three prompts with LONG's stored blocks from `num_kept` on unreadable: its
+    load fails `num_errors` blocks; under `fail` those leave the index, under `recompute`
+    LONG is served from the blocks before them and stores every block again."""
+    outs = llm.generate(_prompts(ids), GREEDY)
+    _check(llm, outs, expected, policy, [True, False, False])
+    assert sched_half(llm).totals["offload_load_errors"] == num_errors
+    if policy == "fail":
+        assert (_stored(llm, ids[0]), _stored(llm, ids[1])) == (num_kept, 7)
+    else:
+        assert outs[0].num_cached_tokens == num_kept * BLOCK and _stored(llm, ids[0]) == 7
+
+
 # ---- a tier read that fails for the second layer ------------------------------------------
 
 
@@ -264,13 +279,7 @@ def test_a_disk_read_cut_short_at_the_second_layer_fails_that_load(
     evict_device_cache(llm)
     worker_half(llm).jobs.drain()
     os.truncate(disk.path, disk.payload_offset(last.slot) + _second_layer(worker_half(llm))[1][0] + 1)
-    outs = llm.generate(_prompts(ids), GREEDY)
-    _check(llm, outs, expected, policy, [True, False, False])
-    assert sched_half(llm).totals["offload_load_errors"] == 1
-    if policy == "fail":
-        assert (_stored(llm, ids[0]), _stored(llm, ids[1])) == (6, 7)
-    else:
-        assert outs[0].num_cached_tokens == 6 * BLOCK and _stored(llm, ids[0]) == 7
+    _check_long_lost_blocks(llm, ids, expected, policy, num_errors=1, num_kept=6)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -288,13 +297,7 @@ def test_a_checksum_that_fails_for_the_second_layers_pages_fails_the_load(tiny_l
         entry = sched_half(llm).index.get(block_hash)
         assert entry is not None
         fill_with_noise(worker.dram.buffer[entry.slot, start:stop], seed=i)
-    outs = llm.generate(_prompts(ids), GREEDY)
-    _check(llm, outs, expected, policy, [True, False, False])
-    assert sched_half(llm).totals["offload_load_errors"] == 4
-    if policy == "fail":
-        assert (_stored(llm, ids[0]), _stored(llm, ids[1])) == (3, 7)
-    else:
-        assert outs[0].num_cached_tokens == 3 * BLOCK and _stored(llm, ids[0]) == 7
+    _check_long_lost_blocks(llm, ids, expected, policy, num_errors=4, num_kept=3)
 
 
 # ---- the loader thread dies mid-load ------------------------------------------------------

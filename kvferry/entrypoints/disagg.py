@@ -48,6 +48,7 @@ from kvferry.entrypoints.http_common import API_KEY_ENV
 from kvferry.entrypoints.proxy.config import DEFAULT_LOAD_TOKENS, POLICIES
 from kvferry.entrypoints.proxy_secret import PROXY_SECRET_ENV
 from kvferry.errors import ConfigError, KVFerryError
+from kvferry.json_flags import json_object, parse_json_flag
 from kvferry.ports import bindable, free_port
 from kvferry.worker.cpu_placement import available_cores, format_core_list
 
@@ -223,12 +224,8 @@ def kv_transfer_json(
 
 def check_connector(args: argparse.Namespace) -> dict[str, Any]:
     """Fail fast on a connector that does not resolve; the parsed extra config."""
-    try:
-        extra = json.loads(args.kv_connector_extra_config)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"--kv-connector-extra-config is not valid JSON: {exc}") from exc
-    if not isinstance(extra, dict):
-        raise ConfigError("--kv-connector-extra-config must be a JSON object")
+    flag = "--kv-connector-extra-config"
+    extra = json_object(parse_json_flag(args.kv_connector_extra_config, flag), flag)
     if args.kv_connector != NO_CONNECTOR:
         from kvferry.connector.factory import resolve_spec
         from kvferry.entrypoints.engine_args import parse_kv_transfer_config

@@ -5,11 +5,11 @@ EngineOptions' own: an option not given is left out, so none is stated twice."""
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvferry.errors import ConfigError
+from kvferry.json_flags import parse_json_flag
 from kvferry.kv.budget import MemorySize
 
 if TYPE_CHECKING:  # kvferry.config imports torch: not for `kvferry proxy` and other light commands
@@ -153,11 +153,7 @@ def parse_kv_transfer_config(raw: str | None) -> KVTransferConfig:
 
     if raw is None:
         return KVTransferConfig()
-    try:
-        data = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"--kv-transfer-config is not valid JSON: {exc}") from exc
-    return KVTransferConfig.from_dict(data)
+    return KVTransferConfig.from_dict(parse_json_flag(raw, "--kv-transfer-config"))
 
 
 def kv_pool_option(name: str | None, size: int | None) -> KVPoolSpec | None:

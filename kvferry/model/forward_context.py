@@ -52,16 +52,6 @@ class AttentionMetadata:
     # The decode mask per (window, keys): built by the step's first layer of that window,
     # read by the others (kvferry.model.layers.attention). Lives and dies with the step.
     decode_masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-    _kernel_starts: torch.Tensor | None = None  # see decode_kernel_starts
-
-    def decode_kernel_starts(self) -> torch.Tensor:
-        """Each decode table's first key position for the decode kernel: decode_start_pos,
-        or zeros made once per step (not once per layer)."""
-        if self.decode_start_pos is not None:
-            return self.decode_start_pos
-        if self._kernel_starts is None:
-            self._kernel_starts = torch.zeros_like(self.decode_seq_lens)
-        return self._kernel_starts
 
 
 class LayerKVHooks(Protocol):

@@ -7,11 +7,11 @@ draws are keyed by position), are the tokens plain decoding gives, in fewer step
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from enum import Enum
 
 from kvferry.errors import ConfigError
+from kvferry.json_flags import json_object, parse_json_flag
 
 
 class SpeculativeMethod(str, Enum):
@@ -66,19 +66,13 @@ class SpeculativeConfig:
             return cls()
         if isinstance(raw, SpeculativeConfig):
             return raw
-        if isinstance(raw, str):
-            try:
-                raw = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"--speculative-config is not valid JSON: {exc}") from exc
-        if not isinstance(raw, dict):
-            raise ConfigError("--speculative-config must be a JSON object")
-        unknown = set(raw) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ConfigError(f"--speculative-config: unknown keys {sorted(unknown)}")
-        if raw.get("method") is None:
-            raise ConfigError('--speculative-config: say which method ("ngram")')
-        return cls(**raw)  # type: ignore[arg-type]
+        flag = "--speculative-config"
+        data = json_object(
+            parse_json_flag(raw, flag) if isinstance(raw, str) else raw, flag, [f.name for f in fields(cls)]
+        )
+        if data.get("method") is None:
+            raise ConfigError(f'{flag}: say which method ("ngram")')
+        return cls(**data)
 
 
 def _positive(name: str, value: object) -> None:

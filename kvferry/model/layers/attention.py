@@ -204,7 +204,7 @@ def _decode(
             ctx.layout,
             attn.decode_block_table,
             attn.decode_seq_lens,
-            attn.decode_kernel_starts(),
+            attn.decode_start_pos,
             score.window,
             score.scale,
             out,
