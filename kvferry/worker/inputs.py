@@ -59,10 +59,10 @@ def build_step_inputs(
     sample_offsets: list[int] = []
     for span in spans:
         end = span.start + span.length
-        known = span.state.token_ids + span.drafts if span.drafts else span.state.token_ids
-        token_ids.extend(known[span.start : end])
+        token_ids.extend(span.state.token_ids[span.start : end])
+        token_ids.extend(span.drafts)  # a drafted span: the request's last token, then these
         positions.append(np.arange(span.start, end, dtype=np.int64))
-        if end == len(known):  # reached the end of what is known: sample (every draft row too)
+        if end == len(span.state.token_ids) + len(span.drafts):  # the end of what is known: sample
             num_rows = len(span.drafts) + 1
             sample_rows.extend(range(len(token_ids) - num_rows, len(token_ids)))
             sample_states.extend([span.state] * num_rows)
