@@ -17,8 +17,10 @@
 // in another order than a BLAS's.
 //
 // Paths, chosen when the library is built for an instruction-set level (cpu_kernels):
-// AVX-512 BW (two blocks per 512-bit `vpmaddubsw`), AVX2 (`vpmaddubsw` on one block), and
-// a portable scalar one, which a caller can also force (`portable`) to test it anywhere.
+// AVX-512 BW (two blocks per 512-bit `vpmaddubsw`, or `vpdpbusd` where the build has VNNI:
+// the same integer sums, as no pair of products reaches int16's limit), AVX2 (`vpmaddubsw`
+// on one block), and a portable scalar one, which a caller can also force (`portable`) to
+// test it anywhere.
 // Output rows are split over the threads (at::parallel_for); activation rows are
 // taken in turns of up to kMaxRows per weight row while that row is in L1. A row's result
 // does not depend on the rows beside it (each has its own accumulators, summed in the same
@@ -81,16 +83,16 @@ float half_at(const uint8_t* p) {
 #endif
 }
 
-// One quantized activation row: int8 values, and per block its scale and sum of values.
+// Quantized activation rows: int8 values, and per block the scale and the values' sum.
 struct QuantRows {
   std::vector<int8_t> q;      // [rows, in]
   std::vector<float> scale;   // [rows, blocks]
-  std::vector<int32_t> sum;   // [rows, blocks]
+  std::vector<float> sum;     // [rows, blocks]: the values' sum (an integer, exact as a float)
 };
 
 QuantRows quantize_rows(const float* x, int64_t rows, int64_t in) {
   const int64_t blocks = in / kBlock;
-  QuantRows out{std::vector<int8_t>(rows * in), std::vector<float>(rows * blocks), std::vector<int32_t>(rows * blocks)};
+  QuantRows out{std::vector<int8_t>(rows * in), std::vector<float>(rows * blocks), std::vector<float>(rows * blocks)};
   for (int64_t b = 0; b < rows * blocks; ++b) {
     const float* v = x + b * kBlock;
     float amax = 0.f;
@@ -104,7 +106,7 @@ QuantRows quantize_rows(const float* x, int64_t rows, int64_t in) {
       total += q;
     }
     out.scale[b] = d;
-    out.sum[b] = total;
+    out.sum[b] = static_cast<float>(total);
   }
   return out;
 }
@@ -152,7 +154,7 @@ void portable_row(const Operands& op, int64_t feature, int64_t first, int64_t co
       float d, m;
       block_scales(block, op.format, d, m);
       const float dx = op.x->scale[r * op.blocks + b];
-      acc += d * dx * static_cast<float>(dot) + m * dx * static_cast<float>(op.x->sum[r * op.blocks + b]);
+      acc += d * dx * static_cast<float>(dot) + m * dx * op.x->sum[r * op.blocks + b];
     }
     op.out[r * op.features + feature] = acc;
   }
@@ -182,6 +184,18 @@ inline float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+#ifdef KVFERRY_GGUF_AVX512
+// The 32 nibble bytes of two Q4 blocks as 64 weights: each 128-bit lane one half of a block
+// (block 0's low nibbles, its high ones, then block 1's), the order of the activations.
+inline __m512i nibbles_of_two(const uint8_t* quants0, const uint8_t* quants1) {
+  const __m256i packed = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(quants1),
+                                             reinterpret_cast<const __m128i*>(quants0));
+  const __m512i twice = _mm512_permutexvar_epi64(_mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0), _mm512_castsi256_si512(packed));
+  const __m512i high_in_odd_lanes = _mm512_mask_blend_epi64(0xCC, twice, _mm512_srli_epi16(twice, 4));
+  return _mm512_and_si512(high_in_odd_lanes, _mm512_set1_epi8(0x0F));
+}
+#endif
+
 template <int R>
 void avx2_row(const Operands& op, int64_t feature, int64_t first) {
   const uint8_t* row = op.weight + feature * op.blocks * op.format.bytes;
@@ -192,37 +206,53 @@ void avx2_row(const Operands& op, int64_t feature, int64_t first) {
   int64_t b = 0;
 #ifdef KVFERRY_GGUF_AVX512
   // Two blocks per step: 64 weights against 64 activations, one scale per 256-bit half.
-  // What depends on the weight alone (its bytes, d of both blocks as a 16-lane vector) is
-  // made once per step and shared by the rows; per row: the integer dot and its two dx
-  // (one 8-byte load spread over the halves). The products and sums are those of the
-  // scalar form, in the same order (the offsets stay scalar for that reason: a change of
-  // rounding there moves int8 roundings of later layers' activations, and answers).
+  // What depends on the weight alone (its 64 weights unpacked in one pass, d and m' of both
+  // blocks from one conversion) is made once per step and shared by the rows; per row: the
+  // integer dot (one VNNI instruction where the build has it), its two dx (one 8-byte load
+  // spread over the halves), and the offsets of both blocks in 128-bit lanes. Every
+  // product and sum is the scalar form's, rounded as before: a changed rounding of the
+  // offsets moves int8 roundings of later layers' activations, and answers (the greedy
+  // SmolLM2 answer to the looping ids of docs/benchmarks.md changed at its 2nd token).
   __m512 wide[R];
   for (int r = 0; r < R; ++r) wide[r] = _mm512_setzero_ps();
   const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  const __m512i ones = _mm512_set1_epi16(1);
+  [[maybe_unused]] const __m512i ones = _mm512_set1_epi16(1);  // without VNNI
+  const __m512i pick_d = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m128 minus_eight = _mm_set1_ps(-8.f);
   for (; b + 1 < op.blocks; b += 2) {
     const uint8_t* block0 = row + b * op.format.bytes;
     const uint8_t* block1 = block0 + op.format.bytes;
-    const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(load_block(block0 + op.format.quants_at, four_bit)),
-                                         load_block(block1 + op.format.quants_at, four_bit), 1);
-    float d0, m0, d1, m1;
-    block_scales(block0, op.format, d0, m0);
-    block_scales(block1, op.format, d1, m1);
-    const __m512 d = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(d0)), _mm256_set1_ps(d1), 1);
+    const __m512i w = four_bit ? nibbles_of_two(block0 + op.format.quants_at, block1 + op.format.quants_at)
+                               : _mm512_inserti64x4(_mm512_castsi256_si512(load_block(block0 + op.format.quants_at, false)),
+                                                    load_block(block1 + op.format.quants_at, false), 1);
+    // d0 m0 d1 m1 (lanes 1 and 3 are the offsets of Q4_1; other formats ignore them)
+    uint32_t head0, head1;
+    std::memcpy(&head0, block0, 4);
+    std::memcpy(&head1, block1, 4);
+    const __m128 dm = _mm_cvtph_ps(_mm_set_epi32(0, 0, static_cast<int>(head1), static_cast<int>(head0)));
+    const __m512 d = _mm512_permutexvar_ps(pick_d, _mm512_castps128_ps512(dm));
+    // [m0, m1, m0, m1]: the blocks' offsets (Q4_0: -8 d; Q8_0: none)
+    const __m128 m = op.format.has_min ? _mm_shuffle_ps(dm, dm, _MM_SHUFFLE(3, 1, 3, 1))
+                                       : _mm_mul_ps(minus_eight, _mm_shuffle_ps(dm, dm, _MM_SHUFFLE(2, 0, 2, 0)));
     const __m512i w_abs = four_bit ? w : _mm512_abs_epi8(w);
     const __mmask64 negative = four_bit ? 0 : _mm512_movepi8_mask(w);
     for (int r = 0; r < R; ++r) {
       const int64_t at = (first + r) * op.blocks + b;
       __m512i x = _mm512_loadu_si512(op.x->q.data() + at * kBlock);
       if (!four_bit) x = _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x);
+#ifdef __AVX512VNNI__
+      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w_abs, x);
+#else
       const __m512i dot = _mm512_madd_epi16(_mm512_maddubs_epi16(w_abs, x), ones);
-      const __m512 dx = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_castpd_ps(
-                                                  _mm_load_sd(reinterpret_cast<const double*>(&op.x->scale[at])))));
+#endif
+      const __m128 dx_pair = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(&op.x->scale[at])));
+      const __m512 dx = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(dx_pair));
       wide[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, dx), wide[r]);
-      if (four_bit) {
-        const float dx0 = op.x->scale[at], dx1 = op.x->scale[at + 1];
-        offsets[r] += m0 * dx0 * static_cast<float>(op.x->sum[at]) + m1 * dx1 * static_cast<float>(op.x->sum[at + 1]);
+      if (four_bit) {  // m0 * dx0 * sum0 + m1 * dx1 * sum1: the scalar form's one fused multiply-add
+        const __m128 sums = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(&op.x->sum[at])));
+        const __m128 scaled = _mm_mul_ps(m, dx_pair);
+        const __m128 second = _mm_mul_ss(_mm_movehdup_ps(scaled), _mm_movehdup_ps(sums));
+        offsets[r] += _mm_cvtss_f32(_mm_fmadd_ss(scaled, sums, second));
       }
     }
   }
@@ -241,7 +271,7 @@ void avx2_row(const Operands& op, int64_t feature, int64_t first) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(op.x->q.data() + at * kBlock));
       const float dx = op.x->scale[at];
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot(w, x, four_bit)), _mm256_set1_ps(d * dx), acc[r]);
-      offsets[r] += m * dx * static_cast<float>(op.x->sum[at]);
+      offsets[r] += m * dx * op.x->sum[at];
     }
   }
   for (int r = 0; r < R; ++r) op.out[(first + r) * op.features + feature] = horizontal_sum(acc[r]) + offsets[r];
