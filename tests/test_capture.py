@@ -376,3 +376,28 @@ def test_each_engine_compiles_its_own_program_past_the_recompile_limit() -> None
     with pytest.raises(Exception, match="fullgraph"):  # one code object for all: the limit
         for program in shared:
             program(x)
+
+
+class _Doubling(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.double = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        return y * 2 if self.double else y
+
+
+@pytest.mark.slow  # compiles a forward
+def test_the_cpu_program_runs_without_checking_the_model_modules() -> None:
+    """The compiled program checks its inputs, not the modules' state, before each call
+    (kvferry never changes a module after the first compile): a flag flipped afterwards
+    is not seen, where a checked program would have been traced again and doubled."""
+    model = SimpleNamespace(model=_Doubling())
+    program = CapturedForward._compile(model, HookPlacement.NONE, cuda_graphs=False)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(program(x), model.model.linear(x))
+    model.model.double = True
+    torch.testing.assert_close(program(x), model.model.linear(x))  # the program traced first
+    assert program(torch.randn(5, 4)).shape == (5, 4)  # the token count still varies
