@@ -166,3 +166,45 @@ def test_without_a_compiler_decode_falls_back_to_sdpa_with_one_warning(
         assert "decode attention uses torch SDPA" in record.message and "/nonexistent/g++" in record.message
     finally:
         decode_kernel.decode_kernel_available.cache_clear()
+
+
+def _written_by_hand(cache: torch.Tensor, layout: Layout, k, v, slots) -> torch.Tensor:
+    """The reference: each token's heads assigned one by one (zero-padded to the stored width)."""
+    out = cache.clone()
+    dim = k.shape[-1]
+    for t, slot in enumerate(slots.tolist()):
+        block, offset = divmod(slot, BLOCK)
+        for h in range(k.shape[1]):
+            at = (block, offset, h) if layout is Layout.NHD else (block, h, offset)
+            out[0][at] = torch.nn.functional.pad(k[t, h], (0, out.shape[-1] - dim)).to(out.dtype)
+            out[1][at] = torch.nn.functional.pad(v[t, h], (0, out.shape[-1] - dim)).to(out.dtype)
+    return out
+
+
+@pytest.mark.parametrize("layout", [Layout.NHD, Layout.HND])
+@pytest.mark.parametrize(
+    ("dtype", "stored_dim"), [(torch.float32, 32), (torch.bfloat16, 32), (torch.float32, 48)]
+)
+def test_the_kv_write_stores_every_head_at_its_slot(
+    layout: Layout, dtype: torch.dtype, stored_dim: int
+) -> None:
+    """k and v as a step's qkv output holds them (strided rows) land where the reference
+    puts them; a wider stored head takes the padded path, with the same result."""
+    _, cache, _ = _case(layout, dtype, 0, stored_dim)
+    qkv = torch.randn(5, (9 + 3 + 3) * 32).to(dtype)
+    k = qkv[:, 9 * 32 : 12 * 32].view(5, 3, 32)  # rows 480 values apart
+    v = qkv[:, 12 * 32 :].view(5, 3, 32)
+    slots = torch.tensor([0, 17, 18, 5 * BLOCK + 15, 39 * BLOCK])
+    expected = _written_by_hand(cache, layout, k, v, slots)
+    attention.write_kv(cache, layout, k, v, slots)
+    assert torch.equal(cache, expected)
+
+
+def test_the_kernel_write_is_the_one_taken_and_refuses_a_slot_outside_the_cache() -> None:
+    _, cache, _ = _case(Layout.NHD, torch.float32, 0, 32)
+    k = v = torch.ones(1, 3, 32)
+    assert decode_kernel.decode_kernel_available()
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        attention.write_kv(cache, Layout.NHD, k, v, torch.tensor([cache.shape[1] * BLOCK]))
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        decode_kernel.write_kv_slots(cache, Layout.NHD, k, v, torch.tensor([-1]))

@@ -38,7 +38,7 @@ from kvferry.model.forward_context import (
     PrefillSpan,
     Workspace,
 )
-from kvferry.model.layers.decode_kernel import decode_kernel_available, paged_decode
+from kvferry.model.layers.decode_kernel import decode_kernel_available, paged_decode, write_kv_slots
 from kvferry.model.layers.prefill_kernel import fresh_prefill, paged_prefill, takes_prefill
 from kvferry.model.operators import operator
 
@@ -49,8 +49,12 @@ def write_kv(
     kv_cache: torch.Tensor, layout: Layout, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
 ) -> None:
     """Store k, v [T, kv_heads, head_dim] at flat slots (block_id * block_size + offset),
-    zero-padded to the cache's head size when it stores wider heads."""
+    zero-padded to the cache's head size when it stores wider heads. On CPU, a cache of k's
+    dtype and head size is written by the kernel library in one call."""
     pad = kv_cache.shape[-1] - k.shape[-1]
+    if not pad and k.dtype == kv_cache.dtype and k.device.type == "cpu" and decode_kernel_available():
+        write_kv_slots(kv_cache, layout, k, v, slots)
+        return
     if pad:
         k, v = F.pad(k, (0, pad)), F.pad(v, (0, pad))
     if k.dtype != kv_cache.dtype:

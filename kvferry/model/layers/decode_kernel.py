@@ -99,6 +99,26 @@ def paged_decode(
     return into
 
 
+def write_kv_slots(
+    kv_cache: torch.Tensor, layout: Layout, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """k, v [T, kv_heads, D] into the cache at flat slots, in one call of the kernel library
+    (`kvferry_cpu::write_kv`): the cache's dtype and head size are k's, and the kernel is
+    loaded (`decode_kernel_available`)."""
+    geometry = CacheGeometry.of(kv_cache, layout)
+    torch.ops.kvferry_cpu.write_kv(
+        kv_cache,
+        k,
+        v,
+        slots,
+        geometry.block_size,
+        geometry.block_stride,
+        geometry.token_stride,
+        geometry.head_stride,
+        geometry.kv_stride,
+    )
+
+
 @functools.cache
 def decode_kernel_available() -> bool:
     """Build (once per machine) and load the kernel; False, with one warning, if it cannot."""

@@ -537,6 +537,38 @@ void paged_decode(const at::Tensor& q, const at::Tensor& cache, const at::Tensor
   });
 }
 
+// A step's k and v [tokens, kv_heads, D] (rows may be strided, D contiguous) into the cache
+// at flat slots (block * block_size + offset), one head's D values at a time: the two
+// index_copy_ calls of the Python path (and, for HND, its gather of block and offset) in one
+// call. The cache's dtype and head size are k's (other caches take the Python path).
+void write_kv(at::Tensor& cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
+              int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t head_stride,
+              int64_t kv_stride) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "write_kv: k and v [tokens, kv_heads, D] of one shape");
+  TORCH_CHECK(k.scalar_type() == cache.scalar_type() && v.scalar_type() == cache.scalar_type(),
+              "write_kv: k, v and the cache of one dtype");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && cache.stride(-1) == 1 && cache.size(-1) == k.size(2),
+              "write_kv: contiguous heads of the cache's head size");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == k.size(0),
+              "write_kv: one int64 slot per token");
+  const int64_t tokens = k.size(0), heads = k.size(1), item = cache.element_size();
+  const int64_t bytes = k.size(2) * item, capacity = cache.size(1) * block_size;
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < capacity, "write_kv: slot ", slot[t], " outside the cache's ", capacity);
+  char* base = static_cast<char*>(cache.data_ptr());
+  const char* keys = static_cast<const char*>(k.data_ptr());
+  const char* values = static_cast<const char*>(v.data_ptr());
+  for (int64_t t = 0; t < tokens; ++t) {
+    char* at_token = base + ((slot[t] / block_size) * block_stride + (slot[t] % block_size) * token_stride) * item;
+    for (int64_t h = 0; h < heads; ++h) {
+      char* dst = at_token + h * head_stride * item;
+      std::memcpy(dst, keys + (t * k.stride(0) + h * k.stride(1)) * item, bytes);
+      std::memcpy(dst + kv_stride * item, values + (t * v.stride(0) + h * v.stride(1)) * item, bytes);
+    }
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvferry_cpu, m) {
@@ -544,6 +576,12 @@ TORCH_LIBRARY_FRAGMENT(kvferry_cpu, m) {
       "paged_decode(Tensor q, Tensor cache, Tensor table, Tensor seq_lens, Tensor start_pos, "
       "Tensor(a!) out, int kv_heads, int block_size, int block_stride, int token_stride, "
       "int head_stride, int kv_stride, int window, float scale) -> ()");
+  m.def(
+      "write_kv(Tensor(a!) cache, Tensor k, Tensor v, Tensor slots, int block_size, int block_stride, "
+      "int token_stride, int head_stride, int kv_stride) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(kvferry_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }
+TORCH_LIBRARY_IMPL(kvferry_cpu, CPU, m) {
+  m.impl("paged_decode", &paged_decode);
+  m.impl("write_kv", &write_kv);
+}
