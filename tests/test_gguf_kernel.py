@@ -97,3 +97,50 @@ def test_a_row_computes_the_same_bits_whatever_rows_share_its_call(block_type: B
     alone = torch.cat([gguf_matmul(x[i : i + 1], blocks, portable=portable) for i in range(9)])
     for rows in range(1, 10):
         assert torch.equal(gguf_matmul(x[:rows], blocks, portable=portable), alone[:rows]), rows
+
+
+_AVX2_RUN = """
+import sys, torch
+torch.ops.load_library(sys.argv[1])
+cases = torch.load(sys.argv[2])
+torch.save([torch.ops.kvferry_cpu.gguf_matmul(x, data, qtype, False) for x, data, qtype in cases], sys.argv[3])
+"""
+
+
+@pytest.mark.slow  # builds the AVX2 library (~20 s)
+def test_the_avx2_build_computes_the_bits_of_this_machines_build(tmp_path) -> None:
+    """Every output of the AVX2 build equals this machine's library's (on an AVX-512 CPU
+    its 512-bit pass), bit for bit: each block type, even and odd block counts, 1..9 rows.
+    The two passes share lanes, products and the order of every sum, so a greedy answer
+    does not depend on which CPU kind served it. (On an AVX2-only CPU both are AVX2.)"""
+    import subprocess
+    import sys
+
+    from kvferry.cpu_features import read_cpu_features
+    from kvferry.model.layers import cpu_kernels
+    from kvferry.model.layers.gguf_kernel import SOURCE
+
+    if not cpu_kernels.AVX2.runs_on(read_cpu_features()):
+        pytest.skip("this CPU lacks AVX2")
+    library = cpu_kernels.build_prebuilt(SOURCE, cpu_kernels.AVX2, tmp_path)
+    gen = torch.Generator().manual_seed(7)
+    cases = []
+    for block_type in BlockType:
+        for out, inputs in ((40, 576), (17, 7 * BLOCK)):  # 18 blocks a row, and 7
+            blocks = random_blocks(block_type, out, inputs, gen)
+            for rows in range(1, 10):
+                cases.append((torch.randn(rows, inputs, generator=gen) * 3, blocks.data, int(block_type)))
+    torch.save(cases, tmp_path / "cases.pt")
+    run = [
+        sys.executable,
+        "-c",
+        _AVX2_RUN,
+        str(library),
+        str(tmp_path / "cases.pt"),
+        str(tmp_path / "avx2.pt"),
+    ]
+    subprocess.run(run, check=True, timeout=120)
+    avx2 = torch.load(tmp_path / "avx2.pt")
+    assert len(avx2) == len(cases) == 3 * 2 * 9
+    for (x, data, qtype), theirs in zip(cases, avx2, strict=True):
+        assert torch.equal(torch.ops.kvferry_cpu.gguf_matmul(x, data, qtype, False), theirs), (qtype, x.shape)

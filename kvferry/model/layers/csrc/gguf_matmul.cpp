@@ -25,7 +25,9 @@
 // taken in turns of up to kMaxRows per weight row while that row is in L1. A row's result
 // does not depend on the rows beside it (each has its own accumulators, summed in the same
 // order whatever the turn's size): batch-invariant, as speculative decoding's exactness
-// needs (kvferry/spec_decode).
+// needs (kvferry/spec_decode). The AVX2 and AVX-512 passes compute the same lanes, products
+// and sums in the same order: the same bits from either build (the portable path sums
+// in another order).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -184,6 +186,34 @@ inline float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// d0 m0 d1 m1 of two consecutive blocks from one conversion (lanes 1 and 3 mean something for
+// Q4_1 only; Q8_0's are quants).
+inline __m128 pair_scales(const uint8_t* block0, const uint8_t* block1) {
+  uint32_t head0, head1;
+  std::memcpy(&head0, block0, 4);
+  std::memcpy(&head1, block1, 4);
+  return _mm_cvtph_ps(_mm_set_epi32(0, 0, static_cast<int>(head1), static_cast<int>(head0)));
+}
+
+// [m0', m1', m0', m1']: the two blocks' offsets (Q4_1: m; Q4_0: -8 d).
+inline __m128 pair_offsets(__m128 dm, const BlockFormat& f) {
+  if (f.has_min) return _mm_shuffle_ps(dm, dm, _MM_SHUFFLE(3, 1, 3, 1));
+  return _mm_mul_ps(_mm_set1_ps(-8.f), _mm_shuffle_ps(dm, dm, _MM_SHUFFLE(2, 0, 2, 0)));
+}
+
+// m0' dx0 sum0 + m1' dx1 sum1 of a row's two blocks, with the scalar form's one fused
+// multiply-add (the rounding every path of this kernel shares).
+inline float pair_offset(__m128 m, __m128 dx_pair, const float* sums) {
+  const __m128 sum_pair = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(sums)));
+  const __m128 scaled = _mm_mul_ps(m, dx_pair);
+  const __m128 second = _mm_mul_ss(_mm_movehdup_ps(scaled), _mm_movehdup_ps(sum_pair));
+  return _mm_cvtss_f32(_mm_fmadd_ss(scaled, sum_pair, second));
+}
+
+inline __m128 scale_pair(const float* scales) {
+  return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(scales)));
+}
+
 #ifdef KVFERRY_GGUF_AVX512
 // The 32 nibble bytes of two Q4 blocks as 64 weights: each 128-bit lane one half of a block
 // (block 0's low nibbles, its high ones, then block 1's), the order of the activations.
@@ -218,22 +248,15 @@ void avx2_row(const Operands& op, int64_t feature, int64_t first) {
   const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   [[maybe_unused]] const __m512i ones = _mm512_set1_epi16(1);  // without VNNI
   const __m512i pick_d = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
-  const __m128 minus_eight = _mm_set1_ps(-8.f);
   for (; b + 1 < op.blocks; b += 2) {
     const uint8_t* block0 = row + b * op.format.bytes;
     const uint8_t* block1 = block0 + op.format.bytes;
     const __m512i w = four_bit ? nibbles_of_two(block0 + op.format.quants_at, block1 + op.format.quants_at)
                                : _mm512_inserti64x4(_mm512_castsi256_si512(load_block(block0 + op.format.quants_at, false)),
                                                     load_block(block1 + op.format.quants_at, false), 1);
-    // d0 m0 d1 m1 (lanes 1 and 3 are the offsets of Q4_1; other formats ignore them)
-    uint32_t head0, head1;
-    std::memcpy(&head0, block0, 4);
-    std::memcpy(&head1, block1, 4);
-    const __m128 dm = _mm_cvtph_ps(_mm_set_epi32(0, 0, static_cast<int>(head1), static_cast<int>(head0)));
+    const __m128 dm = pair_scales(block0, block1);
     const __m512 d = _mm512_permutexvar_ps(pick_d, _mm512_castps128_ps512(dm));
-    // [m0, m1, m0, m1]: the blocks' offsets (Q4_0: -8 d; Q8_0: none)
-    const __m128 m = op.format.has_min ? _mm_shuffle_ps(dm, dm, _MM_SHUFFLE(3, 1, 3, 1))
-                                       : _mm_mul_ps(minus_eight, _mm_shuffle_ps(dm, dm, _MM_SHUFFLE(2, 0, 2, 0)));
+    const __m128 m = pair_offsets(dm, op.format);
     const __m512i w_abs = four_bit ? w : _mm512_abs_epi8(w);
     const __mmask64 negative = four_bit ? 0 : _mm512_movepi8_mask(w);
     for (int r = 0; r < R; ++r) {
@@ -245,21 +268,42 @@ void avx2_row(const Operands& op, int64_t feature, int64_t first) {
 #else
       const __m512i dot = _mm512_madd_epi16(_mm512_maddubs_epi16(w_abs, x), ones);
 #endif
-      const __m128 dx_pair = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(&op.x->scale[at])));
+      const __m128 dx_pair = scale_pair(&op.x->scale[at]);
       const __m512 dx = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(dx_pair));
       wide[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, dx), wide[r]);
-      if (four_bit) {  // m0 * dx0 * sum0 + m1 * dx1 * sum1: the scalar form's one fused multiply-add
-        const __m128 sums = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(&op.x->sum[at])));
-        const __m128 scaled = _mm_mul_ps(m, dx_pair);
-        const __m128 second = _mm_mul_ss(_mm_movehdup_ps(scaled), _mm_movehdup_ps(sums));
-        offsets[r] += _mm_cvtss_f32(_mm_fmadd_ss(scaled, sums, second));
-      }
+      if (four_bit) offsets[r] += pair_offset(m, dx_pair, &op.x->sum[at]);
     }
   }
   for (int r = 0; r < R; ++r) {
     acc[r] = _mm256_add_ps(_mm512_castps512_ps256(wide[r]),
                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(wide[r]), 1)));
   }
+#else
+  // Two blocks per step as well, in two accumulators (even blocks, odd blocks) added at the
+  // end: the 512-bit pass's lanes, products and sums exactly, so both builds give every
+  // output the same bits; two independent chains of multiply-adds instead of one.
+  __m256 odd[R];
+  for (int r = 0; r < R; ++r) odd[r] = _mm256_setzero_ps();
+  for (; b + 1 < op.blocks; b += 2) {
+    const uint8_t* block0 = row + b * op.format.bytes;
+    const uint8_t* block1 = block0 + op.format.bytes;
+    const __m256i w0 = load_block(block0 + op.format.quants_at, four_bit);
+    const __m256i w1 = load_block(block1 + op.format.quants_at, four_bit);
+    const __m128 dm = pair_scales(block0, block1);
+    const float d0 = _mm_cvtss_f32(dm), d1 = _mm_cvtss_f32(_mm_movehl_ps(dm, dm));
+    const __m128 m = pair_offsets(dm, op.format);
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (first + r) * op.blocks + b;
+      const int8_t* x = op.x->q.data() + at * kBlock;
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + kBlock));
+      const float dx0 = op.x->scale[at], dx1 = op.x->scale[at + 1];
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot(w0, x0, four_bit)), _mm256_set1_ps(d0 * dx0), acc[r]);
+      odd[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot(w1, x1, four_bit)), _mm256_set1_ps(d1 * dx1), odd[r]);
+      if (four_bit) offsets[r] += pair_offset(m, scale_pair(&op.x->scale[at]), &op.x->sum[at]);
+    }
+  }
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_add_ps(acc[r], odd[r]);
 #endif
   for (; b < op.blocks; ++b) {
     const uint8_t* block = row + b * op.format.bytes;
