@@ -11,11 +11,24 @@ library was built for and the portable scalar path (forced) are both checked.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
-from kvferry.model.layers.gguf_kernel import BLOCK, BlockType, GGUFBlocks, gguf_kernel_available, gguf_matmul
+from kvferry.cpu_features import read_cpu_features
+from kvferry.model.layers import cpu_kernels
+from kvferry.model.layers.gguf_kernel import (
+    BLOCK,
+    SOURCE,
+    BlockType,
+    GGUFBlocks,
+    gguf_kernel_available,
+    gguf_matmul,
+)
 from kvferry.model.loader.gguf_dequant import dequantize
 
 pytestmark = pytest.mark.skipif(not gguf_kernel_available(), reason="no C++ compiler for the CPU kernels")
@@ -108,18 +121,11 @@ torch.save([torch.ops.kvferry_cpu.gguf_matmul(x, data, qtype, False) for x, data
 
 
 @pytest.mark.slow  # builds the AVX2 library (~20 s)
-def test_the_avx2_build_computes_the_bits_of_this_machines_build(tmp_path) -> None:
+def test_the_avx2_build_computes_the_bits_of_this_machines_build(tmp_path: Path) -> None:
     """Every output of the AVX2 build equals this machine's library's (on an AVX-512 CPU
     its 512-bit pass), bit for bit: each block type, even and odd block counts, 1..9 rows.
     The two passes share lanes, products and the order of every sum, so a greedy answer
     does not depend on which CPU kind served it. (On an AVX2-only CPU both are AVX2.)"""
-    import subprocess
-    import sys
-
-    from kvferry.cpu_features import read_cpu_features
-    from kvferry.model.layers import cpu_kernels
-    from kvferry.model.layers.gguf_kernel import SOURCE
-
     if not cpu_kernels.AVX2.runs_on(read_cpu_features()):
         pytest.skip("this CPU lacks AVX2")
     library = cpu_kernels.build_prebuilt(SOURCE, cpu_kernels.AVX2, tmp_path)
