@@ -216,22 +216,28 @@ class CapturedForward:
         """CPU: one inductor program. CUDA: the same, replayed as CUDA graphs between the
         operators tagged `cudagraph_unsafe` (attention, hooks); one graph per padded size.
 
-        On CPU the program is run without checking the model's modules before each call:
+        On CPU a full-graph program is run without checking the model's modules before each call:
         kvferry loads the weights before the first compile and never changes a module
         afterwards, and those checks (every layer's parameters and attributes) took about
         1 ms of a SmolLM2 decode step (`TorchDynamo Cache Lookup` in torch's profiler:
         0.96 -> 0.07 ms a step, 2026-11-28, 2-core AVX-512 EPYC). The inputs' checks stay
-        (token count, dtypes, the step's context). The CUDA path keeps them (unmeasured)."""
+        (token count, dtypes, the step's context). A program split at the connector's hooks
+        keeps them: its resumed frames share a code object per position across layers, and
+        the module checks are what tell them apart (skipped there, a split engine's greedy
+        answers went wrong: tests/test_connector_config.py). The CUDA path keeps them
+        (unmeasured)."""
         fullgraph = placement is not HookPlacement.SPLIT
         if not fullgraph:
             cut_compiled_graphs_at_split_hooks()
         entry = _own_entry(model.model)
         if cuda_graphs:
             return torch.compile(entry, fullgraph=fullgraph, dynamic=False, mode="reduce-overhead")
+        if not fullgraph:  # frames resumed after the splits: the module checks stay
+            return torch.compile(entry, fullgraph=False, dynamic=True)
         options: dict[str, str | int | bool | Callable[..., Any]] = {
             "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe
         }
-        return torch.compile(entry, fullgraph=fullgraph, dynamic=True, options=options)
+        return torch.compile(entry, fullgraph=True, dynamic=True, options=options)
 
     @property
     def enabled(self) -> bool:
