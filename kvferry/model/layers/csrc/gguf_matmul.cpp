@@ -201,17 +201,16 @@ inline __m128 pair_offsets(__m128 dm, const BlockFormat& f) {
   return _mm_mul_ps(_mm_set1_ps(-8.f), _mm_shuffle_ps(dm, dm, _MM_SHUFFLE(2, 0, 2, 0)));
 }
 
+// Two consecutive floats in lanes 0 and 1 (lanes 2 and 3 zero): one 8-byte load.
+inline __m128 two_floats(const float* p) { return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p))); }
+
 // m0' dx0 sum0 + m1' dx1 sum1 of a row's two blocks, with the scalar form's one fused
 // multiply-add (the rounding every path of this kernel shares).
 inline float pair_offset(__m128 m, __m128 dx_pair, const float* sums) {
-  const __m128 sum_pair = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(sums)));
+  const __m128 sum_pair = two_floats(sums);
   const __m128 scaled = _mm_mul_ps(m, dx_pair);
   const __m128 second = _mm_mul_ss(_mm_movehdup_ps(scaled), _mm_movehdup_ps(sum_pair));
   return _mm_cvtss_f32(_mm_fmadd_ss(scaled, sum_pair, second));
-}
-
-inline __m128 scale_pair(const float* scales) {
-  return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(scales)));
 }
 
 #ifdef KVFERRY_GGUF_AVX512
@@ -268,7 +267,7 @@ void avx2_row(const Operands& op, int64_t feature, int64_t first) {
 #else
       const __m512i dot = _mm512_madd_epi16(_mm512_maddubs_epi16(w_abs, x), ones);
 #endif
-      const __m128 dx_pair = scale_pair(&op.x->scale[at]);
+      const __m128 dx_pair = two_floats(&op.x->scale[at]);
       const __m512 dx = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(dx_pair));
       wide[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, dx), wide[r]);
       if (four_bit) offsets[r] += pair_offset(m, dx_pair, &op.x->sum[at]);
@@ -297,10 +296,11 @@ void avx2_row(const Operands& op, int64_t feature, int64_t first) {
       const int8_t* x = op.x->q.data() + at * kBlock;
       const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
       const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + kBlock));
-      const float dx0 = op.x->scale[at], dx1 = op.x->scale[at + 1];
+      const __m128 dx_pair = two_floats(&op.x->scale[at]);
+      const float dx0 = _mm_cvtss_f32(dx_pair), dx1 = _mm_cvtss_f32(_mm_movehdup_ps(dx_pair));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot(w0, x0, four_bit)), _mm256_set1_ps(d0 * dx0), acc[r]);
       odd[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot(w1, x1, four_bit)), _mm256_set1_ps(d1 * dx1), odd[r]);
-      if (four_bit) offsets[r] += pair_offset(m, scale_pair(&op.x->scale[at]), &op.x->sum[at]);
+      if (four_bit) offsets[r] += pair_offset(m, dx_pair, &op.x->sum[at]);
     }
   }
   for (int r = 0; r < R; ++r) acc[r] = _mm256_add_ps(acc[r], odd[r]);
