@@ -56,6 +56,7 @@ class KVOutputAggregator:
         for req_id in failed:
             self._failed_since.setdefault(req_id, self._step)
         result.invalid_block_ids |= out.invalid_block_ids
+        result.remote_first_tokens.update(out.remote_first_tokens)
         result.events.extend(out.events)
         if out.stats is not None:
             result.stats = out.stats if result.stats is None else result.stats.aggregate(out.stats)

@@ -201,6 +201,10 @@ class KVConnectorBase:
     def get_stats(self) -> KVConnectorStats | None:
         return None
 
+    def get_remote_first_tokens(self) -> dict[str, int]:
+        """P/D: first tokens a remote prefiller sent with KV received (KVConnectorOutput)."""
+        return {}
+
     def shutdown(self) -> None:
         """Release resources (threads, agents, files)."""
 
@@ -214,6 +218,7 @@ class KVConnectorBase:
             failed_recving=self.get_failed_recving(),
             invalid_block_ids=self.get_block_ids_with_load_errors(),
             stats=self.get_stats(),
+            remote_first_tokens=self.get_remote_first_tokens(),
         )
 
     @contextmanager

@@ -243,6 +243,7 @@ class MultiConnector(KVConnectorBase):
             merged.finished_recving |= out.finished_recving
             merged.failed_recving |= out.failed_recving
             merged.invalid_block_ids |= out.invalid_block_ids
+            merged.remote_first_tokens.update(out.remote_first_tokens)
             merged.events.extend(out.events)
             if out.stats is not None:
                 merged.stats = out.stats if merged.stats is None else merged.stats.aggregate(out.stats)

@@ -34,10 +34,14 @@ class KVConnectorOutput:
     invalid_block_ids: set[int] = field(default_factory=set)  # blocks whose content is not valid
     stats: KVConnectorStats | None = None
     events: list[object] = field(default_factory=list)
+    # P/D, layer-wise: a streamed remote prefill's first token, per request receiving it
+    # (the prefiller sends it with its acknowledgement; the decoder's first token is it).
+    remote_first_tokens: dict[str, int] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
         return not (
-            self.finished_sending
+            self.remote_first_tokens
+            or self.finished_sending
             or self.finished_recving
             or self.failed_recving
             or self.invalid_block_ids
@@ -64,6 +68,11 @@ def checked_output(output: object) -> KVConnectorOutput | None:
     for name in _ID_FIELDS:
         _check_set(output, name, str)
     _check_set(output, "invalid_block_ids", int)
+    tokens = output.remote_first_tokens
+    if not isinstance(tokens, dict) or not all(
+        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in tokens.items()
+    ):
+        raise TypeError(f"KVConnectorOutput.remote_first_tokens must map str to int, got {tokens!r}")
     if output.stats is not None and not isinstance(output.stats, KVConnectorStats):
         raise TypeError(
             f"KVConnectorOutput.stats must be KVConnectorStats, got {type(output.stats).__name__}"

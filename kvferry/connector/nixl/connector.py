@@ -35,15 +35,18 @@ if TYPE_CHECKING:
     from kvferry.connector.nixl.scheduler_side import NixlScheduler
     from kvferry.connector.nixl.worker_side import NixlWorker
     from kvferry.messages.scheduler_output import SchedulerOutput
+    from kvferry.model.forward_context import AttentionMetadata
     from kvferry.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
 
 
 class NixlConnector(KVConnectorBase):
-    # All work happens outside the forward (loads finish before their request runs; holds
-    # start after it finished): the per-layer hooks do nothing, so capturing them is safe.
+    # Loads finish before their request runs and holds start after the forward, except on a
+    # layer-wise prefiller, whose save_kv_layer records a streamed prefill's layer as final
+    # (a list append, safe to capture); everywhere else the per-layer hooks do nothing.
     graph_safe = True
+    has_layer_hooks = False
     takes_secret_file = True  # the side channel's (auth.py)
 
     def __init__(
@@ -60,6 +63,8 @@ class NixlConnector(KVConnectorBase):
         self.worker: NixlWorker | None = None
         self._failed: set[str] = set()
         self._stats: dict[str, float] = {}
+        self._first_tokens: dict[str, int] = {}
+        self.has_layer_hooks = self.settings.layerwise and self.transfer_config.kv_role is not KVRole.CONSUMER
         if role is KVConnectorRole.SCHEDULER:
             from kvferry.connector.nixl.scheduler_side import NixlScheduler
 
@@ -121,9 +126,10 @@ class NixlConnector(KVConnectorBase):
         self._scheduler.update_state_after_alloc(request, block_ids, num_external)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> NixlConnectorMetadata:
-        return self._scheduler.build_connector_meta()
+        return self._scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
+        self._scheduler.force_first_tokens(output.remote_first_tokens)  # before they become runnable
         self._scheduler.update_connector_output(set(output.finished_recving), set(output.failed_recving))
 
     def request_finished(
@@ -144,10 +150,19 @@ class NixlConnector(KVConnectorBase):
         assert isinstance(meta, NixlConnectorMetadata), f"bad metadata {meta!r}"
         self._worker.start_load(meta)
 
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn: AttentionMetadata) -> None:
+        meta = self.metadata
+        assert isinstance(meta, NixlConnectorMetadata), f"bad metadata {meta!r}"
+        self._worker.layer_saved(layer_name, meta)
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        sending, recving, self._failed, stats = self._worker.take()
+        sending, recving, self._failed, stats, self._first_tokens = self._worker.take()
         self._stats = stats
         return sending, recving
+
+    def get_remote_first_tokens(self) -> dict[str, int]:
+        tokens, self._first_tokens = self._first_tokens, {}
+        return tokens
 
     def get_failed_recving(self) -> set[str]:
         failed, self._failed = self._failed, set()

@@ -33,12 +33,27 @@ class Hold:
     token_hash: str
     lease_s: float
     expiry: float  # unix time
+    # Layer-wise: the id the decoder knows this prefill by (params.py), and whether the hold
+    # starts before the prefill's forward (its layers become final one by one; `Finish`
+    # tells its end).
+    transfer_id: str | None = None
+    streamed: bool = False
+
+
+@dataclass(frozen=True)
+class Finish:
+    """Scheduler half -> worker: a streamed prefill finished; every layer is final."""
+
+    request_id: str
+    first_token: int | None
 
 
 @dataclass
 class Lease:
     hold: Hold
     deadline: float  # monotonic
+    final: bool = True  # a streamed hold is final once its prefill finished
+    first_token: int | None = None
     expected: frozenset[tuple[str, int]] | None = None  # (decode engine, rank) that read here
     reported: set[tuple[str, int]] = field(default_factory=set)
 
@@ -78,6 +93,7 @@ class LeaseTable:
         self.tp = tp
         self.total_heads = total_heads
         self.leases: dict[str, Lease] = {}
+        self.aliases: dict[str, str] = {}  # transfer id -> request id, while held
         self.gone: OrderedDict[str, str] = OrderedDict()  # ended leases -> why
         self.finished: set[str] = set()  # ended since the last take_finished()
         self.num_expired = 0
@@ -90,13 +106,35 @@ class LeaseTable:
             logger.warning("prefill %s is already held", hold.request_id)
             return
         self.gone.pop(hold.request_id, None)
-        self.leases[hold.request_id] = Lease(hold, now + max(0.0, hold.expiry - wall_now))
+        deadline = now + max(0.0, hold.expiry - wall_now)
+        self.leases[hold.request_id] = Lease(hold, deadline, final=not hold.streamed)
+        if hold.transfer_id is not None:
+            self.gone.pop(hold.transfer_id, None)
+            self.aliases[hold.transfer_id] = hold.request_id
+
+    def finish(self, finish: Finish) -> None:
+        """A streamed prefill finished (its first token is known); unknown ids are ignored."""
+        lease = self.leases.get(finish.request_id)
+        if lease is not None:
+            lease.final = True
+            lease.first_token = finish.first_token
+
+    def lookup(self, request_id: str) -> Lease | None:
+        """The lease of a request id or of a transfer id."""
+        lease = self.leases.get(request_id)
+        if lease is None and request_id in self.aliases:
+            lease = self.leases.get(self.aliases[request_id])
+        return lease
+
+    def forget_stream(self, transfer_id: str, why: str) -> None:
+        """A streamed prefill that will never be held (it ended before its last chunk ran)."""
+        self._remember(transfer_id, why)
 
     def check(
         self, request_id: str, block_ids: list[list[int]], num_tokens: int, token_hash: str, now: float
     ) -> tuple[CheckStatus, str]:
         """(status, message) for a decoder about to read; a held lease is extended."""
-        lease = self.leases.get(request_id)
+        lease = self.lookup(request_id)
         if lease is None:
             if request_id in self.gone:
                 return EXPIRED, f"prefill {request_id} is no longer held ({self.gone[request_id]})"
@@ -113,7 +151,7 @@ class LeaseTable:
 
     def heartbeat(self, request_ids: list[str], now: float) -> None:
         for request_id in request_ids:
-            lease = self.leases.get(request_id)
+            lease = self.lookup(request_id)
             if lease is not None:
                 self._extend(lease, now)
 
@@ -121,8 +159,9 @@ class LeaseTable:
         lease.deadline = max(lease.deadline, now + lease.hold.lease_s)
 
     def done(self, request_id: str, consumer_id: str, rank: int, consumer_tp: int, ok: bool) -> Verdict:
-        """A decode rank finished (ok) or abandoned its read. ACK iff the lease still holds."""
-        lease = self.leases.get(request_id)
+        """A decode rank finished (ok) or abandoned its read. ACK iff the lease still holds.
+        (A streamed prefill answers only once final: the caller waits, see `waits_for_final`.)"""
+        lease = self.lookup(request_id)
         if lease is None:
             if request_id in self.gone:
                 return Verdict(
@@ -137,13 +176,19 @@ class LeaseTable:
             return Verdict(True, False, f"decode rank {rank} of {consumer_id} does not read from this rank")
         lease.reported.add(reader)
         if lease.reported >= lease.expected:
-            self._end(request_id, "read by the decoder")
+            self._end(lease.hold.request_id, "read by the decoder")
         return Verdict(True, ok, "")
+
+    def waits_for_final(self, request_id: str) -> bool:
+        """Whether a Done about this prefill must wait: streamed, and not finished yet."""
+        lease = self.lookup(request_id)
+        return lease is not None and not lease.final
 
     def release(self, request_id: str, why: str) -> None:
         """End a lease nobody will read under (idempotent: an ended or unknown one is left)."""
-        if request_id in self.leases:
-            self._end(request_id, why)
+        lease = self.lookup(request_id)
+        if lease is not None:
+            self._end(lease.hold.request_id, why)
 
     def expire(self, now: float) -> list[str]:
         expired = [rid for rid, lease in self.leases.items() if lease.deadline <= now]
@@ -154,8 +199,14 @@ class LeaseTable:
         return expired
 
     def _end(self, request_id: str, why: str) -> None:
-        del self.leases[request_id]
+        lease = self.leases.pop(request_id)
         self.finished.add(request_id)
+        self._remember(request_id, why)
+        if lease.hold.transfer_id is not None:
+            self.aliases.pop(lease.hold.transfer_id, None)
+            self._remember(lease.hold.transfer_id, why)
+
+    def _remember(self, request_id: str, why: str) -> None:
         self.gone[request_id] = why
         while len(self.gone) > MAX_GONE:
             self.gone.popitem(last=False)

@@ -4,6 +4,13 @@ Per load:  info (handshake, once per remote engine) -> read (one NIXL READ per p
 rank this rank shares KV heads with) -> ack (Done to each of those ranks; every one must
 ACK that the blocks were still held) -> over: finished, or finished and failed.
 
+A streamed load (layer-wise, `LoadSpec.streamed`) goes info -> stream -> ack: in the
+stream stage each prefill rank it reads from is asked for its Progress (the question
+waits there for news); every layer it names final is read at once, in its own READ, while
+the prefiller computes the next layers. Once a rank's prefill is final and its READs are
+done, that rank is complete; once all are, Done goes out as for a whole load, and the
+Acks carry the prefill's first token.
+
 A load whose READ is still in flight is never reported: the scheduler may hand its blocks
 to another request once it is, and a late write would corrupt them.
 """
@@ -22,7 +29,17 @@ from kvferry.connector.nixl.channel import Address, Clients, Pending
 from kvferry.connector.nixl.leases import read_sources
 from kvferry.connector.nixl.metadata import LoadSpec, NixlSettings
 from kvferry.connector.nixl.plan import RankView, concat, plan_read, shared_heads
-from kvferry.connector.nixl.protocol import Ack, Done, EngineInfo, Handshake, HandshakeReply
+from kvferry.connector.nixl.protocol import (
+    HELD,
+    UNKNOWN,
+    Ack,
+    Done,
+    EngineInfo,
+    Handshake,
+    HandshakeReply,
+    Progress,
+    ProgressReply,
+)
 from kvferry.kv.spec import Layout
 
 logger = logging.getLogger(__name__)
@@ -33,7 +50,20 @@ class Stage(enum.Enum):
 
     INFO = "info"
     READ = "read"
+    STREAM = "stream"  # a streamed load: reading layers as they become final
     ACK = "ack"
+
+
+PROGRESS_WAIT_S = 1.0  # a Progress may wait this long on the prefiller for news
+
+
+@dataclass
+class SourceStream:
+    """A streamed load's view of one prefill rank it reads from."""
+
+    layers: list[str] = field(default_factory=list)  # read (or being read), in order
+    asking: Pending | None = None
+    final: bool = False  # the prefill finished there and every layer's READ was issued
 
 
 @dataclass
@@ -50,7 +80,9 @@ class Load:
     stage: Stage = Stage.INFO
     engine: RemoteEngine | None = None
     readers: list[int] = field(default_factory=list)  # prefill ranks this rank reads from
-    transfers: dict[int, Transfer] = field(default_factory=dict)
+    transfers: list[Transfer] = field(default_factory=list)
+    sources: dict[int, SourceStream] = field(default_factory=dict)  # streamed: per prefill rank
+    first_token: int | None = None
     acks: list[Pending] = field(default_factory=list)
     failure: str | None = None
     cancelled: bool = False
@@ -109,6 +141,7 @@ class ConsumerLoads:
         self.loads: dict[str, Load] = {}
         self.finished: set[str] = set()
         self.failed: set[str] = set()
+        self.first_tokens: dict[str, int] = {}
         self.stats: dict[str, float] = {}
 
     @property
@@ -134,6 +167,8 @@ class ConsumerLoads:
                 self._start(load)
             if load.stage is Stage.READ:
                 self._poll_reads(load)
+            if load.stage is Stage.STREAM:
+                self._stream(load)
             if load.stage is Stage.ACK and all(p.done for p in load.acks):
                 self._acknowledged(load)
 
@@ -187,33 +222,104 @@ class ConsumerLoads:
             self._finish(load)
             return
         load.engine = engine
-        load.stage = Stage.READ
+        load.stage = Stage.STREAM if load.spec.streamed else Stage.READ
         load.read_start = time.monotonic()
         load.readers = [p for p, views in engine.views.items() if _overlap(self.local[0], views[0])]
         sources = read_sources(self.rank, self.tp, engine.info.tp_size, engine.info.total_kv_heads)
-        for p in load.readers:
-            if p not in sources:
-                continue  # its heads are read from another replica; it is told DONE all the same
-            plan = concat(
-                [
-                    plan_read(local, remote, list(local.layers), lids, rids)
-                    for local, remote, (lids, rids) in zip(
-                        self.local, engine.views[p], load.spec.groups, strict=True
-                    )
-                ]
-            )
-            if not plan.num_descriptors:
-                continue
-            try:
-                load.transfers[p] = self.agent.read(plan, engine.agents[p])
-            except NixlError as exc:
-                load.failure = str(exc)
+        # (a reader not among the sources has its heads read from another replica; it is
+        # told DONE all the same)
+        for p in [p for p in load.readers if p in sources]:
+            if load.spec.streamed:
+                load.sources[p] = SourceStream()
+            elif not self._read(load, p, None):
                 break
-            self._count("nixl_transfers")
-            self._count("nixl_descriptors", plan.num_descriptors)
+
+    def _read(self, load: Load, p: int, layers: list[str] | None) -> bool:
+        """READ these layers (None: all) from prefill rank p; False if NIXL refused."""
+        engine = load.remote_engine
+        plan = concat(
+            [
+                plan_read(local, remote, [n for n in layers or local.layers if n in local.layers], lids, rids)
+                for local, remote, (lids, rids) in zip(
+                    self.local, engine.views[p], load.spec.groups, strict=True
+                )
+            ]
+        )
+        if not plan.num_descriptors:
+            return True
+        try:
+            load.transfers.append(self.agent.read(plan, engine.agents[p]))
+        except NixlError as exc:
+            load.failure = str(exc)
+            return False
+        self._count("nixl_transfers")
+        self._count("nixl_descriptors", plan.num_descriptors)
+        return True
+
+    # ---- streamed reads ---------------------------------------------------------------------
+
+    def _stream(self, load: Load) -> None:
+        """Ask each source for news, READ the layers it names final; over once all are."""
+        for p, source in load.sources.items():
+            if load.failure is None and not load.cancelled and not source.final:
+                self._follow(load, p, source)
+        states = [self.agent.poll(t) for t in load.transfers]
+        if TransferState.ERR in states and load.failure is None:
+            load.failure = f"NIXL READ of {load.spec.remote_request_id} failed"
+        over = load.failure is not None or load.cancelled
+        if (
+            not over
+            and time.monotonic() - load.started
+            > self.settings.stream_wait_s + self.settings.transfer_timeout_s
+        ):
+            load.failure = f"the streamed prefill {load.spec.remote_request_id} did not complete in time"
+            over = True
+        if TransferState.PROC in states:
+            if over:
+                self._abandon_reads(load)
+            return
+        if over or all(s.final for s in load.sources.values()):
+            self._reads_over(load, states)
+
+    def _follow(self, load: Load, p: int, source: SourceStream) -> None:
+        rank = load.remote_engine.info.ranks[p]
+        if source.asking is None:
+            msg = Progress(
+                self.clients.next_seq(), load.spec.remote_request_id, len(source.layers), PROGRESS_WAIT_S
+            )
+            timeout = PROGRESS_WAIT_S + self.settings.handshake_timeout_s
+            source.asking = self.clients.send((rank.host, rank.port), msg, timeout)
+            return
+        if not source.asking.done:
+            return
+        reply, source.asking = source.asking.reply, None
+        if not isinstance(reply, ProgressReply):
+            load.failure = "the prefill engine did not answer a Progress"
+        elif reply.status is UNKNOWN:
+            return  # not held there yet (this rank may be a step behind rank 0): ask again
+        elif reply.status is not HELD:
+            load.failure = f"the streamed prefill cannot be read: {reply.message}"
+        else:
+            new = reply.layers[len(source.layers) :]
+            if new and self._read(load, p, new):
+                source.layers.extend(new)
+                if not reply.final:
+                    self._count("nixl_layers_read_early", len(new))  # while the prefill computes
+            source.final = reply.final and load.failure is None
+
+    def _reads_over(self, load: Load, states: list[TransferState]) -> None:
+        """Every READ of a load ended: Done (ok or not) to each rank it read from."""
+        load.read_done = time.monotonic()
+        self._account(load, states)
+        if load.failure is None and not load.cancelled:
+            self._send_done(load, ok=True)
+            load.stage = Stage.ACK
+            return
+        self._send_done(load, ok=False)
+        self._finish(load)
 
     def _poll_reads(self, load: Load) -> None:
-        states = [self.agent.poll(t) for t in load.transfers.values()]
+        states = [self.agent.poll(t) for t in load.transfers]
         if TransferState.PROC in states:
             if time.monotonic() - load.started > self.settings.transfer_timeout_s:
                 self._abandon_reads(load)
@@ -232,7 +338,7 @@ class ConsumerLoads:
 
     def _account(self, load: Load, states: list[TransferState]) -> None:
         seconds = load.read_done - load.read_start
-        for transfer in load.transfers.values():
+        for transfer in load.transfers:
             self.agent.release(transfer)
             if transfer.state is TransferState.DONE:
                 self._count("nixl_bytes_read", transfer.num_bytes)
@@ -242,7 +348,7 @@ class ConsumerLoads:
 
     def _abandon_reads(self, load: Load) -> None:
         """A READ past its timeout: report the load only once NIXL let go of every handle."""
-        load.transfers = {p: t for p, t in load.transfers.items() if not self.agent.release(t)}
+        load.transfers = [t for t in load.transfers if not self.agent.release(t)]
         if load.transfers:
             return  # NIXL refused to cancel: try again next time
         # Cancelled. On DRAM, data lands only inside this thread's own progress calls, so
@@ -283,6 +389,10 @@ class ConsumerLoads:
                 )
             elif not pending.reply.ok:
                 load.failure = f"the prefill engine refused the read: {pending.reply.message}"
+            elif pending.reply.first_token is not None:
+                load.first_token = pending.reply.first_token
+        if load.spec.streamed and load.failure is None and load.first_token is not None:
+            self.first_tokens[load.spec.request_id] = load.first_token
         self._finish(load)
 
     def _finish(self, load: Load) -> None:
@@ -295,7 +405,8 @@ class ConsumerLoads:
                 self._count("nixl_failed_transfers")
                 logger.warning("loading remote KV of %s failed: %s", request_id, load.failure)
 
-    def take(self) -> tuple[set[str], set[str], dict[str, float]]:
-        finished, failed, stats = self.finished, self.failed, self.stats
-        self.finished, self.failed, self.stats = set(), set(), {}
-        return finished, failed, stats
+    def take(self) -> tuple[set[str], set[str], dict[str, float], dict[str, int]]:
+        """(finished, failed, stats, streamed prefills' first tokens) since the last call."""
+        finished, failed, stats, tokens = self.finished, self.failed, self.stats, self.first_tokens
+        self.finished, self.failed, self.stats, self.first_tokens = set(), set(), {}, {}
+        return finished, failed, stats, tokens

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvferry.connector.base import KVConnectorMetadata
-from kvferry.connector.nixl.leases import Hold
+from kvferry.connector.nixl.leases import Finish, Hold
 from kvferry.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -25,6 +25,7 @@ class LoadSpec:
     # per KV cache group: (local block ids, remote block ids), pairwise
     groups: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
     fail: str | None = None  # do not read: report the load failed, for this reason
+    streamed: bool = False  # layer-wise: read each layer once the prefiller says it is final
 
 
 @dataclass
@@ -33,6 +34,19 @@ class NixlConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)  # remote KV to read
     cancels: list[str] = field(default_factory=list)  # loads whose request finished meanwhile
     releases: list[str] = field(default_factory=list)  # holds nobody will read: end their leases
+    # Layer-wise, prefill side: requests whose prompt completes in this step's forward (its
+    # save_kv_layer hooks mark their layers final), streamed prefills that finished, and
+    # transfer ids whose prefill ended before it was held (transfer id, why).
+    streams: list[str] = field(default_factory=list)
+    finishes: list[Finish] = field(default_factory=list)
+    forgotten: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def for_transfer_thread(self) -> bool:
+        """Whether the transfer thread has anything to apply from it."""
+        return bool(
+            self.holds or self.loads or self.cancels or self.releases or self.finishes or self.forgotten
+        )
 
 
 _DEFAULTS: dict[str, object] = {
@@ -46,8 +60,11 @@ _DEFAULTS: dict[str, object] = {
     "transfer_timeout_s": 60.0,
     "unknown_grace_s": 2.0,  # prefiller: wait this long for a hold a decoder asks about
     "fault_done_delay_s": 0.0,  # fault injection (tests): decoder waits this long before Done
+    "fault_layer_delay_s": 0.0,  # fault injection (tests): a layer-wise prefiller's layers take this longer
     "secret_file": None,  # the shared side-channel secret's file (else $KVFERRY_KV_SECRET); auth.py
     "allowed_remotes": None,  # decoder: the only prefill side channels it may use ("host" or "host:port")
+    "layerwise": False,  # prefiller: a streamed prefill's layers become readable as the forward saves them
+    "stream_wait_s": 120.0,  # decoder: wait this long for a streamed prefill to be held
 }
 
 
@@ -63,8 +80,11 @@ class NixlSettings:
     transfer_timeout_s: float
     unknown_grace_s: float
     fault_done_delay_s: float
+    fault_layer_delay_s: float
     secret_file: str | None
     allowed_remotes: tuple[str, ...] | None
+    layerwise: bool
+    stream_wait_s: float
 
     def allows(self, host: str, port: int) -> bool:
         """Whether the allow-list (if any) lets this decoder connect to host:port."""
@@ -81,7 +101,9 @@ class NixlSettings:
         port = values["side_channel_port"]
         if not isinstance(port, int) or not 0 <= port <= 65535:
             raise ConfigError("NixlConnector: side_channel_port must be an integer in [0, 65535]")
-        for key in ("lease_s", "handshake_timeout_s", "ack_timeout_s", "transfer_timeout_s"):
+        if not isinstance(values["layerwise"], bool):
+            raise ConfigError("NixlConnector: layerwise must be true or false")
+        for key in ("lease_s", "handshake_timeout_s", "ack_timeout_s", "transfer_timeout_s", "stream_wait_s"):
             if not isinstance(values[key], int | float) or values[key] <= 0:
                 raise ConfigError(f"NixlConnector: {key} must be a positive number")
         if values["secret_file"] is not None and not isinstance(values["secret_file"], str):

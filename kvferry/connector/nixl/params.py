@@ -18,6 +18,18 @@ original prompt):
       "first_token_id": int             # the prefiller's first token; the decoder's first too
     }
 
+Layer-wise (a streamed prefill): the proxy names the transfer itself and sends both
+requests at once, so that the decoder reads each layer's KV while the prefill computes
+the next ones. Prefill request: ``{"do_remote_decode": true, "transfer_id": str}``;
+decode request (no block ids yet: the prefiller's side channel tells them, and which
+layers are final, as the prefill runs; its acknowledgement carries the first token):
+
+    {
+      "do_remote_prefill": true,
+      "remote_engine_id": str, "remote_host": str, "remote_port": int, "remote_tp_size": int,
+      "remote_transfer_id": str         # the prefill request's transfer_id
+    }
+
 Types are checked here, synchronously, in the front end (HTTP 400); ranges are checked
 by the scheduler half against the prefiller's handshake (and first_token_id against the
 model's vocabulary).
@@ -69,6 +81,7 @@ class RemotePrefill:
     tp_size: int
     lease_expiry: float | None = None
     first_token_id: int | None = None
+    streamed: bool = False  # request_id is a transfer id; block ids and tokens come from the prefiller
 
     def to_params(self) -> KVTransferParams:
         return {
@@ -88,6 +101,14 @@ class RemotePrefill:
 def wants_remote_decode(params: KVTransferParams | None) -> bool:
     """Whether a (validated) request asks this engine to hold its KV for a decoder."""
     return params is not None and params.get("do_remote_decode") is True
+
+
+def transfer_id_of(params: KVTransferParams | None) -> str | None:
+    """A (validated) remote-decode request's transfer id: a decoder streams its layers."""
+    if not wants_remote_decode(params):
+        return None
+    assert params is not None
+    return _string(params, "transfer_id") if params.get("transfer_id") is not None else None
 
 
 def _string(params: KVTransferParams, key: str) -> str:
@@ -136,6 +157,8 @@ def parse_remote_prefill(params: KVTransferParams | None) -> RemotePrefill | Non
         raise _fail("must be a JSON object")
     if not _flag(params, "do_remote_prefill"):
         return None
+    if params.get("remote_transfer_id") is not None:
+        return _remote_stream(params)
     first = params.get("first_token_id")
     if first is not None and not (_is_int(first) and first >= 0):
         raise _fail("first_token_id must be a non-negative integer")
@@ -152,6 +175,20 @@ def parse_remote_prefill(params: KVTransferParams | None) -> RemotePrefill | Non
     )
 
 
+def _remote_stream(params: KVTransferParams) -> RemotePrefill:
+    """A decode request's pointer to a streamed prefill (what the prefiller holds comes later)."""
+    return RemotePrefill(
+        engine_id=_string(params, "remote_engine_id"),
+        host=_string(params, "remote_host"),
+        port=_positive_int(params, "remote_port", 65535),
+        block_ids=(),
+        request_id=_string(params, "remote_transfer_id"),
+        num_tokens=0,
+        tp_size=_positive_int(params, "remote_tp_size", 1024),
+        streamed=True,
+    )
+
+
 def validate_params(kv_role: KVRole, params: KVTransferParams | None) -> None:
     """The front end's synchronous check: types, and what this instance's role can do."""
     if params is None:
@@ -160,6 +197,10 @@ def validate_params(kv_role: KVRole, params: KVTransferParams | None) -> None:
         raise _fail("must be a JSON object")
     remote_decode = _flag(params, "do_remote_decode")
     remote_prefill = parse_remote_prefill(params) is not None
+    if params.get("transfer_id") is not None:
+        if not remote_decode:
+            raise _fail("transfer_id needs do_remote_decode")
+        transfer_id_of(params)
     if remote_decode and kv_role is KVRole.CONSUMER:
         raise _fail("do_remote_decode needs a prefill instance (kv_role producer or both)")
     if remote_prefill and kv_role is KVRole.PRODUCER:

@@ -9,6 +9,9 @@ or a decoder's scheduler half) talks to it over a DEALER socket; every request c
     Heartbeat                  extend the leases of these prefills (no reply)
     Done       -> Ack          "rank r finished reading": ACK iff the blocks were still held
     Release                    the decoder will not read: free the blocks now (no reply)
+    Progress   -> ProgressReply  a streamed prefill (layer-wise): its blocks, the layers
+                               whose KV is final, and at the end its first token; the
+                               reply waits (up to `wait_s`) for news past `known_layers`
 
 Before any of these, each connection proves the shared secret and agrees on session keys
 (auth.py, sealing.py); only Hello, Challenge and Refused travel in the clear, and they
@@ -132,6 +135,15 @@ class Release(msgspec.Struct, tag="release"):
     request_id: str
 
 
+class Progress(msgspec.Struct, tag="progress"):
+    """Where a streamed prefill is. `request_id` is its transfer id (params.py)."""
+
+    seq: int
+    request_id: str
+    known_layers: int  # layers the asker already knows final; -1: nothing known yet
+    wait_s: float  # answer once there is news, or after this long
+
+
 class Hello(msgspec.Struct, tag="hello"):
     seq: int
     nonce: bytes
@@ -182,18 +194,32 @@ class CheckReply(msgspec.Struct, tag="check_reply"):
     lease_s: float = 0.0
 
 
+class ProgressReply(msgspec.Struct, tag="progress_reply"):
+    seq: int
+    status: CheckStatus  # HELD: under way or final; UNKNOWN: not started here (yet)
+    message: str = ""
+    block_ids: list[list[int]] = []
+    num_tokens: int = 0
+    token_hash: str = ""
+    layers: list[str] = []  # layers whose KV is final, in the order they became so
+    final: bool = False  # the prefill finished: every layer is final
+    first_token: int | None = None
+    lease_s: float = 0.0
+
+
 class Ack(msgspec.Struct, tag="ack"):
     seq: int
     ok: bool
     message: str = ""
+    first_token: int | None = None  # a streamed prefill's first token
 
 
 # What travels sealed, each way.
-ClientMessage = Auth | Handshake | Check | Heartbeat | Done | Release
-ServerMessage = Welcome | HandshakeReply | CheckReply | Ack
+ClientMessage = Auth | Handshake | Check | Heartbeat | Done | Release | Progress
+ServerMessage = Welcome | HandshakeReply | CheckReply | ProgressReply | Ack
 # What a frame may hold: the clear handshake, a sealed message, or (client to server) a
 # message sent in the clear by mistake (an old client): refused, with its seq.
-ClientFrame = Hello | Sealed | Auth | Handshake | Check | Heartbeat | Done | Release
+ClientFrame = Hello | Sealed | Auth | Handshake | Check | Heartbeat | Done | Release | Progress
 ServerFrame = Challenge | Refused | Sealed
 
 M = TypeVar("M")

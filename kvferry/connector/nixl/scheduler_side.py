@@ -11,6 +11,12 @@ Decode side, per request pointing to a remote prefill:
     -> Check with every prefill rank (still held? same blocks, same prompt?) -> ready
     -> async load of the blocks beyond the local prefix hit -> spent
 
+A streamed (layer-wise) remote prefill asks rank 0 for its Progress instead of a Check,
+until the prefiller holds it (blocks, token count and prompt hash come with that answer,
+and are checked as params would be); its load then reads each layer as it becomes final,
+and the first token arrives with the load's result (KVConnectorOutput.remote_first_tokens).
+Prefill side, streams.py says when a streamed prefill is held.
+
 Until the answers are in, `get_num_new_matched_tokens` defers the request (None). The
 prefiller's first token (`first_token_id`) becomes the request's forced first token: the
 decoder outputs it whatever it samples, so its answer continues what the proxy streamed. Sockets
@@ -21,6 +27,7 @@ get heartbeats.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import time
@@ -31,30 +38,41 @@ import zmq
 from kvferry.config import EngineConfig, KVRole
 from kvferry.connector.nixl.auth import PeerAuth
 from kvferry.connector.nixl.channel import Address, Clients, Pending
-from kvferry.connector.nixl.leases import Hold
+from kvferry.connector.nixl.leases import Finish, Hold
 from kvferry.connector.nixl.metadata import LoadSpec, NixlConnectorMetadata, NixlSettings
-from kvferry.connector.nixl.params import RemotePrefill, parse_remote_prefill, wants_remote_decode
+from kvferry.connector.nixl.params import (
+    RemotePrefill,
+    parse_remote_prefill,
+    transfer_id_of,
+    wants_remote_decode,
+)
 from kvferry.connector.nixl.protocol import (
     EXPIRED,
     HELD,
+    UNKNOWN,
     Check,
     CheckReply,
     EngineInfo,
     Handshake,
     HandshakeReply,
     Heartbeat,
+    Progress,
+    ProgressReply,
     Release,
 )
 from kvferry.connector.nixl.regions import compat_hash, group_infos, token_hash
+from kvferry.connector.nixl.streams import PrefillStreams
 from kvferry.connector.nixl.validate import blocks_to_read, check_remote, null_block
 from kvferry.errors import InvalidRequestError
 from kvferry.kv.spec import KVCacheConfig
 from kvferry.messages.kv_connector import KVTransferParams
+from kvferry.messages.scheduler_output import SchedulerOutput
 from kvferry.scheduler.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
 MAX_ENGINES = 256  # remote engines whose handshake is cached
+PROGRESS_WAIT_S = 1.0  # a Progress may wait this long on the prefiller for news
 NORMAL_FINISH = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
 
@@ -63,6 +81,7 @@ class Stage(enum.Enum):
 
     HANDSHAKE = "handshake"  # waiting for the prefiller's side channel to describe its engine
     CHECK = "check"  # asking every prefill rank whether it still holds the blocks
+    STREAM = "stream"  # a streamed prefill: asking rank 0 until it holds the prefill
     READY = "ready"  # held: the scheduler may admit the request with the remote tokens
     LOADING = "loading"  # the workers read the blocks
     SPENT = "spent"  # loaded, failed or released: nothing more to do remotely
@@ -79,6 +98,8 @@ class DecodeState:
     failure: str | None = None  # the remote KV cannot be had: load failure policy
     lease_s: float = 0.0
     num_computed: int = 0
+    progress: Pending | None = None  # STREAM: the Progress under way
+    arrived: float = field(default_factory=time.monotonic)
 
     @property
     def engine(self) -> EngineInfo:
@@ -112,6 +133,9 @@ class NixlScheduler:
         self.loads: list[LoadSpec] = []
         self.cancels: list[str] = []
         self.releases: list[str] = []
+        self.streams = PrefillStreams()
+        self.finishes: list[Finish] = []
+        self.forgotten: list[tuple[str, str]] = []
         self._last_heartbeat = time.monotonic()
 
     # ---- decode side ------------------------------------------------------------------
@@ -119,6 +143,8 @@ class NixlScheduler:
     def request_added(self, request: Request) -> None:
         """Start the handshake and the Check at arrival: the answers (and the heartbeats that
         keep the prefill's lease alive) need not wait for the request's turn."""
+        if self.role is not KVRole.CONSUMER:
+            self.streams.add(request)
         try:
             self._state(request)
         except InvalidRequestError:
@@ -157,7 +183,7 @@ class NixlScheduler:
         if state.invalid is not None:
             del self.decodes[request.req_id]
             raise InvalidRequestError(state.invalid, param="kv_transfer_params")
-        if state.stage in (Stage.HANDSHAKE, Stage.CHECK):
+        if state.stage in (Stage.HANDSHAKE, Stage.CHECK, Stage.STREAM):
             return None, False
         if state.stage is not Stage.READY:
             return 0, False  # spent: loaded (or failed) once; a recomputation computes locally
@@ -175,11 +201,60 @@ class NixlScheduler:
             if info is None:
                 return
             state.info = info
+            if state.remote.streamed:
+                self._send_progress(state)
+                return
             state.invalid = check_remote(state.remote, info, self, state.request.num_prompt_tokens)
             if state.invalid is None:
                 self._send_checks(state)
         if state.stage is Stage.CHECK and all(p.done for p in state.checks):
             self._check_results(state)
+        if state.stage is Stage.STREAM and state.progress is not None and state.progress.done:
+            self._progress_result(state, state.progress)
+
+    def _send_progress(self, state: DecodeState) -> None:
+        rank = state.engine.ranks[0]
+        msg = Progress(self.clients.next_seq(), state.remote.request_id, -1, PROGRESS_WAIT_S)
+        timeout = PROGRESS_WAIT_S + self.settings.handshake_timeout_s
+        state.progress = self.clients.send((rank.host, rank.port), msg, timeout)
+        state.stage = Stage.STREAM
+
+    def _progress_result(self, state: DecodeState, pending: Pending) -> None:
+        """Rank 0's answer about a streamed prefill: held (-> READY), not yet, or failed."""
+        reply = pending.reply
+        state.progress = None
+        if isinstance(reply, ProgressReply) and reply.status is HELD:
+            self._stream_held(state, reply)
+            return
+        waited = time.monotonic() - state.arrived
+        if (
+            isinstance(reply, ProgressReply)
+            and reply.status is UNKNOWN
+            and waited < self.settings.stream_wait_s
+        ):
+            self._send_progress(state)  # not started there yet
+            return
+        if isinstance(reply, ProgressReply) and reply.status is UNKNOWN:
+            state.failure = f"the prefill was not held within {self.settings.stream_wait_s:.0f} s"
+        elif isinstance(reply, ProgressReply):
+            state.failure = reply.message
+        else:
+            state.failure = f"the prefill engine did not answer: {pending.error or 'bad reply'}"
+        logger.warning("streamed KV of %s cannot be loaded: %s", state.remote.request_id, state.failure)
+        state.stage = Stage.READY  # the load reports the failure (policy), as for a whole prefill
+
+    def _stream_held(self, state: DecodeState, reply: ProgressReply) -> None:
+        """The prefiller holds the prefill: check what it holds as params would be checked."""
+        prompt = state.request.prompt_token_ids
+        if reply.num_tokens > len(prompt) or reply.token_hash != token_hash(prompt[: reply.num_tokens]):
+            state.invalid = "kv_transfer_params: the prompt does not match the tokens the prefill computes"
+            return
+        state.remote = dataclasses.replace(
+            state.remote, block_ids=tuple(tuple(ids) for ids in reply.block_ids), num_tokens=reply.num_tokens
+        )
+        state.invalid = check_remote(state.remote, state.engine, self, state.request.num_prompt_tokens)
+        state.lease_s = reply.lease_s
+        state.stage = Stage.READY
 
     def _engine_info(self, state: DecodeState) -> EngineInfo | None:
         """The remote engine's handshake, once per address; None while it is under way."""
@@ -280,6 +355,7 @@ class NixlScheduler:
                 remote.request_id,
                 tuple(groups),
                 state.failure,
+                remote.streamed,
             )
         )
         state.stage = Stage.LOADING
@@ -319,15 +395,38 @@ class NixlScheduler:
 
     # ---- both sides -------------------------------------------------------------------
 
-    def build_connector_meta(self) -> NixlConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> NixlConnectorMetadata:
         for state in self.decodes.values():
-            if state.stage in (Stage.HANDSHAKE, Stage.CHECK):
+            if state.stage in (Stage.HANDSHAKE, Stage.CHECK, Stage.STREAM):
                 self._advance(state)  # requests still waiting for their turn
         self.clients.receive()
         self._heartbeat()
-        meta = NixlConnectorMetadata(self.holds, self.loads, self.cancels, self.releases)
+        streams = []
+        for stream in self.streams.completing(scheduler_output):
+            hold, _ = self._hold_of(
+                stream.request, tuple(stream.block_ids), stream.transfer_id, streamed=True
+            )
+            self.holds.append(hold)
+            streams.append(stream.request.req_id)
+        meta = NixlConnectorMetadata(
+            self.holds, self.loads, self.cancels, self.releases, streams, self.finishes, self.forgotten
+        )
         self.holds, self.loads, self.cancels, self.releases = [], [], [], []
+        self.finishes, self.forgotten = [], []
         return meta
+
+    def force_first_tokens(self, tokens: dict[str, int]) -> None:
+        """Streamed prefills' first tokens, as the loads received them."""
+        for req_id, token in tokens.items():
+            state = self.decodes.get(req_id)
+            if state is None or state.request.num_output_tokens:
+                continue
+            if not 0 <= token < self.config.model.vocab_size:
+                logger.warning(
+                    "request %s: the prefiller's first token %d is outside the vocabulary", req_id, token
+                )
+                continue
+            state.request.force_first_token(token)
 
     def update_connector_output(self, finished_recving: set[str], failed_recving: set[str]) -> None:
         for req_id in finished_recving:
@@ -349,7 +448,29 @@ class NixlScheduler:
                 self._release(state)
         if self.role is KVRole.CONSUMER or not wants_remote_decode(request.kv_transfer_params):
             return False, None
+        stream = self.streams.pop(request.req_id)
+        if stream is not None and stream.held:
+            return self._end_stream(request, block_ids)
+        if stream is not None and request.status not in NORMAL_FINISH:
+            self.forgotten.append(
+                (stream.transfer_id, f"the prefill ended before it was computed ({request.status.name})")
+            )
         return self._hold(request, block_ids)
+
+    def _end_stream(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, KVTransferParams | None]:
+        """A streamed prefill's end: final (first token), or released. Its blocks stay kept
+        until the lease ends either way: a decoder may be reading them."""
+        if request.status not in NORMAL_FINISH:
+            self.releases.append(request.req_id)
+            return True, None
+        first = request.output_token_ids[0] if request.output_token_ids else None
+        self.finishes.append(Finish(request.req_id, first))
+        _, params = self._hold_of(
+            request, block_ids, transfer_id_of(request.kv_transfer_params), streamed=True
+        )
+        return True, params
 
     def release_kept(self, request_ids: list[str]) -> None:
         """Prefill side: end these holds' leases (every worker frees; unknown ids are ignored).
@@ -363,12 +484,26 @@ class NixlScheduler:
         num_tokens = request.num_prompt_tokens
         if request.status not in NORMAL_FINISH or request.num_computed_tokens < num_tokens:
             return False, None
+        transfer_id = transfer_id_of(request.kv_transfer_params)
+        hold, params = self._hold_of(request, block_ids, transfer_id, streamed=False)
+        self.holds.append(hold)
+        return True, params
+
+    def _hold_of(
+        self,
+        request: Request,
+        block_ids: tuple[list[int], ...],
+        transfer_id: str | None,
+        streamed: bool,
+    ) -> tuple[Hold, KVTransferParams]:
+        """The hold of a prefill's blocks, and the params a decoder reads them with."""
+        num_tokens = request.num_prompt_tokens
         num_blocks = -(-num_tokens // self.block_size)
         held = tuple(tuple(ids[:num_blocks]) for ids in block_ids)
         lease_s = self.settings.lease_s
         expiry = time.time() + lease_s
         digest = token_hash(request.prompt_token_ids)
-        self.holds.append(Hold(request.req_id, held, num_tokens, digest, lease_s, expiry))
+        hold = Hold(request.req_id, held, num_tokens, digest, lease_s, expiry, transfer_id, streamed)
         first = request.output_token_ids[0] if request.output_token_ids else None
         remote = RemotePrefill(
             engine_id=self.settings.engine_id,
@@ -381,7 +516,7 @@ class NixlScheduler:
             lease_expiry=expiry,
             first_token_id=first,
         )
-        return True, remote.to_params()
+        return hold, remote.to_params()
 
     def shutdown(self) -> None:
         self.clients.close()

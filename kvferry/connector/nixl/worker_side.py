@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 
 import torch
@@ -26,6 +27,7 @@ from kvferry.connector.nixl.leases import LeaseTable
 from kvferry.connector.nixl.loads import ConsumerLoads
 from kvferry.connector.nixl.metadata import NixlConnectorMetadata, NixlSettings
 from kvferry.connector.nixl.plan import RankView
+from kvferry.connector.nixl.progress import LayerProgress
 from kvferry.connector.nixl.protocol import EngineInfo, LayerRegion, RankInfo
 from kvferry.connector.nixl.regions import compat_hash, describe_regions, group_infos
 from kvferry.connector.nixl.serve import ProducerService
@@ -113,21 +115,24 @@ class TransferThread(threading.Thread):
         self._gate_seen = GateCounts()
 
     def submit(self, meta: NixlConnectorMetadata) -> None:
-        if not (meta.holds or meta.loads or meta.cancels or meta.releases):
+        if not meta.for_transfer_thread:
             return
         with self._lock:
             self._inbox.append(meta)
         self._wake()
 
-    def take(self) -> tuple[set[str], set[str], set[str], dict[str, float]]:
-        """(finished sending, finished receiving, failed receiving, stats) since the last call."""
+    def take(self) -> tuple[set[str], set[str], set[str], dict[str, float], dict[str, int]]:
+        """(finished sending, finished receiving, failed receiving, stats, first tokens of
+        streamed prefills received) since the last call."""
         with self._lock:
             sending, self._sending = self._sending, set()
             stats, self._stats = self._stats, {}
-            recving, failed, load_stats = self.consumer.take() if self.consumer else (set(), set(), {})
+            recving, failed, load_stats, tokens = (
+                self.consumer.take() if self.consumer else (set(), set(), {}, {})
+            )
         for key, value in load_stats.items():
             stats[key] = stats.get(key, 0.0) + value
-        return sending, recving, failed, stats
+        return sending, recving, failed, stats, tokens
 
     def _wake(self) -> None:
         try:
@@ -180,6 +185,7 @@ class TransferThread(threading.Thread):
     def _apply(self, meta: NixlConnectorMetadata) -> None:
         if self.producer is not None:
             self.producer.hold(meta.holds)  # before the releases: a hold may end in the same step
+            self.producer.finish(meta.finishes, meta.forgotten)
             self.producer.release(meta.releases)
         if self.consumer is not None:
             for spec in meta.loads:
@@ -189,7 +195,7 @@ class TransferThread(threading.Thread):
 
     def _collect_producer(self, producer: ProducerService) -> None:
         table = producer.table
-        self._sending |= table.take_finished()
+        self._sending |= producer.take_finished()
         if table.num_expired != self._expired_seen:
             self._stats["nixl_expired_leases"] = (
                 self._stats.get("nixl_expired_leases", 0.0) + table.num_expired - self._expired_seen
@@ -227,6 +233,7 @@ class NixlWorker:
         self.role = engine_config.kv_transfer.kv_role
         self.thread: TransferThread | None = None
         self.ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self.progress = LayerProgress()  # layer-wise: written by the forward's hooks
 
     def register(self, kv_caches: dict[str, torch.Tensor], config: KVCacheConfig) -> None:
         heads = head_range(config, self.rank, self.tp_size, self.config.model.num_kv_heads)
@@ -265,7 +272,7 @@ class NixlWorker:
         producer = consumer = None
         if server is not None:
             table = LeaseTable(self.rank, self.tp_size, self.config.model.num_kv_heads)
-            producer = ProducerService(server, info, table, self.settings.unknown_grace_s)
+            producer = ProducerService(server, info, table, self.settings.unknown_grace_s, self.progress)
         if self.role is not KVRole.PRODUCER:
             views = local_views(config, layers, heads[0], device_id)
             consumer = ConsumerLoads(agent, clients, views, self.settings, self.rank, self.tp_size)
@@ -283,9 +290,16 @@ class NixlWorker:
         if self.thread is not None:
             self.thread.submit(meta)
 
-    def take(self) -> tuple[set[str], set[str], set[str], dict[str, float]]:
+    def layer_saved(self, layer_name: str, meta: NixlConnectorMetadata) -> None:
+        """The forward wrote this layer's KV: for the step's streamed prefills it is final."""
+        if meta.streams:
+            self.progress.saved(meta.streams, layer_name)
+            if self.settings.fault_layer_delay_s:
+                time.sleep(self.settings.fault_layer_delay_s)  # a slow forward: reads overlap it
+
+    def take(self) -> tuple[set[str], set[str], set[str], dict[str, float], dict[str, int]]:
         if self.thread is None:
-            return set(), set(), set(), {}
+            return set(), set(), set(), {}, {}
         return self.thread.take()
 
     def shutdown(self) -> None:

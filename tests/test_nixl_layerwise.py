@@ -1,0 +1,201 @@
+"""Layer-wise P/D over NIXL: two engine cores in one process, real NIXL agents.
+
+The decoder gets its request first, naming the prefill by a transfer id (params.py); the
+prefiller, configured ``layerwise``, holds the prefill from the step that completes its
+prompt and marks each layer's KV final as its forward saves it, so the decoder's READs of
+the first layers start while the later layers compute (a fault setting slows each layer
+enough to see it). Answers equal a colocated engine's, and every pool ends all free.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvferry.config import (
+    CacheConfig,
+    CompilationConfig,
+    EngineConfig,
+    KVTransferConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from kvferry.engine.core import EngineCore
+from kvferry.messages.engine_core import EngineCoreOutput, EngineCoreRequest
+from kvferry.model.resolve import resolve_model_config
+from kvferry.ports import free_port
+from kvferry.sampling_params import SamplingParams
+from tests.engine_helpers import PROMPT_TEXTS, tokenize_all
+
+LAYER_DELAY_S = 0.2
+
+
+def _config(model_dir: Path, kv: KVTransferConfig | None, layout: str) -> EngineConfig:
+    model = resolve_model_config(str(model_dir), dtype="float32", max_model_len=512)
+    return EngineConfig(
+        model=model,
+        cache=CacheConfig(block_size=16, kv_cache_bytes=8 << 20, layout=layout),
+        scheduler=SchedulerConfig(64, 16, True),
+        parallel=ParallelConfig(tensor_parallel_size=1),
+        kv_transfer=kv or KVTransferConfig(),
+        compilation=CompilationConfig(enforce_eager=True),
+    )
+
+
+PREFILL_PORT = free_port()
+PREFILL_ENGINE = f"lw-{uuid.uuid4().hex[:8]}"
+
+
+def _prefill_config(layerwise: bool) -> KVTransferConfig:
+    extra = {
+        "engine_id": PREFILL_ENGINE,
+        "side_channel_port": PREFILL_PORT,
+        "lease_s": 20,
+        "layerwise": layerwise,
+        "fault_layer_delay_s": LAYER_DELAY_S,
+    }
+    return KVTransferConfig("NixlConnector", kv_role="producer", kv_connector_extra_config=extra)
+
+
+@pytest.fixture(scope="module")
+def cores(tiny_qwen2: Path) -> Iterator[dict[str, EngineCore]]:
+    consumer = KVTransferConfig("NixlConnector", kv_role="consumer", kv_load_failure_policy="fail")
+    made = {
+        "prefill": EngineCore(_config(tiny_qwen2, _prefill_config(True), "NHD")),
+        "decode": EngineCore(_config(tiny_qwen2, consumer, "HND")),
+        "colocated": EngineCore(_config(tiny_qwen2, None, "NHD")),
+    }
+    yield made
+    for core in made.values():
+        core.shutdown()
+
+
+def _stream_params(transfer_id: str, engine_id: str = PREFILL_ENGINE, port: int = PREFILL_PORT) -> dict:
+    return {
+        "do_remote_prefill": True,
+        "remote_engine_id": engine_id,
+        "remote_host": "127.0.0.1",
+        "remote_port": port,
+        "remote_tp_size": 1,
+        "remote_transfer_id": transfer_id,
+    }
+
+
+class Stepping:
+    """Steps an engine core on a thread of its own (as its own process would), so that its
+    forward and the other engine's steps overlap; errors are kept for the test."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> Stepping:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if not self.core.has_unfinished_requests():
+                time.sleep(0.001)
+                continue
+            self.errors += [out.error for out in self.core.step() if out.error is not None]
+
+
+def _run_together(
+    decoder: EngineCore, prefiller: EngineCore, requests: list[tuple[EngineCoreRequest, EngineCoreRequest]]
+) -> tuple[dict[str, list[int]], dict[str, EngineCoreOutput]]:
+    """Add each decode request, then its prefill; step both until every decode finishes."""
+    tokens: dict[str, list[int]] = {d.req_id: [] for d, _ in requests}
+    finals: dict[str, EngineCoreOutput] = {}
+    deadline = time.monotonic() + 60
+    with Stepping(prefiller) as stepping:
+        for decode, prefill in requests:
+            decoder.add_request(decode)
+            prefiller.add_request(prefill)
+        while len(finals) < len(requests):
+            assert time.monotonic() < deadline, "requests did not finish"
+            outputs = decoder.step()
+            for out in outputs:
+                tokens[out.req_id] += out.new_token_ids
+                if out.finished:
+                    finals[out.req_id] = out
+            if not outputs:
+                time.sleep(0.002)  # waiting for KV: leave the interpreter to the prefiller's thread
+        while prefiller.has_unfinished_requests() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert not stepping.errors, stepping.errors
+    return tokens, finals
+
+
+def _colocated(
+    core: EngineCore, prompts: list[list[int]], params: SamplingParams, tag: str
+) -> list[list[int]]:
+    for i, prompt in enumerate(prompts):
+        core.add_request(EngineCoreRequest(f"{tag}-c{i}", prompt, params, time.time()))
+    tokens: dict[str, list[int]] = {f"{tag}-c{i}": [] for i in range(len(prompts))}
+    done = 0
+    while done < len(prompts):
+        for out in core.step():
+            tokens[out.req_id] += out.new_token_ids
+            done += out.finished
+    return [tokens[f"{tag}-c{i}"] for i in range(len(prompts))]
+
+
+def _drain(*cores: EngineCore) -> None:
+    deadline = time.monotonic() + 30
+    while any(c.has_unfinished_requests() for c in cores):
+        assert time.monotonic() < deadline, "KV transfers still pending"
+        for core in cores:
+            if core.has_unfinished_requests():
+                core.step()
+    for core in cores:
+        stats = core.stats()
+        assert stats.num_free_blocks == stats.num_blocks, f"{stats.num_blocks - stats.num_free_blocks} leaked"
+
+
+def _pairs(
+    prompts: list[list[int]], tag: str, transfer_ids: list[str]
+) -> list[tuple[EngineCoreRequest, EngineCoreRequest]]:
+    now = time.time()
+    one = SamplingParams(max_tokens=1, temperature=0)
+    params = SamplingParams(max_tokens=8, temperature=0)
+    return [
+        (
+            EngineCoreRequest(f"{tag}-d{i}", prompt, params, now, _stream_params(tid)),
+            EngineCoreRequest(
+                f"{tag}-p{i}", prompt, one, now, {"do_remote_decode": True, "transfer_id": tid}
+            ),
+        )
+        for i, (prompt, tid) in enumerate(zip(prompts, transfer_ids, strict=True))
+    ]
+
+
+def test_layers_are_read_while_the_prefill_computes_and_answers_match(cores, tiny_qwen2):
+    prefiller, decoder = cores["prefill"], cores["decode"]
+    prompts = [[7, *p] for p in tokenize_all(tiny_qwen2, PROMPT_TEXTS)]
+    _run_together(decoder, prefiller, _pairs([[9, 9, 9]], "warm", [uuid.uuid4().hex]))  # handshakes
+    before = decoder.stats().kv_connector
+    tids = [uuid.uuid4().hex for _ in prompts]
+    decoded, finals = _run_together(decoder, prefiller, _pairs(prompts, "lw", tids))
+    expected = _colocated(cores["colocated"], prompts, SamplingParams(max_tokens=8, temperature=0), "lw")
+    for i, prompt in enumerate(prompts):
+        assert finals[f"lw-d{i}"].error is None, finals[f"lw-d{i}"].error
+        assert decoded[f"lw-d{i}"] == expected[i]
+        assert finals[f"lw-d{i}"].num_cached_tokens == len(prompt) - 1  # the prompt's KV came over NIXL
+    after = decoder.stats().kv_connector
+    early = after.get("nixl_layers_read_early", 0) - before.get("nixl_layers_read_early", 0)
+    transfers = after["nixl_transfers"] - before.get("nixl_transfers", 0)
+    assert early > 0, after  # READs started before the prefill finished
+    assert transfers > len(prompts)  # layer by layer, not one READ per prompt
+    _drain(prefiller, decoder)
