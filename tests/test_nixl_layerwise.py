@@ -33,6 +33,7 @@ from kvferry.sampling_params import SamplingParams
 from tests.engine_helpers import PROMPT_TEXTS, tokenize_all
 
 LAYER_DELAY_S = 0.2
+STREAM_WAIT_S = 3.0
 
 
 def _config(model_dir: Path, kv: KVTransferConfig | None, layout: str) -> EngineConfig:
@@ -64,7 +65,12 @@ def _prefill_config(layerwise: bool) -> KVTransferConfig:
 
 @pytest.fixture(scope="module")
 def cores(tiny_qwen2: Path) -> Iterator[dict[str, EngineCore]]:
-    consumer = KVTransferConfig("NixlConnector", kv_role="consumer", kv_load_failure_policy="fail")
+    consumer = KVTransferConfig(
+        "NixlConnector",
+        kv_role="consumer",
+        kv_load_failure_policy="fail",
+        kv_connector_extra_config={"stream_wait_s": STREAM_WAIT_S},
+    )
     made = {
         "prefill": EngineCore(_config(tiny_qwen2, _prefill_config(True), "NHD")),
         "decode": EngineCore(_config(tiny_qwen2, consumer, "HND")),
@@ -198,4 +204,59 @@ def test_layers_are_read_while_the_prefill_computes_and_answers_match(cores, tin
     transfers = after["nixl_transfers"] - before.get("nixl_transfers", 0)
     assert early > 0, after  # READs started before the prefill finished
     assert transfers > len(prompts)  # layer by layer, not one READ per prompt
+    _drain(prefiller, decoder)
+
+
+def _decode_alone(decoder: EngineCore, request: EngineCoreRequest, prefiller: EngineCore) -> EngineCoreOutput:
+    """Step the decoder (the prefiller on its own thread) until `request` ends; its last output."""
+    with Stepping(prefiller):
+        decoder.add_request(request)
+        deadline = time.monotonic() + 30
+        while True:
+            assert time.monotonic() < deadline, "the request did not end"
+            outputs = [out for out in decoder.step() if out.finished]
+            if outputs:
+                return outputs[0]
+            time.sleep(0.002)
+
+
+def test_a_prefill_that_never_comes_fails_the_load_after_the_wait(cores, tiny_qwen2):
+    prefiller, decoder = cores["prefill"], cores["decode"]
+    prompt = tokenize_all(tiny_qwen2, PROMPT_TEXTS[:1])[0]
+    request = EngineCoreRequest(
+        "never-d", prompt, SamplingParams(max_tokens=4), time.time(), _stream_params("nobody")
+    )
+    start = time.monotonic()
+    out = _decode_alone(decoder, request, prefiller)
+    assert out.error is not None and "loading the request's KV cache failed" in out.error, out.error
+    assert STREAM_WAIT_S <= time.monotonic() - start < STREAM_WAIT_S + 10
+    _drain(prefiller, decoder)
+
+
+def test_an_aborted_prefill_fails_its_decoder_at_once(cores, tiny_qwen2):
+    """The prefill ends before its last chunk ran: the transfer id is remembered as gone,
+    so the decoder's next question fails its load now, not after the wait."""
+    prefiller, decoder = cores["prefill"], cores["decode"]
+    prompt = tokenize_all(tiny_qwen2, PROMPT_TEXTS[1:2])[0]
+    ((decode, prefill),) = _pairs([prompt], "abort", ["abort-tid"])
+    prefiller.add_request(prefill)
+    prefiller.abort_requests([prefill.req_id])
+    start = time.monotonic()
+    out = _decode_alone(decoder, decode, prefiller)
+    assert out.error is not None and "loading the request's KV cache failed" in out.error, out.error
+    assert time.monotonic() - start < STREAM_WAIT_S
+    _drain(prefiller, decoder)
+
+
+def test_a_transfer_id_of_another_prompt_is_a_client_error(cores, tiny_qwen2):
+    """The prefiller holds the transfer for another prompt: the decoder refuses the params
+    (HTTP 400 kind) and reads nothing."""
+    prefiller, decoder = cores["prefill"], cores["decode"]
+    prompts = tokenize_all(tiny_qwen2, PROMPT_TEXTS[2:4])
+    ((_, prefill),) = _pairs(prompts[:1], "other", ["other-tid"])
+    ((decode, _),) = _pairs(prompts[1:2], "other", ["other-tid"])
+    prefiller.add_request(prefill)
+    out = _decode_alone(decoder, decode, prefiller)
+    assert out.invalid_param == "kv_transfer_params" and "does not match" in out.error, out.error
+    prefiller.release_kv([prefill.req_id])  # as the proxy does for a leg no decoder answered
     _drain(prefiller, decoder)

@@ -149,6 +149,13 @@ class KVConnectorBase:
         return spec
 
     @classmethod
+    def stream_source(cls, spec: ConnectorSpec, engine_config: EngineConfig) -> KVTransferParams | None:
+        """P/D, layer-wise: what a decode request needs, besides the transfer id, to stream
+        this instance's prefills (the proxy asks for it: GET /v1/kv_transfer/source); None
+        if this connector does not stream prefills."""
+        return None
+
+    @classmethod
     def validate_kv_transfer_params(cls, spec: ConnectorSpec, params: KVTransferParams | None) -> None:
         """Check a request's kv_transfer_params synchronously in the front end; raise
         InvalidRequestError (HTTP 400) for malformed ones. Default: accept anything."""

@@ -85,6 +85,12 @@ def kv_params_validator(engine_config: EngineConfig) -> Callable[[KVTransferPara
     return functools.partial(connector_class(spec).validate_kv_transfer_params, spec)
 
 
+def kv_stream_source(engine_config: EngineConfig) -> KVTransferParams | None:
+    """How a decoder streams this instance's prefills (KVConnectorBase.stream_source)."""
+    spec = connector_spec(engine_config)
+    return None if spec is None else connector_class(spec).stream_source(spec, engine_config)
+
+
 def create_connector(
     engine_config: EngineConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig, tp_rank: int = 0
 ) -> KVConnectorBase | None:

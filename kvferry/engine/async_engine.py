@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvferry.config import EngineConfig, ModelConfig
-from kvferry.connector.factory import kv_params_validator, resolve_connector
+from kvferry.connector.factory import kv_params_validator, kv_stream_source, resolve_connector
 from kvferry.engine.core import EngineStats
 from kvferry.engine.core_client import CoreClient, CoreStart
 from kvferry.engine.core_proc import CoreFactory, make_engine_core
@@ -136,6 +136,8 @@ class AsyncEngine:
         # Finished requests whose answer carried kv_transfer_params (the connector may keep
         # their KV for a remote consumer), oldest first: the ids release_kv accepts.
         self._kept_kv: OrderedDict[str, None] = OrderedDict()
+        # P/D, layer-wise: what decoders stream this instance's prefills with (None: they cannot).
+        self.kv_stream_source: KVTransferParams | None = None
 
     @classmethod
     def from_config(
@@ -157,7 +159,9 @@ class AsyncEngine:
             client.shutdown()
             raise
         inputs = InputProcessor(config.model, tokenizer, kv_params_validator(config))
-        return cls(config.model, client, inputs, OutputProcessor(tokenizer), tokenizer)
+        engine = cls(config.model, client, inputs, OutputProcessor(tokenizer), tokenizer)
+        engine.kv_stream_source = kv_stream_source(config)
+        return engine
 
     # -- public API ----------------------------------------------------------------------
 

@@ -95,6 +95,20 @@ class NixlConnector(KVConnectorBase):
         return dataclasses.replace(spec, transfer=transfer)
 
     @classmethod
+    def stream_source(cls, spec: ConnectorSpec, engine_config: EngineConfig) -> KVTransferParams | None:
+        """A layer-wise prefill instance's side channel, for decode requests' params."""
+        settings = NixlSettings.from_extra(spec.transfer.kv_connector_extra_config)
+        if spec.transfer.kv_role is KVRole.CONSUMER or not settings.layerwise:
+            return None
+        return {
+            "do_remote_prefill": True,
+            "remote_engine_id": settings.engine_id,
+            "remote_host": settings.side_channel_host,
+            "remote_port": settings.side_channel_port,
+            "remote_tp_size": engine_config.parallel.tensor_parallel_size,
+        }
+
+    @classmethod
     def validate_kv_transfer_params(cls, spec: ConnectorSpec, params: KVTransferParams | None) -> None:
         validate_params(spec.transfer.kv_role, params)
 

@@ -241,7 +241,10 @@ class NixlScheduler:
         else:
             state.failure = f"the prefill engine did not answer: {pending.error or 'bad reply'}"
         logger.warning("streamed KV of %s cannot be loaded: %s", state.remote.request_id, state.failure)
-        state.stage = Stage.READY  # the load reports the failure (policy), as for a whole prefill
+        # The load reports the failure (policy), as for a whole prefill, over the tokens the
+        # prefill would have held.
+        state.remote = dataclasses.replace(state.remote, num_tokens=state.request.num_prompt_tokens)
+        state.stage = Stage.READY
 
     def _stream_held(self, state: DecodeState, reply: ProgressReply) -> None:
         """The prefiller holds the prefill: check what it holds as params would be checked."""
@@ -337,13 +340,17 @@ class NixlScheduler:
         if num_external <= 0:
             self._release(state)
             return
-        groups = blocks_to_read(
-            self.groups,
-            block_ids,
-            state.remote.block_ids,
-            state.num_computed,
-            state.num_computed + num_external,
-            null_block(state.engine.groups),
+        groups = (
+            ()
+            if state.failure is not None and state.remote.streamed
+            else blocks_to_read(
+                self.groups,
+                block_ids,
+                state.remote.block_ids,
+                state.num_computed,
+                state.num_computed + num_external,
+                null_block(state.engine.groups),
+            )
         )
         remote = state.remote
         self.loads.append(

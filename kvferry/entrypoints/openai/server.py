@@ -2,6 +2,7 @@
 
     /v1/completions, /v1/chat/completions   (SSE when "stream": true)
     /v1/kv_transfer/release                  free the KV kept for a remote decoder now
+    /v1/kv_transfer/source                   how decoders stream this instance's prefills (layer-wise)
     /v1/models, /health, /metrics (Prometheus text)
 
 ``kv_transfer_params`` in a request and the release route are the proxy's alone: with a
@@ -118,6 +119,16 @@ def build_app(
         except UnknownRequestError:
             pass
         return {"request_id": body.request_id, "released": True}
+
+    @v1.get("/kv_transfer/source")
+    async def kv_transfer_source(request: Request) -> Response:
+        """Layer-wise P/D: the params (less the transfer id) a decode request streams this
+        instance's prefills with; 404 if its connector does not stream them. The proxy's alone."""
+        credential.require(request.headers, "the KV transfer source")
+        source = engine.kv_stream_source
+        if source is None:
+            raise UnknownRequestError("this instance does not stream its prefills (layer-wise KV transfer)")
+        return JSONResponse({"kv_transfer_params": source})
 
     app.include_router(v1)
     _add_ops_routes(app, engine, served_model_name)

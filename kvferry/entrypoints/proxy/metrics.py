@@ -75,6 +75,7 @@ class PrefillPath(str, Enum):
     """Where a leg's prompt is computed."""
 
     REMOTE = "remote"  # a prefill instance, its KV transferred to the decoder
+    STREAMED = "streamed"  # a prefill instance, its KV read layer by layer as it computes
     LOCAL = "local"  # the decoder itself (short or mostly cached on the decoders)
 
 
@@ -128,8 +129,8 @@ class ProxyMetrics:
 
         self._paths = Counter(
             "kvferry_proxy:prefill_path",
-            "legs by where their prompt was computed: on a prefill instance (remote) or on the "
-            "decoder itself (local: --local-prefill-tokens)",
+            "legs by where their prompt was computed: on a prefill instance (remote; streamed: "
+            "its KV read layer by layer) or on the decoder itself (local: --local-prefill-tokens)",
             ["path"],
             registry=self.registry,
         )

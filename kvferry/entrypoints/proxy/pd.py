@@ -31,6 +31,7 @@ from typing import Any
 
 from kvferry.entrypoints.http_common import gather_or_cancel
 from kvferry.entrypoints.proxy.failover import DECODER_LOST
+from kvferry.entrypoints.proxy.layerwise import can_stream, start_streamed_prefill
 from kvferry.entrypoints.proxy.metrics import PrefillPath, ProxyMetrics
 from kvferry.entrypoints.proxy.pool import Instance, InstancePool
 from kvferry.entrypoints.proxy.prefix_index import PrefixIndex, RouteKey
@@ -241,8 +242,17 @@ async def run_prefill(
     if prefills_locally(ctx, route):
         ctx.metrics.prefill_path(PrefillPath.LOCAL)
         return Prefilled(None, {}, route)
+    first = ctx.prefill.acquire(route=route)
+    if can_stream(body):
+        params = await start_streamed_prefill(ctx, first, path, prefill_body(path, body), headers)
+        if params is not None:
+            ctx.metrics.prefill_path(PrefillPath.STREAMED)
+            answer = {"kv_transfer_params": params, "model": body.get("model"), "created": int(time.time())}
+            return Prefilled(first, answer, route)
     ctx.metrics.prefill_path(PrefillPath.REMOTE)
-    work = ctx.upstream.post_json(ctx.prefill, path, prefill_body(path, body), headers, route=route)
+    work = ctx.upstream.post_json(
+        ctx.prefill, path, prefill_body(path, body), headers, route=route, first=first
+    )
     task = asyncio.ensure_future(work)
     try:
         inst, response = await asyncio.shield(task)

@@ -27,6 +27,11 @@ class Instance:
     num_requests: int = 0
     instance_id: str | None = None  # the run of the server last seen healthy (its /health)
     restarts: int = 0  # times a healthy answer came from another run than the last one
+    # Layer-wise P/D (layerwise.py): the instance's /v1/kv_transfer/source, and the run it
+    # was asked of (asked again once another run answers /health).
+    stream_source: dict[str, Any] | None = None
+    stream_source_asked: bool = False
+    stream_source_run: str | None = None
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -106,10 +106,12 @@ class Upstream:
         headers: dict[str, str],
         move_when_lost: bool = True,
         route: RouteKey | None = None,
+        first: Instance | None = None,
     ) -> tuple[Instance, dict[str, Any]]:
         """POST ``body`` to an instance of ``pool``; its JSON answer (HTTP 200 only).
-        ``route``: the prompt, for a policy that places requests by where their KV is."""
-        inst, resp = await self._send(pool, "POST", path, body, headers, False, move_when_lost, route)
+        ``route``: the prompt, for a policy that places requests by where their KV is;
+        ``first``: the instance to try first, already acquired from ``pool``."""
+        inst, resp = await self._send(pool, "POST", path, body, headers, False, move_when_lost, route, first)
         try:
             data = resp.json()
         except ValueError as exc:
@@ -117,6 +119,21 @@ class Upstream:
         if not isinstance(data, dict):
             raise UpstreamUnavailableError(f"{pool.role} instance {inst.url} sent a non-object answer")
         return inst, data
+
+    async def post_pinned(
+        self, pool: InstancePool, inst: Instance, path: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> dict[str, Any]:
+        """POST to ``inst`` alone (acquired by the caller; released here): no other instance
+        may take the request. Its JSON answer (HTTP 200 only)."""
+        try:
+            resp = await self._attempt(pool, inst, "POST", path, body, headers, False)
+        except (*_RETRYABLE, InstanceLostError) as exc:
+            pool.mark(inst, False, f"{type(exc).__name__}: {exc}")
+            raise UpstreamUnavailableError(f"{pool.role} instance {inst.url} failed: {exc}") from exc
+        finally:
+            pool.release(inst)
+        data = json.loads(resp.content or b"{}")
+        return data if isinstance(data, dict) else {}
 
     async def release_kv(
         self, pool: InstancePool, inst: Instance, request_id: str, headers: dict[str, str]
@@ -188,13 +205,20 @@ class Upstream:
         stream: bool,
         move_when_lost: bool = True,
         route: RouteKey | None = None,
+        first: Instance | None = None,
     ) -> tuple[Instance, httpx.Response]:
-        """Try the pool's instances until one answers. One lost while holding the request
-        is left like one that refused the connection, unless ``move_when_lost`` is false
-        (the caller fails over itself): then InstanceLostError."""
+        """Try the pool's instances (``first``, acquired already, before the others) until
+        one answers. One lost while holding the request is left like one that refused the
+        connection, unless ``move_when_lost`` is false (the caller fails over itself): then
+        InstanceLostError."""
         tried: list[Instance] = []
         while True:
-            inst = pool.acquire(exclude=tried, route=route)  # NoHealthyInstanceError (503) when none is left
+            if first is not None:
+                inst, first = first, None
+            else:
+                inst = pool.acquire(
+                    exclude=tried, route=route
+                )  # NoHealthyInstanceError (503) when none is left
             try:
                 resp = await self._attempt(pool, inst, method, path, body, headers, stream)
             except (*_RETRYABLE, InstanceLostError) as exc:

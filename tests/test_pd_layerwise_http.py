@@ -1,0 +1,109 @@
+"""Layer-wise P/D through `kvferry proxy`: real `kvferry serve` processes, real NIXL agents.
+
+The prefill instances run the NixlConnector with ``"layerwise": true``; the proxy finds
+that at ``GET /v1/kv_transfer/source`` and sends each leg's prefill and decode requests
+together: the decoder reads each layer's KV as the prefiller's forward saves it, and
+outputs the prefiller's first token from the acknowledgement. Across TP sizes (1 -> 2
+with a layout change, 2 -> 1), greedy answers, streamed or not, equal a colocated
+engine's byte for byte; the proxy counts every leg as streamed, the decoders count layers
+read before their prefill finished, and every pool ends all free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from tests import plain_http
+from tests.pd_support import (
+    ServerSpec,
+    colocated_greedy,
+    complete,
+    nixl,
+    prompt_set,
+    proxying,
+    serving,
+    wait_idle,
+)
+
+# slow: four `kvferry serve` processes (two with two TP ranks) and three proxies (make test-all only)
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 10
+CHUNK = ("--max-num-batched-tokens", "64")
+LAYERWISE = {"layerwise": True, "fault_layer_delay_s": 0.01}  # a slower forward: reads overlap it
+PAIRS = {"1to2": ("p1", "d2"), "2to1": ("p2", "d1"), "1to1": ("p1", "d1")}
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    specs = {
+        "p1": ServerSpec(nixl("producer", **LAYERWISE), args=CHUNK),
+        "p2": ServerSpec(nixl("producer", **LAYERWISE), tp=2, args=CHUNK),
+        "d1": ServerSpec(nixl("consumer"), args=CHUNK),
+        "d2": ServerSpec(nixl("consumer"), tp=2, layout="HND", args=CHUNK),
+    }
+    with serving(tiny_llama, tmp_path_factory.mktemp("pd_layerwise"), specs) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def proxies(servers: dict, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    pairs = {name: (servers[p], servers[d]) for name, (p, d) in PAIRS.items()}
+    with proxying(pairs, tmp_path_factory.mktemp("pd_layerwise_proxy")) as urls:
+        yield urls
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_llama: Path) -> list[str | list[int]]:
+    return prompt_set(AutoTokenizer.from_pretrained(tiny_llama))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama: Path, prompts: list) -> list[str]:
+    return [o.text for o in colocated_greedy(tiny_llama, prompts, MAX_TOKENS)]
+
+
+def _streamed_legs(url: str) -> float:
+    text = plain_http.get(url + "/metrics", timeout=10).text
+    lines = [
+        line
+        for line in text.splitlines()
+        if line.startswith('kvferry_proxy:prefill_path_total{path="streamed"}')
+    ]
+    return float(lines[0].rpartition(" ")[2]) if lines else 0.0
+
+
+@pytest.mark.parametrize("pair", list(PAIRS))
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "sse"])
+def test_layerwise_answers_equal_colocated(servers, proxies, prompts, reference, tiny_llama, pair, stream):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    url = proxies[pair]
+    decoder = servers[PAIRS[pair][1]]
+    before = decoder.metrics()
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda p: complete(url, p, MAX_TOKENS, stream), prompts))
+    for prompt, result, expected in zip(prompts, results, reference, strict=True):
+        assert result.text == expected, prompt
+        if result.cached is not None:  # every prompt token but the last came over NIXL
+            assert result.cached == len(prompt if isinstance(prompt, list) else tokenizer.encode(prompt)) - 1
+    assert _streamed_legs(url) >= len(prompts)
+    after = wait_idle(decoder)
+    wait_idle(servers[PAIRS[pair][0]])
+    early = after.get("kv_connector_nixl_layers_read_early", 0) - before.get(
+        "kv_connector_nixl_layers_read_early", 0
+    )
+    assert early > 0, after  # layers were read while their prefill still computed
+
+
+def test_the_source_is_the_proxys_and_only_a_streaming_prefiller_has_one(servers):
+    source = plain_http.get(servers["p2"].url + "/v1/kv_transfer/source", timeout=10)
+    assert source.status_code == 200, source.text
+    params = source.json()["kv_transfer_params"]
+    assert params["remote_tp_size"] == 2 and params["do_remote_prefill"] is True
+    missing = plain_http.get(servers["d1"].url + "/v1/kv_transfer/source", timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "NotFoundError"
