@@ -6,7 +6,16 @@ end-to-end / throughput) against it, stops it, and starts the next:
 
 - ``colocated``: one ``kvferry serve`` that may use every core;
 - ``pd``: ``kvferry disagg`` (``--prefill`` + ``--decode`` instances behind the proxy, KV
-  pulled over NIXL; on a CPU each instance pinned to its own share of the cores).
+  pulled over NIXL; on a CPU each instance pinned to its own share of the cores);
+- ``pd-layerwise``: the same with layer-wise prefillers (``"layerwise": true``): the proxy
+  sends both legs at once and the decoder reads each layer as the prefill computes.
+
+With ``--link RATE[,DELAY]`` every instance runs on an emulated host of its own whose link
+is shaped (pd_link.py: network namespaces, ``tc``; needs root), one prefill and one decode
+instance:
+
+    kvferry bench pd smollm2 --link 1gbit,100us --input-len 4000 --output-len 16 \
+        --request-rate 0.1 --max-concurrency 1 --deployments colocated pd pd-layerwise
 
 All runs land in one JSON file (one labelled run per deployment) and its PNG:
 
@@ -26,17 +35,24 @@ from pathlib import Path
 
 from kvferry.entrypoints.disagg import Child, spawn, stop_all, wait_healthy
 from kvferry.ports import free_port
-from kvferry_bench import serve
+from kvferry_bench import pd_link, serve
+from kvferry_bench.pd_link import Link
 
 logger = logging.getLogger(__name__)
 
-DEPLOYMENTS = ("colocated", "pd")
+DEPLOYMENTS = ("colocated", "pd", "pd-layerwise")
 SERVED_NAME = "kvferry-bench"
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default="smollm2", help="as for `kvferry serve`")
-    parser.add_argument("--deployments", nargs="+", default=list(DEPLOYMENTS), choices=DEPLOYMENTS)
+    parser.add_argument("--deployments", nargs="+", default=["colocated", "pd"], choices=DEPLOYMENTS)
+    parser.add_argument(
+        "--link",
+        type=Link.parse,
+        default=None,
+        help="RATE[,DELAY]: each instance on its own emulated host, its link shaped (tc units: 1gbit,100us)",
+    )
     parser.add_argument("--prefill", type=int, default=1, help="pd: prefill instances")
     parser.add_argument("--decode", type=int, default=1, help="pd: decode instances")
     parser.add_argument("--prefill-tp", type=int, default=1)
@@ -61,7 +77,8 @@ def deployment_command(args: argparse.Namespace, name: str, port: int) -> list[s
         return cli + ["serve", args.model, *common]
     sizes = ["--prefill", str(args.prefill), "--decode", str(args.decode)]
     sizes += ["--prefill-tp", str(args.prefill_tp), "--decode-tp", str(args.decode_tp)]
-    return cli + ["disagg", args.model, *sizes, *common]
+    layerwise = ["--kv-connector-extra-config", '{"layerwise": true}'] if name == "pd-layerwise" else []
+    return cli + ["disagg", args.model, *sizes, *layerwise, *common]
 
 
 def serve_args(args: argparse.Namespace, label: str, url: str, command: list[str]) -> argparse.Namespace:
@@ -101,8 +118,13 @@ def run(args: argparse.Namespace) -> dict:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvferry-bench-pd-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     doc: dict = {}
+    if args.link is not None:
+        pd_link.check_can_run()
     for name in args.deployments:
-        doc = bench_deployment(args, name, log_dir)
+        if args.link is not None:
+            doc = pd_link.bench_deployment(args, name, log_dir, serve_args)
+        else:
+            doc = bench_deployment(args, name, log_dir)
     logger.info(
         "results: %s (plot %s); logs in %s", args.output, Path(args.output).with_suffix(".png"), log_dir
     )

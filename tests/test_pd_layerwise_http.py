@@ -68,14 +68,14 @@ def reference(tiny_llama: Path, prompts: list) -> list[str]:
     return [o.text for o in colocated_greedy(tiny_llama, prompts, MAX_TOKENS)]
 
 
-def _streamed_legs(url: str) -> float:
+def _proxy_count(url: str, sample: str) -> float:
     text = plain_http.get(url + "/metrics", timeout=10).text
-    lines = [
-        line
-        for line in text.splitlines()
-        if line.startswith('kvferry_proxy:prefill_path_total{path="streamed"}')
-    ]
+    lines = [line for line in text.splitlines() if line.startswith(sample + " ")]
     return float(lines[0].rpartition(" ")[2]) if lines else 0.0
+
+
+STREAMED = 'kvferry_proxy:prefill_path_total{path="streamed"}'
+EARLY = "kvferry_proxy:early_first_tokens_total"
 
 
 @pytest.mark.parametrize("pair", list(PAIRS))
@@ -85,13 +85,17 @@ def test_layerwise_answers_equal_colocated(servers, proxies, prompts, reference,
     url = proxies[pair]
     decoder = servers[PAIRS[pair][1]]
     before = decoder.metrics()
+    early_before = _proxy_count(url, EARLY)
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda p: complete(url, p, MAX_TOKENS, stream), prompts))
     for prompt, result, expected in zip(prompts, results, reference, strict=True):
         assert result.text == expected, prompt
         if result.cached is not None:  # every prompt token but the last came over NIXL
             assert result.cached == len(prompt if isinstance(prompt, list) else tokenizer.encode(prompt)) - 1
-    assert _streamed_legs(url) >= len(prompts)
+    assert _proxy_count(url, STREAMED) >= len(prompts)
+    # Streamed answers: the prefill's token went to the client before the decoder's stream
+    # (the decoder's first chunk waits for the prefill's end, then a read and a step).
+    assert (_proxy_count(url, EARLY) > early_before) is stream
     after = wait_idle(decoder)
     wait_idle(servers[PAIRS[pair][0]])
     early = after.get("kv_connector_nixl_layers_read_early", 0) - before.get(

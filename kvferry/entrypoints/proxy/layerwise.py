@@ -11,13 +11,12 @@ free the instance; a prefill that fails leaves the decoder to its load-failure p
 (recompute: it computes the prompt itself).
 
 Whole-request transfer stays for everything else: an instance that does not stream, and a
-leg that asks for prompt_logprobs (only the prefiller computes them). The early first
-token (streaming.py) needs the prefill's answer, so a streamed leg's first token comes
-from the decoder.
+leg that asks for prompt_logprobs (only the prefiller computes them).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -63,10 +62,11 @@ async def stream_source(ctx: ProxyContext, inst: Instance, headers: dict[str, st
 
 async def start_streamed_prefill(
     ctx: ProxyContext, inst: Instance, path: str, prefill: dict[str, Any], headers: dict[str, str]
-) -> dict[str, Any] | None:
+) -> tuple[dict[str, Any], asyncio.Future[dict[str, Any] | None]] | None:
     """Send the leg's prefill (``prefill``: its body) to ``inst`` (acquired by the caller) if
     it streams, and return, without waiting for its answer, the params that point a decoder
-    to it (``inst`` is released once the prefill answered); None if it does not stream."""
+    to it and the answer to come (``inst`` is released once it came; None if the prefill
+    failed); None if the instance does not stream."""
     try:
         source = await stream_source(ctx, inst, headers)
     except BaseException:
@@ -76,15 +76,16 @@ async def start_streamed_prefill(
         return None
     transfer_id = uuid.uuid4().hex
     prefill = {**prefill, "kv_transfer_params": {**prefill["kv_transfer_params"], "transfer_id": transfer_id}}
-    ctx.spawn(_prefill(ctx, inst, path, prefill, headers))
-    return {**source, "do_remote_prefill": True, "remote_transfer_id": transfer_id}
+    answer = ctx.spawn(_prefill(ctx, inst, path, prefill, headers))
+    return {**source, "do_remote_prefill": True, "remote_transfer_id": transfer_id}, answer
 
 
 async def _prefill(
     ctx: ProxyContext, inst: Instance, path: str, body: dict[str, Any], headers: dict[str, str]
-) -> None:
+) -> dict[str, Any] | None:
     """The streamed prefill's own request, on the instance its params name (no other will do)."""
     try:
-        await ctx.upstream.post_pinned(ctx.prefill, inst, path, body, headers)
+        return await ctx.upstream.post_pinned(ctx.prefill, inst, path, body, headers)
     except Exception as exc:  # the decoder's load fails in turn: its policy answers
         logger.warning("streamed prefill on %s failed: %s", inst.url, exc)
+        return None

@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kvferry.entrypoints.http_common import gather_or_cancel
 from kvferry.entrypoints.proxy.failover import DECODER_LOST
@@ -40,6 +40,7 @@ from kvferry.entrypoints.proxy.upstream import Upstream
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 
@@ -57,16 +58,17 @@ class ProxyContext:
     prefix_index: PrefixIndex | None = None  # --policy prefix: the instances' cached blocks
     local_prefill_tokens: int = 0  # legs with at most this many uncached tokens skip the prefiller
     pools: list[InstancePool] = field(init=False)
-    background: set[asyncio.Future[None]] = field(init=False, default_factory=set)
+    background: set[asyncio.Future[Any]] = field(init=False, default_factory=set)
 
     def __post_init__(self) -> None:
         self.pools = [self.prefill, self.decode]
 
-    def spawn(self, work: Awaitable[None]) -> None:
+    def spawn(self, work: Awaitable[T]) -> asyncio.Future[T]:
         """Run ``work`` outside the calling request (which may be being cancelled)."""
         task = asyncio.ensure_future(work)
         self.background.add(task)
         task.add_done_callback(self.background.discard)
+        return task
 
     async def cancel_background(self) -> None:
         tasks = list(self.background)
@@ -228,6 +230,9 @@ class Prefilled:
     instance: Instance | None
     response: dict[str, Any]
     route: RouteKey | None = None
+    # A streamed (layer-wise) leg: its prefill's own answer, still on the way (None if the
+    # prefill failed); ``response`` holds only the params pointing the decoder to it.
+    answer: asyncio.Future[dict[str, Any] | None] | None = None
 
 
 async def run_prefill(
@@ -244,11 +249,12 @@ async def run_prefill(
         return Prefilled(None, {}, route)
     first = ctx.prefill.acquire(route=route)
     if can_stream(body):
-        params = await start_streamed_prefill(ctx, first, path, prefill_body(path, body), headers)
-        if params is not None:
+        streamed = await start_streamed_prefill(ctx, first, path, prefill_body(path, body), headers)
+        if streamed is not None:
             ctx.metrics.prefill_path(PrefillPath.STREAMED)
-            answer = {"kv_transfer_params": params, "model": body.get("model"), "created": int(time.time())}
-            return Prefilled(first, answer, route)
+            params, answer = streamed
+            pointer = {"kv_transfer_params": params, "model": body.get("model"), "created": int(time.time())}
+            return Prefilled(first, pointer, route, answer)
     ctx.metrics.prefill_path(PrefillPath.REMOTE)
     work = ctx.upstream.post_json(
         ctx.prefill, path, prefill_body(path, body), headers, route=route, first=first

@@ -39,11 +39,12 @@ does, then ``[DONE]``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from kvferry.entrypoints.http_common import SSE_DONE as SSE_DONE_EVENT
@@ -111,8 +112,10 @@ class StreamLeg:
         self.client_wants_ids = bool(body.get("return_token_ids"))
         self.prompt_logprobs: list[Any] | None = None  # the prefiller's, for the decoder's chunks
         self.prompt_logprobs_sent: set[int] = set()  # choices that got them (chat: index 0, once)
+        self.allow_early = False
 
     async def prepare(self, allow_early: bool) -> None:
+        self.allow_early = allow_early
         self.prefill = await run_prefill(self.ctx, self.path, self.body, self.headers)
         self.prompt_logprobs = prefill_prompt_logprobs(self.path, self.body, self.prefill.response)
         if self.named is not None:
@@ -131,11 +134,13 @@ class StreamLeg:
             raise RuntimeError("the leg has not started: no prefill answer yet")
         return self.prefill
 
-    def _can_send_early(self, text: str) -> bool:
+    def _can_send_early(self, text: str, response: dict[str, Any] | None = None) -> bool:
+        """Whether ``text`` may go before the decoder's stream (``response``: the prefill's
+        answer, if not the leg's)."""
         return (
             bool(text)
             and REPLACEMENT_CHAR not in text
-            and decoder_repeats_first_token(self.body, self._prefilled().response)
+            and decoder_repeats_first_token(self.body, response or self._prefilled().response)
             and not stop_may_cut(text, self.body.get("stop"))
         )
 
@@ -166,17 +171,56 @@ class StreamLeg:
             self.pending = self.early
             self.first = await self._open_decoder()
         assert self.first is not None
-        async for chunk in self._stream_chunks(self.first, list(range(self.answers))):
-            yield chunk
+        decoder = self._stream_chunks(self.first, list(range(self.answers)))
+        async with contextlib.aclosing(decoder):
+            async for chunk in self._with_streamed_prefill(decoder):
+                yield chunk
         usage = self.sent.leg_usage(self.resumed_usage)
         if usage is not None and not self.usage_sent:
             yield {**chunk_meta(self.path, self._prefilled().response), "choices": [], "usage": usage}
         if self.pending:
             logger.warning("decoder's answer is shorter than the prefill's first token %r", self.early)
 
+    async def _with_streamed_prefill(
+        self, decoder: AsyncGenerator[dict[str, Any], None]
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The decoder's chunks; for a streamed (layer-wise) leg, the prefill's token first
+        when its answer comes before the decoder's first chunk and may go early."""
+        answer = self._prefilled().answer
+        if answer is None or not self.allow_early or self.named is not None:
+            async for chunk in decoder:
+                yield chunk
+            return
+        first = asyncio.ensure_future(anext(decoder, None))
+        try:
+            await asyncio.wait({first, answer}, return_when=asyncio.FIRST_COMPLETED)
+            response = answer.result() if answer.done() and not first.done() else None
+            if response is not None and self._can_send_early(first_text(self.path, response), response):
+                for early in self._early(response, first_text(self.path, response)):
+                    yield early
+            head = await first
+        except BaseException:
+            first.cancel()
+            raise
+        if head is not None:
+            yield head
+        async for chunk in decoder:
+            yield chunk
+
+    def _early(self, response: dict[str, Any], text: str) -> list[dict[str, Any]]:
+        """Choice 0's first text as chunks, and the state that drops it from the decoder's."""
+        self.ctx.metrics.early_first_token()
+        chunks = [
+            self._with_prompt_logprobs(c) for c in early_chunks(self.path, response, text, self.answers)
+        ]
+        if self.path == CHAT:
+            self.roles_sent.update(range(self.answers))
+        self.early = self.pending = text
+        return chunks
+
     async def _stream_chunks(
         self, stream: UpstreamStream, choices: list[int]
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncGenerator[dict[str, Any], None]:
         """The client's chunks of one decoder stream, whose answer i is the leg's choice
         ``choices[i]``; a stream lost midway is continued, per unfinished choice, on others."""
         try:
