@@ -171,14 +171,19 @@ def _drain(*cores: EngineCore) -> None:
 
 
 def _pairs(
-    prompts: list[list[int]], tag: str, transfer_ids: list[str]
+    prompts: list[list[int]],
+    tag: str,
+    transfer_ids: list[str],
+    engine_id: str = PREFILL_ENGINE,
+    port: int = PREFILL_PORT,
 ) -> list[tuple[EngineCoreRequest, EngineCoreRequest]]:
+    """(decode, prefill) request pairs, each decode pointing to its prefill's transfer id."""
     now = time.time()
     one = SamplingParams(max_tokens=1, temperature=0)
     params = SamplingParams(max_tokens=8, temperature=0)
     return [
         (
-            EngineCoreRequest(f"{tag}-d{i}", prompt, params, now, _stream_params(tid)),
+            EngineCoreRequest(f"{tag}-d{i}", prompt, params, now, _stream_params(tid, engine_id, port)),
             EngineCoreRequest(
                 f"{tag}-p{i}", prompt, one, now, {"do_remote_decode": True, "transfer_id": tid}
             ),

@@ -117,6 +117,15 @@ def test_equal_layouts_read_whole_block_runs(layout, local_ids, remote_ids):
     assert sorted(plan.local[:, 1].tolist()) == [block] * (LAYERS * 2) + [3 * block] * (LAYERS * 2)
 
 
+def test_a_plan_over_no_layers_reads_nothing():
+    """Layer-wise loads plan per batch of layers; a group none of whose layers is in the
+    batch (a sliding group while full layers arrive) reads nothing, and fails nothing."""
+    remote = [_tensor(Layout.NHD, HEADS) for _ in range(LAYERS)]
+    local = [_tensor(Layout.NHD, HEADS) for _ in range(LAYERS)]
+    plan = plan_read(_view(Layout.NHD, 1, 0, local), _view(Layout.NHD, 1, 0, remote), [], [3, 4], [0, 1])
+    assert plan.num_descriptors == 0 and plan.num_bytes == 0
+
+
 def test_mixed_layouts_fall_back_to_rows():
     remote = [_tensor(Layout.NHD, HEADS)]
     local = [_tensor(Layout.HND, HEADS)]

@@ -4,7 +4,8 @@ The prefill instances run the NixlConnector with ``"layerwise": true``; the prox
 that at ``GET /v1/kv_transfer/source`` and sends each leg's prefill and decode requests
 together: the decoder reads each layer's KV as the prefiller's forward saves it, and
 outputs the prefiller's first token from the acknowledgement. Across TP sizes (1 -> 2
-with a layout change, 2 -> 1), greedy answers, streamed or not, equal a colocated
+with a layout change, 2 -> 1), for a plain model, a sliding-window model (Gemma 3) and
+elastic KV memory on both sides, greedy answers, streamed or not, equal a colocated
 engine's byte for byte; the proxy counts every leg as streamed, the decoders count layers
 read before their prefill finished, and every pool ends all free.
 """
@@ -30,24 +31,44 @@ from tests.pd_support import (
     wait_idle,
 )
 
-# slow: four `kvferry serve` processes (two with two TP ranks) and three proxies (make test-all only)
+# slow: per deployment, four `kvferry serve` processes (two with two TP ranks) and three
+# proxies (make test-all only)
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 10
-CHUNK = ("--max-num-batched-tokens", "64")
+CHUNK = ("--max-num-batched-tokens", "64", "--dtype", "float32")
 LAYERWISE = {"layerwise": True, "fault_layer_delay_s": 0.01}  # a slower forward: reads overlap it
 PAIRS = {"1to2": ("p1", "d2"), "2to1": ("p2", "d1"), "1to1": ("p1", "d1")}
 
 
+# (model fixture, extra serve args): a plain model with the eager allocator, a sliding-window
+# model with KV tensors shared by layers, the plain model with elastic KV memory on both sides
+DEPLOYMENTS = {
+    "llama": ("tiny_llama", ()),
+    "gemma3": ("tiny_gemma3", ()),
+    "llama-elastic": ("tiny_llama", ("--kv-allocator", "elastic")),
+}
+
+
+@pytest.fixture(scope="module", params=list(DEPLOYMENTS))
+def deployment(request: pytest.FixtureRequest) -> tuple[Path, tuple[str, ...]]:
+    model_fixture, args = DEPLOYMENTS[request.param]
+    return request.getfixturevalue(model_fixture), args
+
+
 @pytest.fixture(scope="module")
-def servers(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+def servers(
+    deployment: tuple[Path, tuple[str, ...]], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict]:
+    model, extra_args = deployment
+    args = (*CHUNK, *extra_args)
     specs = {
-        "p1": ServerSpec(nixl("producer", **LAYERWISE), args=CHUNK),
-        "p2": ServerSpec(nixl("producer", **LAYERWISE), tp=2, args=CHUNK),
-        "d1": ServerSpec(nixl("consumer"), args=CHUNK),
-        "d2": ServerSpec(nixl("consumer"), tp=2, layout="HND", args=CHUNK),
+        "p1": ServerSpec(nixl("producer", **LAYERWISE), args=args),
+        "p2": ServerSpec(nixl("producer", **LAYERWISE), tp=2, args=args),
+        "d1": ServerSpec(nixl("consumer"), args=args),
+        "d2": ServerSpec(nixl("consumer"), tp=2, layout="HND", args=args),
     }
-    with serving(tiny_llama, tmp_path_factory.mktemp("pd_layerwise"), specs) as started:
+    with serving(model, tmp_path_factory.mktemp("pd_layerwise"), specs) as started:
         yield started
 
 
@@ -59,13 +80,13 @@ def proxies(servers: dict, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 
 @pytest.fixture(scope="module")
-def prompts(tiny_llama: Path) -> list[str | list[int]]:
-    return prompt_set(AutoTokenizer.from_pretrained(tiny_llama))
+def prompts(deployment: tuple[Path, tuple[str, ...]]) -> list[str | list[int]]:
+    return prompt_set(AutoTokenizer.from_pretrained(deployment[0]))
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama: Path, prompts: list) -> list[str]:
-    return [o.text for o in colocated_greedy(tiny_llama, prompts, MAX_TOKENS)]
+def reference(deployment: tuple[Path, tuple[str, ...]], prompts: list) -> list[str]:
+    return [o.text for o in colocated_greedy(deployment[0], prompts, MAX_TOKENS)]
 
 
 def _proxy_count(url: str, sample: str) -> float:
@@ -80,8 +101,8 @@ EARLY = "kvferry_proxy:early_first_tokens_total"
 
 @pytest.mark.parametrize("pair", list(PAIRS))
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "sse"])
-def test_layerwise_answers_equal_colocated(servers, proxies, prompts, reference, tiny_llama, pair, stream):
-    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+def test_layerwise_answers_equal_colocated(servers, proxies, prompts, reference, deployment, pair, stream):
+    tokenizer = AutoTokenizer.from_pretrained(deployment[0])
     url = proxies[pair]
     decoder = servers[PAIRS[pair][1]]
     before = decoder.metrics()

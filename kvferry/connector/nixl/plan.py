@@ -146,7 +146,7 @@ def plan_read(
     assert local.block_size == remote.block_size and local.head_size == remote.head_size
     assert local.itemsize == remote.itemsize and len(local_ids) == len(remote_ids)
     lo, hi = shared_heads(local, remote)
-    if lo >= hi or not local_ids:
+    if lo >= hi or not local_ids or not layer_names:
         return empty_plan()
     l_off, r_off, length = _run_rows(local, remote, block_runs(local_ids, remote_ids))
     locs, rems, lens = [], [], []
