@@ -217,10 +217,12 @@ def kvferry_files(root: Path = ROOT) -> list[Path]:
 
 
 def nixl_option_names() -> frozenset[str]:
-    """The keys of the NixlConnector's kv_connector_extra_config, read from its settings."""
+    """The keys of the NixlConnector's kv_connector_extra_config, read from its settings,
+    less those another connector has as its own (the offload connector's `layerwise`)."""
     from kvferry.connector.nixl.metadata import NixlSettings
+    from kvferry.connector.offload.config import KNOWN_KEYS
 
-    return frozenset(NixlSettings.__dataclass_fields__)
+    return frozenset(NixlSettings.__dataclass_fields__) - KNOWN_KEYS
 
 
 def words_of(path: Path) -> set[str]:

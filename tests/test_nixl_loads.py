@@ -123,7 +123,7 @@ def test_a_read_in_flight_past_the_timeout_is_given_up_and_reported_failed(clock
     assert agent.reads == 1 and loads.busy and not _dones(clients)
     assert loads.take()[:2] == (set(), set())
     _tick_until(loads, clock, 1006.0)
-    finished, failed, stats = loads.take()
+    finished, failed, stats, _ = loads.take()
     assert finished == failed == {"local-1"} and not loads.busy
     assert stats["nixl_failed_transfers"] == 1 and "nixl_bytes_read" not in stats
     assert agent.released == 1 and agent.removed == ["prefill-agent"]
