@@ -6,7 +6,8 @@ holds nothing here), and kv_transfer_params likewise the proxy's alone. With rea
 `kvferry serve` prefiller (NixlConnector, 30 s leases) behind the proxy, whose decoder
 never answers; a client that leaves once the prefill is done (non-streamed: while the
 proxy waits for the decoder; streamed: after the early first token) gets the prefiller's
-pool back to all free within seconds, not at lease expiry.
+pool back to all free within seconds, not at lease expiry, whether the prefiller
+transfers whole requests or streams them layer by layer.
 """
 
 from __future__ import annotations
@@ -94,13 +95,15 @@ def stalled_decoder() -> FastAPI:
     return app
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["whole", "layerwise"])
 def deployment(
-    tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Server, str, FastAPI]]:
-    """(the prefill server, the proxy's URL, the stalled decoder's app)."""
+    """(the prefill server, the proxy's URL, the stalled decoder's app); the prefiller
+    transfers whole requests, or streams them layer by layer (the proxy then sends the
+    decode leg with the prefill, and releases once the prefill's own answer names its KV)."""
     logs = tmp_path_factory.mktemp("pd_release")
-    kv = nixl("producer", lease_s=LEASE_S)
+    kv = nixl("producer", lease_s=LEASE_S, layerwise=request.param == "layerwise")
     secret = logs / "kv-secret"  # an instance with an API key refuses an unauthenticated side channel
     secret.write_text("a-shared-side-channel-secret")
     proxy_secret = logs / "proxy-secret"  # and one with a connector needs the proxy's credential

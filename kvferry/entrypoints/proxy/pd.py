@@ -209,10 +209,26 @@ def kept_request_id(prefill_response: dict[str, Any]) -> str | None:
 
 
 def release_abandoned(ctx: ProxyContext, prefill: Prefilled, headers: dict[str, str]) -> None:
-    """No decoder answered for this leg: have the prefill instance free the KV it keeps."""
+    """No decoder answered for this leg: have the prefill instance free the KV it keeps (a
+    streamed leg's prefill names it in its own answer, once that comes)."""
+    if prefill.answer is not None:
+        ctx.spawn(release_when_streamed(ctx, prefill, prefill.answer, headers))
+        return
     request_id = kept_request_id(prefill.response)
     if request_id is not None and prefill.instance is not None:
         ctx.spawn(ctx.upstream.release_kv(ctx.prefill, prefill.instance, request_id, headers))
+
+
+async def release_when_streamed(
+    ctx: ProxyContext,
+    prefill: Prefilled,
+    answer: asyncio.Future[dict[str, Any] | None],
+    headers: dict[str, str],
+) -> None:
+    """A streamed leg nobody decodes: once its prefill answered, release what it keeps."""
+    response = await answer
+    if response is not None:
+        release_abandoned(ctx, Prefilled(prefill.instance, response), headers)
 
 
 def wants_logprobs(path: str, body: dict[str, Any]) -> bool:

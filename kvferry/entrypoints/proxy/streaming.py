@@ -41,10 +41,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 from kvferry.entrypoints.http_common import SSE_DONE as SSE_DONE_EVENT
@@ -112,11 +113,13 @@ class StreamLeg:
         self.client_wants_ids = bool(body.get("return_token_ids"))
         self.prompt_logprobs: list[Any] | None = None  # the prefiller's, for the decoder's chunks
         self.prompt_logprobs_sent: set[int] = set()  # choices that got them (chat: index 0, once)
-        self.allow_early = False
+        self.opening: asyncio.Future[UpstreamStream] | None = None  # a streamed leg's decoder, opening
 
     async def prepare(self, allow_early: bool) -> None:
-        self.allow_early = allow_early
         self.prefill = await run_prefill(self.ctx, self.path, self.body, self.headers)
+        if self.prefill.answer is not None:
+            await self._prepare_streamed(allow_early and self.named is None, self.prefill.answer)
+            return
         self.prompt_logprobs = prefill_prompt_logprobs(self.path, self.body, self.prefill.response)
         if self.named is not None:
             self.early_call = first_call(self.prefill.response, self.named)
@@ -127,6 +130,26 @@ class StreamLeg:
             self.early = text
         else:
             self.first = await self._open_decoder()
+
+    async def _prepare_streamed(
+        self, allow_early: bool, answer: asyncio.Future[dict[str, Any] | None]
+    ) -> None:
+        """A streamed (layer-wise) leg: the decoder's stream opens with its first token, so
+        the prefill's token goes early if the prefill's own answer comes first."""
+        opening = asyncio.ensure_future(self._open_decoder())
+        if allow_early:
+            try:
+                either: set[asyncio.Future[Any]] = {opening, answer}
+                await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+            except BaseException:
+                opening.cancel()
+                raise
+            response = answer.result() if answer.done() and not opening.done() else None
+            if response is not None and self._can_send_early(first_text(self.path, response), response):
+                self.prefill = dataclasses.replace(self._prefilled(), response=response)
+                self.early, self.opening = first_text(self.path, response), opening
+                return
+        self.first = await opening
 
     def _prefilled(self) -> Prefilled:
         """The prefill's answer (`start` waited for it)."""
@@ -169,58 +192,19 @@ class StreamLeg:
             if self.path == CHAT:
                 self.roles_sent.update(range(self.answers))
             self.pending = self.early
-            self.first = await self._open_decoder()
+            self.first = await (self.opening or self._open_decoder())
         assert self.first is not None
-        decoder = self._stream_chunks(self.first, list(range(self.answers)))
-        async with contextlib.aclosing(decoder):
-            async for chunk in self._with_streamed_prefill(decoder):
-                yield chunk
+        async for chunk in self._stream_chunks(self.first, list(range(self.answers))):
+            yield chunk
         usage = self.sent.leg_usage(self.resumed_usage)
         if usage is not None and not self.usage_sent:
             yield {**chunk_meta(self.path, self._prefilled().response), "choices": [], "usage": usage}
         if self.pending:
             logger.warning("decoder's answer is shorter than the prefill's first token %r", self.early)
 
-    async def _with_streamed_prefill(
-        self, decoder: AsyncGenerator[dict[str, Any], None]
-    ) -> AsyncIterator[dict[str, Any]]:
-        """The decoder's chunks; for a streamed (layer-wise) leg, the prefill's token first
-        when its answer comes before the decoder's first chunk and may go early."""
-        answer = self._prefilled().answer
-        if answer is None or not self.allow_early or self.named is not None:
-            async for chunk in decoder:
-                yield chunk
-            return
-        first = asyncio.ensure_future(anext(decoder, None))
-        try:
-            await asyncio.wait({first, answer}, return_when=asyncio.FIRST_COMPLETED)
-            response = answer.result() if answer.done() and not first.done() else None
-            if response is not None and self._can_send_early(first_text(self.path, response), response):
-                for early in self._early(response, first_text(self.path, response)):
-                    yield early
-            head = await first
-        except BaseException:
-            first.cancel()
-            raise
-        if head is not None:
-            yield head
-        async for chunk in decoder:
-            yield chunk
-
-    def _early(self, response: dict[str, Any], text: str) -> list[dict[str, Any]]:
-        """Choice 0's first text as chunks, and the state that drops it from the decoder's."""
-        self.ctx.metrics.early_first_token()
-        chunks = [
-            self._with_prompt_logprobs(c) for c in early_chunks(self.path, response, text, self.answers)
-        ]
-        if self.path == CHAT:
-            self.roles_sent.update(range(self.answers))
-        self.early = self.pending = text
-        return chunks
-
     async def _stream_chunks(
         self, stream: UpstreamStream, choices: list[int]
-    ) -> AsyncGenerator[dict[str, Any], None]:
+    ) -> AsyncIterator[dict[str, Any]]:
         """The client's chunks of one decoder stream, whose answer i is the leg's choice
         ``choices[i]``; a stream lost midway is continued, per unfinished choice, on others."""
         try:
@@ -313,6 +297,8 @@ class StreamLeg:
     async def aclose(self) -> None:
         """Drop the decoder streams; with none opened, release the prefill's kept KV (no
         await before that: the caller may be in a cancelled scope)."""
+        if self.opening is not None and not self.opening.done():
+            self.opening.cancel()  # its request is aborted with the connection
         if not self.streams:
             if self.prefill is not None:
                 release_abandoned(self.ctx, self.prefill, self.headers)
