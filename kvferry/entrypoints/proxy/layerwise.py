@@ -6,8 +6,10 @@ such an instance the proxy names the leg's transfer (a fresh ``transfer_id``) an
 of waiting for the prefill's answer, hands the decoder at once the params that point to it
 (``remote_transfer_id``): the decoder reads each layer's KV as the prefiller's forward
 finishes it, and its acknowledgement carries the prefiller's first token, which the
-decoder outputs as its own. The prefill's own answer is awaited in the background only to
-free the instance; a prefill that fails leaves the decoder to its load-failure policy
+decoder outputs as its own. The prefill's own answer comes in the background: a streamed
+answer sends its token to the client early if it comes before the decoder's stream opens
+(streaming.py), and a leg nobody decodes releases the prefill's KV once that answer names
+it (pd.py); a prefill that fails leaves the decoder to its load-failure policy
 (recompute: it computes the prompt itself).
 
 Whole-request transfer stays for everything else: an instance that does not stream, and a
