@@ -4,7 +4,9 @@ Per leg (one prompt): the prefill runs first. Its token's text goes to the clien
 so the time to first token is the prefill's, whenever the decoder's answer is sure to
 start with it: the decoder is handed the token (``first_token_id``; any sampling, seeded
 or not) or, with no connector, decodes greedily. The decoder's stream follows with that
-text dropped from its start.
+text dropped from its start. A layer-wise leg (layerwise.py) sends the decoder's request
+with the prefill's: its token goes early if the prefill answers before the decoder's
+stream opens (a kvferry decoder opens it with its first token).
 
 The text is not sent early when it is incomplete (part of a character), when a stop
 string could end the answer inside it, when no decode instance is healthy (the client
