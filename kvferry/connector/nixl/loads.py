@@ -6,8 +6,9 @@ ACK that the blocks were still held) -> over: finished, or finished and failed.
 
 A streamed load (layer-wise, `LoadSpec.streamed`) goes info -> stream -> ack: in the
 stream stage each prefill rank it reads from is asked for its Progress (the question
-waits there for news); every layer it names final is read at once, in its own READ, while
-the prefiller computes the next layers. Once a rank's prefill is final and its READs are
+waits there for news); every layer it names final that was not read yet is read at once,
+in its own READ, while the prefiller computes the next layers (whatever order they are
+named in, and once each: the final answer names every layer). Once a rank's prefill is final and its READs are
 done, that rank is complete; once all are, Done goes out as for a whole load, and the
 Acks carry the prefill's first token.
 
@@ -61,7 +62,7 @@ PROGRESS_WAIT_S = 1.0  # a Progress may wait this long on the prefiller for news
 class SourceStream:
     """A streamed load's view of one prefill rank it reads from."""
 
-    layers: list[str] = field(default_factory=list)  # read (or being read), in order
+    layers: list[str] = field(default_factory=list)  # read (or being read), in the order named
     asking: Pending | None = None
     final: bool = False  # the prefill finished there and every layer's READ was issued
 
@@ -300,7 +301,7 @@ class ConsumerLoads:
         elif reply.status is not HELD:
             load.failure = f"the streamed prefill cannot be read: {reply.message}"
         else:
-            new = reply.layers[len(source.layers) :]
+            new = [name for name in dict.fromkeys(reply.layers) if name not in source.layers]
             if new and self._read(load, p, new):
                 source.layers.extend(new)
                 if not reply.final:

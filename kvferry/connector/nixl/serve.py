@@ -197,10 +197,13 @@ class ProducerService:
         )
 
     def _final_layers(self, lease: Lease) -> list[str]:
-        """The layers whose KV a decoder may read: as the forward saved them; all at the end."""
-        if lease.final:
-            return [name for g in self.info.groups for name in g.layer_names]
-        return self.progress.layers(lease.hold.request_id)
+        """The layers whose KV a decoder may read: as the forward saved them; at the end,
+        those and then every other layer (one its hooks did not report)."""
+        saved = self.progress.layers(lease.hold.request_id)
+        if not lease.final:
+            return saved
+        seen = set(saved)
+        return saved + [name for g in self.info.groups for name in g.layer_names if name not in seen]
 
     def _retry(self, now: float, final: bool) -> None:
         still = []
