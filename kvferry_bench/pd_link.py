@@ -106,6 +106,20 @@ def _nixl(role: str, hosts: Hosts, name: str, layerwise: bool) -> dict:
     return {"kv_connector": "NixlConnector", "kv_role": role, "kv_connector_extra_config": extra}
 
 
+def _instance(
+    args: argparse.Namespace,
+    hosts: Hosts,
+    host: str,
+    cores: tuple[int, ...] | None,
+    kv: dict | None,
+    log: Path,
+    env: dict[str, str],
+) -> Child:
+    """A `kvferry serve` on emulated host `host`."""
+    url = f"http://{hosts.addr(host)}:{PORT}"
+    return Child(host, _serve(args, hosts, host, cores, kv), url, log, env)
+
+
 def _children(args: argparse.Namespace, name: str, hosts: Hosts, log_dir: Path) -> list[Child]:
     prefill_cores, decode_cores = split_cores([1, 1], available_cores())
     env = {
@@ -114,35 +128,14 @@ def _children(args: argparse.Namespace, name: str, hosts: Hosts, log_dir: Path) 
         "UCX_TLS": "tcp",
         "UCX_NET_DEVICES": "eth0",
     }
-    url = f"http://{hosts.addr(name if name == 'colocated' else 'prefill')}:{PORT}"
     if name == "colocated":
-        return [
-            Child(
-                "colocated",
-                _serve(args, hosts, "colocated", prefill_cores, None),
-                url,
-                log_dir / "colocated.log",
-                env,
-            )
-        ]
-    layerwise = name == "pd-layerwise"
-    prefill = Child(
-        "prefill",
-        _serve(args, hosts, "prefill", prefill_cores, _nixl("producer", hosts, "prefill", layerwise)),
-        url,
-        log_dir / f"{name}-prefill.log",
-        env,
-    )
-    decode_url = f"http://{hosts.addr('decode')}:{PORT}"
-    decode = Child(
-        "decode",
-        _serve(args, hosts, "decode", decode_cores, _nixl("consumer", hosts, "decode", False)),
-        decode_url,
-        log_dir / f"{name}-decode.log",
-        env,
-    )
+        return [_instance(args, hosts, "colocated", prefill_cores, None, log_dir / "colocated.log", env)]
+    producer = _nixl("producer", hosts, "prefill", name == "pd-layerwise")
+    prefill = _instance(args, hosts, "prefill", prefill_cores, producer, log_dir / f"{name}-prefill.log", env)
+    consumer = _nixl("consumer", hosts, "decode", False)
+    decode = _instance(args, hosts, "decode", decode_cores, consumer, log_dir / f"{name}-decode.log", env)
     port = free_port()
-    proxy_cmd = CLI + ["proxy", "--prefill", url, "--decode", decode_url, "--port", str(port)]
+    proxy_cmd = CLI + ["proxy", "--prefill", prefill.url, "--decode", decode.url, "--port", str(port)]
     proxy_env = {PROXY_SECRET_ENV: env[PROXY_SECRET_ENV]}
     proxy = Child("proxy", proxy_cmd, f"http://127.0.0.1:{port}", log_dir / f"{name}-proxy.log", proxy_env)
     return [prefill, decode, proxy]

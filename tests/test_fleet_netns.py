@@ -1,5 +1,5 @@
 """xPyD started by hand, as on separate hosts: two prefillers, two decoders and the proxy,
-each `kvferry serve` / `kvferry proxy` in a network namespace of its own (netns_support),
+each `kvferry serve` / `kvferry proxy` in a network namespace of its own (kvferry_bench.netns),
 with the commands docs/fleet.md gives: fixed side-channel ports, the decoders' allow-list,
 KV events on wildcard TCP endpoints, `kvferry proxy --policy prefix` following them.
 
@@ -24,7 +24,7 @@ import pytest
 
 from kvferry.engine.llm import LLM
 from kvferry.sampling_params import SamplingParams
-from tests.netns_support import Hosts, unavailable
+from kvferry_bench.netns import Hosts, unavailable
 from tests.pd_support import ROOT, Server, stop, wait_healthy
 from tests.test_disagg import _wait_blocks_free
 from tests.test_fleet import PROMPTS, upstream_counts

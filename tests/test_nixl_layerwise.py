@@ -18,34 +18,17 @@ from pathlib import Path
 import pytest
 
 from kvferry.config import (
-    CacheConfig,
-    CompilationConfig,
-    EngineConfig,
     KVTransferConfig,
-    ParallelConfig,
-    SchedulerConfig,
 )
 from kvferry.engine.core import EngineCore
 from kvferry.messages.engine_core import EngineCoreOutput, EngineCoreRequest
-from kvferry.model.resolve import resolve_model_config
 from kvferry.ports import free_port
 from kvferry.sampling_params import SamplingParams
 from tests.engine_helpers import PROMPT_TEXTS, tokenize_all
+from tests.test_nixl_engine import _config, _drain
 
 LAYER_DELAY_S = 0.2
 STREAM_WAIT_S = 3.0
-
-
-def _config(model_dir: Path, kv: KVTransferConfig | None, layout: str) -> EngineConfig:
-    model = resolve_model_config(str(model_dir), dtype="float32", max_model_len=512)
-    return EngineConfig(
-        model=model,
-        cache=CacheConfig(block_size=16, kv_cache_bytes=8 << 20, layout=layout),
-        scheduler=SchedulerConfig(64, 16, True),
-        parallel=ParallelConfig(tensor_parallel_size=1),
-        kv_transfer=kv or KVTransferConfig(),
-        compilation=CompilationConfig(enforce_eager=True),
-    )
 
 
 PREFILL_PORT = free_port()
@@ -156,18 +139,6 @@ def _colocated(
             tokens[out.req_id] += out.new_token_ids
             done += out.finished
     return [tokens[f"{tag}-c{i}"] for i in range(len(prompts))]
-
-
-def _drain(*cores: EngineCore) -> None:
-    deadline = time.monotonic() + 30
-    while any(c.has_unfinished_requests() for c in cores):
-        assert time.monotonic() < deadline, "KV transfers still pending"
-        for core in cores:
-            if core.has_unfinished_requests():
-                core.step()
-    for core in cores:
-        stats = core.stats()
-        assert stats.num_free_blocks == stats.num_blocks, f"{stats.num_blocks - stats.num_free_blocks} leaked"
 
 
 def _pairs(

@@ -29,7 +29,3 @@ class LayerProgress:
     def forget(self, request_id: str) -> None:
         with self._lock:
             self._layers.pop(request_id, None)
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._layers)

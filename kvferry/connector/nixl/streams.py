@@ -34,9 +34,6 @@ class PrefillStreams:
     def __init__(self) -> None:
         self.streams: dict[str, Stream] = {}
 
-    def __len__(self) -> int:
-        return len(self.streams)
-
     def add(self, request: Request) -> None:
         """Track a request that streams (invalid params are refused elsewhere, not here)."""
         try:
@@ -48,6 +45,8 @@ class PrefillStreams:
 
     def completing(self, output: SchedulerOutput) -> list[Stream]:
         """Streams whose prompt this step completes (each returned once), block ids updated."""
+        if not self.streams:
+            return []
         computed: dict[str, int] = {}
         for new in output.scheduled_new_reqs:
             stream = self.streams.get(new.req_id)
