@@ -159,6 +159,11 @@ class CausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
+    def fuse_decode_layers(self) -> int:
+        """Give decoder layers whose weights allow it a one-call decode path (a model family
+        that has one: kvferry.model.llama); how many took it."""
+        return 0
+
     def attention_layers(self) -> list[KVCacheLayer]:
         return [module for module in self.modules() if isinstance(module, KVCacheLayer)]
 

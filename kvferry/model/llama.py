@@ -20,6 +20,7 @@ from kvferry.model.forward_context import ForwardContext
 from kvferry.model.layers.activation import SiluAndMul
 from kvferry.model.layers.attention import PagedAttention
 from kvferry.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from kvferry.model.layers.fused_decode import DecodeLayerParts, GGUFDecodeLayer
 from kvferry.model.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -129,6 +130,25 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, f"{prefix}.self_attn", tp, dtype, flags, sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = mlp if mlp is not None else LlamaMLP(config, tp, dtype)
+        self.fused_decode: GGUFDecodeLayer | None = None  # see fuse_for_decode
+
+    def fuse_for_decode(self) -> bool:
+        """Take the one-call decode path (layers.fused_decode) where this layer's weights
+        allow it (GGUF blocks kept; a dense MLP; no per-head q/k norms); whether it does."""
+        attn = self.self_attn
+        if attn.q_norm is not None or not isinstance(self.mlp, LlamaMLP):
+            return False
+        parts = DecodeLayerParts(
+            input_norm=self.input_layernorm,
+            qkv_proj=attn.qkv_proj,
+            o_proj=attn.o_proj,
+            post_norm=self.post_attention_layernorm,
+            gate_up_proj=self.mlp.gate_up_proj,
+            down_proj=self.mlp.down_proj,
+            attention=attn.attn,
+        )
+        self.fused_decode = GGUFDecodeLayer.of(parts)
+        return self.fused_decode is not None
 
     def forward(
         self,
@@ -137,6 +157,10 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused_decode is not None and not torch.compiler.is_compiling():
+            fused = self.fused_decode.run(rope, hidden, residual, ctx)
+            if fused is not None:
+                return fused
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
@@ -200,6 +224,11 @@ class LlamaForCausalLM(CausalLM):
     def flags(config: Any) -> dict[str, bool]:
         bias = bool(getattr(config, "attention_bias", False))
         return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False}
+
+    def fuse_decode_layers(self) -> int:
+        return sum(
+            layer.fuse_for_decode() for layer in self.model.layers if isinstance(layer, LlamaDecoderLayer)
+        )
 
     @staticmethod
     def mlp_factory(config: Any, tp: TPGroup, dtype: torch.dtype) -> MLPFactory:

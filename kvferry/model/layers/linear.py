@@ -57,6 +57,7 @@ class PackableLinear(nn.Module):
     blocks (layers.gguf_linear, --quantization gguf)."""
 
     weight: nn.Parameter | None  # None once packed (unless kept)
+    bias: nn.Parameter | None
     packed: PackedWeight | Int4Weight | GGUFWeight | None = None
 
     def pack_weight(

@@ -1,0 +1,201 @@
+// One Llama-family decoder layer for a decode step, in one operator call: the residual add
+// and RMSNorm, the fused q/k/v projection, rotate-half rope, the KV write, paged decode
+// attention, the output projection, the second residual add and RMSNorm, the gated SiLU MLP.
+// Built and loaded at run time by kvferry/model/layers/fused_decode.py (--quantization gguf).
+//
+// A batch-1 decode step of a small model spends as long between its matmuls as in them when
+// each of a layer's ~20 operators is dispatched from Python one after another; here the
+// elementwise work is plain loops over a few rows, and the projections and the attention are
+// the kernel library's own operators (kvferry_cpu::gguf_matmul, write_kv, paged_decode),
+// called through the dispatcher: their arithmetic is the one the unfused layer runs.
+//
+// Every row is computed on its own (norms, rope and activation per row; the matmul and
+// attention kernels are batch-invariant), so a row's result does not depend on the rows
+// beside it (speculative decoding's verification rows, kvferry/spec_decode). The norms sum
+// their squares in double: the same result whatever vector width a build uses.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <tuple>
+
+namespace {
+
+using GGUFMatmul = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, bool);
+using WriteKV = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                     int64_t, int64_t, int64_t);
+using PagedDecode = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const at::Tensor&, at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                         int64_t, double);
+
+// The kernel library's operators this one calls (their libraries are loaded first, by
+// fused_decode.py); looked up on first use.
+struct KernelOps {
+  c10::TypedOperatorHandle<GGUFMatmul> gguf_matmul;
+  c10::TypedOperatorHandle<WriteKV> write_kv;
+  c10::TypedOperatorHandle<PagedDecode> paged_decode;
+};
+
+const KernelOps& kernel_ops() {
+  static const KernelOps ops{
+      c10::Dispatcher::singleton().findSchemaOrThrow("kvferry_cpu::gguf_matmul", "").typed<GGUFMatmul>(),
+      c10::Dispatcher::singleton().findSchemaOrThrow("kvferry_cpu::write_kv", "").typed<WriteKV>(),
+      c10::Dispatcher::singleton().findSchemaOrThrow("kvferry_cpu::paged_decode", "").typed<PagedDecode>(),
+  };
+  return ops;
+}
+
+// A weight as the GGUF file's blocks: uint8 [out, bytes per row], and its block type.
+struct Blocks {
+  const at::Tensor& data;
+  int64_t type;
+};
+
+at::Tensor project(const at::Tensor& rows, const Blocks& weight, const std::optional<at::Tensor>& bias) {
+  at::Tensor out = kernel_ops().gguf_matmul.call(rows, weight.data, weight.type, false);
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == out.size(1),
+                "decode_layer: a float32 bias per output");
+    float* o = out.data_ptr<float>();
+    const float* b = bias->data_ptr<float>();
+    for (int64_t r = 0; r < out.size(0); ++r)
+      for (int64_t i = 0; i < out.size(1); ++i) o[r * out.size(1) + i] += b[i];
+  }
+  return out;
+}
+
+// residual += hidden in place (`add` false: residual already holds the sum), and the normed
+// sum weight * x / rms(x) as a new tensor.
+at::Tensor add_and_norm(const at::Tensor& hidden, at::Tensor& residual, bool add, const at::Tensor& weight,
+                        double eps) {
+  const int64_t rows = hidden.size(0), width = hidden.size(1);
+  at::Tensor normed = at::empty_like(hidden);
+  const float* h = hidden.data_ptr<float>();
+  float* res = residual.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* out = normed.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    float* x = res + r * width;
+    double squares = 0.0;
+    for (int64_t i = 0; i < width; ++i) {
+      if (add) x[i] += h[r * width + i];
+      squares += static_cast<double>(x[i]) * x[i];
+    }
+    const float inverse = static_cast<float>(1.0 / std::sqrt(squares / width + eps));
+    for (int64_t i = 0; i < width; ++i) out[r * width + i] = x[i] * inverse * w[i];
+  }
+  return normed;
+}
+
+// Rotate-half rope of `heads` heads of `dim` values starting at `first` in each row of x.
+// cos and sin [rows, 1, dim / 2] (any row stride, values contiguous).
+void rotate(at::Tensor& x, int64_t first, int64_t heads, int64_t dim, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t half = dim / 2, stride = x.size(1);
+  float* base = x.data_ptr<float>();
+  for (int64_t r = 0; r < x.size(0); ++r) {
+    const float* c = cos.data_ptr<float>() + r * cos.stride(0);
+    const float* s = sin.data_ptr<float>() + r * sin.stride(0);
+    for (int64_t h = 0; h < heads; ++h) {
+      float* v = base + r * stride + (first + h) * dim;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = v[i], x2 = v[i + half];
+        v[i] = x1 * c[i] - x2 * s[i];
+        v[i + half] = x2 * c[i] + x1 * s[i];
+      }
+    }
+  }
+}
+
+// silu(gate) * up of a merged [rows, 2 * width] projection: [rows, width].
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({rows, width}, gate_up.options());
+  const float* in = gate_up.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* gate = in + r * 2 * width;
+    for (int64_t i = 0; i < width; ++i) o[r * width + i] = gate[i] / (1.f + std::exp(-gate[i])) * gate[width + i];
+  }
+  return out;
+}
+
+// Where keys sit in a KV cache tensor, in elements (decode_kernel.py's CacheGeometry):
+// NHD [2, blocks, block_size, heads, D], HND [2, blocks, heads, block_size, D].
+struct CacheGeometry {
+  int64_t kv_heads, block_size, block_stride, token_stride, head_stride, kv_stride;
+};
+
+CacheGeometry geometry_of(const at::Tensor& cache, bool hnd) {
+  const int64_t token_dim = hnd ? 3 : 2, head_dim = hnd ? 2 : 3;
+  return {cache.size(head_dim), cache.size(token_dim), cache.stride(1), cache.stride(token_dim),
+          cache.stride(head_dim), cache.stride(0)};
+}
+
+// Attention of the rows' q (rotated) over their cached keys, this step's k and v written
+// into the cache first: [rows, heads * dim].
+at::Tensor attend(const at::Tensor& qkv, int64_t heads, int64_t kv_heads, int64_t dim, at::Tensor& cache, bool hnd,
+                  const at::Tensor& slots, const at::Tensor& table, const at::Tensor& seq_lens,
+                  const std::optional<at::Tensor>& start_pos, int64_t window, double scale) {
+  const int64_t rows = qkv.size(0);
+  const CacheGeometry g = geometry_of(cache, hnd);
+  TORCH_CHECK(g.kv_heads == kv_heads && cache.size(-1) == dim && cache.scalar_type() == at::kFloat,
+              "decode_layer: a float32 cache of the layer's KV heads and head size");
+  const at::Tensor k = qkv.narrow(1, heads * dim, kv_heads * dim).view({rows, kv_heads, dim});
+  const at::Tensor v = qkv.narrow(1, (heads + kv_heads) * dim, kv_heads * dim).view({rows, kv_heads, dim});
+  kernel_ops().write_kv.call(cache, k, v, slots, g.block_size, g.block_stride, g.token_stride, g.head_stride,
+                             g.kv_stride);
+  const at::Tensor q = qkv.narrow(1, 0, heads * dim).contiguous().view({rows, heads, dim});
+  at::Tensor out = at::empty({rows, heads, dim}, qkv.options());
+  const at::Tensor starts = start_pos.has_value() ? *start_pos : at::zeros_like(seq_lens);
+  kernel_ops().paged_decode.call(q, cache, table.contiguous(), seq_lens, starts, out, kv_heads, g.block_size, g.block_stride,
+                                 g.token_stride, g.head_stride, g.kv_stride, window, scale);
+  return out.view({rows, heads * dim});
+}
+
+// One decoder layer over `hidden` [rows, hidden size] float32, each row a decode (one query
+// token of its sequence). `residual`: the previous layer's (None at the first layer).
+// Returns the MLP's output and the residual, as LlamaDecoderLayer.forward does.
+std::tuple<at::Tensor, at::Tensor> decode_layer(
+    const at::Tensor& hidden, const std::optional<at::Tensor>& residual, const at::Tensor& input_norm,
+    const at::Tensor& post_norm, double eps, const at::Tensor& qkv, int64_t qkv_type,
+    const std::optional<at::Tensor>& qkv_bias, const at::Tensor& o, int64_t o_type,
+    const std::optional<at::Tensor>& o_bias, const at::Tensor& gate_up, int64_t gate_up_type, const at::Tensor& down,
+    int64_t down_type, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& cache, bool hnd,
+    const at::Tensor& slots, const at::Tensor& table, const at::Tensor& seq_lens,
+    const std::optional<at::Tensor>& start_pos, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t window, double scale) {
+  TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.dim() == 2 && hidden.is_contiguous(),
+              "decode_layer: hidden float32 [rows, hidden size], contiguous");
+  TORCH_CHECK(input_norm.scalar_type() == at::kFloat && post_norm.scalar_type() == at::kFloat,
+              "decode_layer: float32 norm weights");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.stride(-1) == 1 && sin.stride(-1) == 1 &&
+                  cos.size(0) >= hidden.size(0) && cos.size(-1) == head_dim / 2,
+              "decode_layer: float32 cos and sin [rows, 1, head_dim / 2]");
+  at::Tensor carried = residual.has_value() ? residual->contiguous().clone() : hidden.clone();
+  TORCH_CHECK(carried.sizes() == hidden.sizes(), "decode_layer: residual of hidden's shape");
+  const at::Tensor normed = add_and_norm(hidden, carried, residual.has_value(), input_norm, eps);
+  at::Tensor qkv_out = project(normed, {qkv, qkv_type}, qkv_bias);
+  TORCH_CHECK(qkv_out.size(1) == (heads + 2 * kv_heads) * head_dim, "decode_layer: q/k/v projection width");
+  rotate(qkv_out, 0, heads + kv_heads, head_dim, cos, sin);  // q and k are adjacent
+  const at::Tensor attended =
+      attend(qkv_out, heads, kv_heads, head_dim, cache, hnd, slots, table, seq_lens, start_pos, window, scale);
+  const at::Tensor projected = project(attended, {o, o_type}, o_bias);
+  const at::Tensor mlp_in = add_and_norm(projected, carried, true, post_norm, eps);
+  const at::Tensor activated = silu_and_mul(project(mlp_in, {gate_up, gate_up_type}, std::nullopt));
+  return {project(activated, {down, down_type}, std::nullopt), carried};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvferry_cpu, m) {
+  m.def(
+      "gguf_decode_layer(Tensor hidden, Tensor? residual, Tensor input_norm, Tensor post_norm, float eps, "
+      "Tensor qkv, int qkv_type, Tensor? qkv_bias, Tensor o, int o_type, Tensor? o_bias, Tensor gate_up, "
+      "int gate_up_type, Tensor down, int down_type, Tensor cos, Tensor sin, Tensor(a!) cache, bool hnd, "
+      "Tensor slots, Tensor table, Tensor seq_lens, Tensor? start_pos, int heads, int kv_heads, int head_dim, "
+      "int window, float scale) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(kvferry_cpu, CPU, m) { m.impl("gguf_decode_layer", &decode_layer); }

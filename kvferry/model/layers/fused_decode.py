@@ -1,0 +1,167 @@
+"""A Llama-family decoder layer's decode step in one operator call (csrc/decode_layer.cpp)
+under --quantization gguf: residual add and RMSNorm, q/k/v, rope, KV write, paged decode
+attention, output projection, residual add and RMSNorm, gated SiLU MLP.
+
+At batch 1 a small model's ~20 operators per layer, each dispatched from Python, cost as
+much as its matmuls (SmolLM2's 30 layers: ~6 ms of a 13 ms eager step). The fused layer
+runs them as plain loops around the kernel library's own gguf matmul, KV write and paged
+decode attention: the same arithmetic for the matmuls and the attention (the elementwise
+ops round as float32 loops do, within float32 rounding of torch's).
+
+A layer takes the fused path on an eager step (never while a forward is being compiled:
+the compiled program keeps the operator-by-operator layer) whose rows are all decodes
+(speculative decoding's verification rows included), at most MAX_GGUF_ROWS of them (more
+rows use the dense weights, as the unfused layer does), float32, with no connector hooks
+on the layer (a hook's place is between the layer's operators), a float32 KV cache of the
+layer's own head size, and a single rank. Anything else takes the unfused layer.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kvferry.kv.spec import Layout
+from kvferry.model.forward_context import ForwardContext, HookPlacement
+from kvferry.model.layers import cpu_kernels
+from kvferry.model.layers.attention import PagedAttention
+from kvferry.model.layers.decode_kernel import decode_kernel_available
+from kvferry.model.layers.gguf_kernel import gguf_kernel_available
+from kvferry.model.layers.gguf_linear import MAX_GGUF_ROWS, GGUFWeight
+from kvferry.model.layers.linear import PackableLinear, RowParallelLinear
+from kvferry.model.layers.norm import RMSNorm
+
+logger = logging.getLogger(__name__)
+
+SOURCE = cpu_kernels.CSRC / "decode_layer.cpp"
+
+CosSin = tuple[torch.Tensor, torch.Tensor]
+
+
+@functools.cache
+def fused_decode_available() -> bool:
+    """The fused layer's library and the kernels it calls are loaded (built once per machine)."""
+    if not (gguf_kernel_available() and decode_kernel_available()):
+        return False
+    return cpu_kernels.loaded(SOURCE, logger, "decode layers run operator by operator")
+
+
+@dataclass(frozen=True)
+class DecodeLayerParts:
+    """The modules of one Llama-family decoder layer the fused path reads."""
+
+    input_norm: RMSNorm
+    qkv_proj: PackableLinear
+    o_proj: RowParallelLinear
+    post_norm: RMSNorm
+    gate_up_proj: PackableLinear
+    down_proj: RowParallelLinear
+    attention: PagedAttention
+
+
+@dataclass(frozen=True)
+class GGUFDecodeLayer:
+    """One layer's weights as the fused operator takes them; `run` is its decode step."""
+
+    attention: PagedAttention
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    eps: float
+    qkv: GGUFWeight
+    qkv_bias: torch.Tensor | None
+    o: GGUFWeight
+    o_bias: torch.Tensor | None
+    gate_up: GGUFWeight
+    down: GGUFWeight
+
+    @classmethod
+    def of(cls, parts: DecodeLayerParts) -> GGUFDecodeLayer | None:
+        """The fused form of a layer whose projections all kept their GGUF blocks, whose norms
+        are float32 and whose attention owns its KV cache; None for any other layer."""
+        linears = (parts.qkv_proj, parts.o_proj, parts.gate_up_proj, parts.down_proj)
+        weights = [linear.packed for linear in linears]
+        gguf = [weight for weight in weights if isinstance(weight, GGUFWeight)]
+        norms = (parts.input_norm.weight, parts.post_norm.weight)
+        if len(gguf) != len(linears) or any(norm.dtype != torch.float32 for norm in norms):
+            return None
+        if not parts.attention.owns_kv or parts.input_norm.eps != parts.post_norm.eps:
+            return None
+        if parts.o_proj.tp.size != 1 or parts.down_proj.tp.size != 1:  # no all-reduce inside
+            return None
+        if parts.gate_up_proj.bias is not None or parts.down_proj.bias is not None:
+            return None
+        if not fused_decode_available():
+            return None
+        qkv, o, gate_up, down = gguf
+        return cls(
+            attention=parts.attention,
+            input_norm=parts.input_norm.weight.detach(),
+            post_norm=parts.post_norm.weight.detach(),
+            eps=parts.input_norm.eps,
+            qkv=qkv,
+            qkv_bias=_bias(parts.qkv_proj),
+            o=o,
+            o_bias=_bias(parts.o_proj),
+            gate_up=gate_up,
+            down=down,
+        )
+
+    def run(
+        self, rope: CosSin, hidden: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(MLP output, residual) of this layer over an all-decode step, as the unfused layer
+        returns them; None when the step is not one the fused path takes (see the module)."""
+        attention = self.attention
+        rows = hidden.shape[0]
+        if attention.hooks is not HookPlacement.NONE or not 0 < rows <= MAX_GGUF_ROWS:
+            return None
+        attn = ctx.attn_for(attention.layer_name)
+        if attn.prefills or attn.num_decodes != rows or attn.slot_mapping.numel() != rows:
+            return None
+        cache = ctx.kv_caches[attention.layer_name]
+        if (
+            hidden.dtype != torch.float32
+            or cache.dtype != torch.float32
+            or cache.shape[-1] != attention.head_dim
+        ):
+            return None
+        cos, sin = rope
+        out, carried = torch.ops.kvferry_cpu.gguf_decode_layer(
+            hidden,
+            residual,
+            self.input_norm,
+            self.post_norm,
+            self.eps,
+            self.qkv.blocks.data,
+            int(self.qkv.blocks.block_type),
+            self.qkv_bias,
+            self.o.blocks.data,
+            int(self.o.blocks.block_type),
+            self.o_bias,
+            self.gate_up.blocks.data,
+            int(self.gate_up.blocks.block_type),
+            self.down.blocks.data,
+            int(self.down.blocks.block_type),
+            cos,
+            sin,
+            cache,
+            ctx.layout is Layout.HND,
+            attn.slot_mapping,
+            attn.decode_block_table,
+            attn.decode_seq_lens,
+            attn.decode_start_pos,
+            attention.num_heads,
+            attention.num_kv_heads,
+            attention.head_dim,
+            attention.sliding_window or 0,
+            attention.scale,
+        )
+        return out, carried
+
+
+def _bias(linear: PackableLinear) -> torch.Tensor | None:
+    bias = linear.bias
+    return None if bias is None else bias.detach()

@@ -1,0 +1,182 @@
+"""The fused GGUF decode layer (kvferry.model.layers.fused_decode): one operator call per
+Llama-family layer on an all-decode step under --quantization gguf.
+
+Its matmuls and attention are the kernel library's own, so a decode step through it equals
+the operator-by-operator layer up to float32 rounding of the norms, rope and activation
+(amplified now and then by the int8 rounding of the matmuls' inputs); its rows do not depend
+on each other (speculative decoding's verification needs that); steps it does not serve
+(a prefill in the step, connector hooks on the layer) take the unfused layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvferry.kv.spec import Layout
+from kvferry.model.forward_context import HookPlacement
+from kvferry.model.layers.fused_decode import GGUFDecodeLayer, fused_decode_available
+from kvferry.model.loader import load_model
+from kvferry.model.resolve import resolve_model_config
+from kvferry.sampling_params import SamplingParams
+from kvferry_bench.hf_reference import load_hf_reference
+from tests.engine_helpers import assert_pool_full
+from tests.fixtures.paged import Chunk, PagedDriver
+from tests.fixtures.tiny_gguf import write_tiny_gguf
+from tests.test_gguf_quant import GGUF_LOGPROB_TOLERANCE, gguf_reference
+from tests.test_int4 import MAX_NEW, QUESTIONS, eager_smollm2, steps_equal_to_reference
+
+pytestmark = pytest.mark.skipif(not fused_decode_available(), reason="no C++ compiler for the CPU kernels")
+
+PROMPTS = {"a": [5, 9, 13, 200, 31, 77, 8], "b": [3, 1, 4, 1, 5, 9, 2, 6, 5], "c": [40, 41]}
+DECODE_STEPS = 6
+
+
+# the fused operator's elementwise loops against torch's operators: logits have differed by
+# 2e-6 at most (tiny Llama and Qwen2, values up to 6; 2026-11-29, AVX-512 host); an int8
+# rounding of a matmul's input tipped by that difference would move them by ~1e-3
+LOGIT_TOLERANCE = 5e-3
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf_path(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_gguf(tiny_llama, tmp_path_factory.mktemp("fused") / "tiny.gguf", quantize=True)
+
+
+def _gguf_model(path: Path) -> torch.nn.Module:
+    return load_model(resolve_model_config(str(path), dtype="float32", quantization="gguf"))
+
+
+@pytest.fixture(scope="module")
+def model(tiny_gguf_path: Path) -> torch.nn.Module:
+    return _gguf_model(tiny_gguf_path)
+
+
+@pytest.fixture(scope="module")
+def qwen2_model(tiny_qwen2: Path, tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
+    """q/k/v biases, which the fused operator adds."""
+    return _gguf_model(
+        write_tiny_gguf(tiny_qwen2, tmp_path_factory.mktemp("fused") / "qwen2.gguf", quantize=True)
+    )
+
+
+class FusedCalls:
+    """Counts the layers that took the fused path."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
+@pytest.fixture
+def fused_calls(monkeypatch: pytest.MonkeyPatch) -> FusedCalls:
+    calls = FusedCalls()
+    run = GGUFDecodeLayer.run
+
+    def counted(self, *args):  # type: ignore[no-untyped-def]
+        out = run(self, *args)
+        calls.count += out is not None
+        return out
+
+    monkeypatch.setattr(GGUFDecodeLayer, "run", counted)
+    return calls
+
+
+@contextlib.contextmanager
+def _unfused_ctx(model: torch.nn.Module) -> Iterator[None]:
+    saved = [layer.fused_decode for layer in model.model.layers]
+    for layer in model.model.layers:
+        layer.fused_decode = None
+    try:
+        yield
+    finally:
+        for layer, fused in zip(model.model.layers, saved, strict=True):
+            layer.fused_decode = fused
+
+
+def _greedy_decode(model: torch.nn.Module, layout: Layout, names: list[str]) -> list[torch.Tensor]:
+    """Each prompt prefilled alone, then DECODE_STEPS greedy steps of them all in one batch:
+    the logits of every decode step."""
+    driver = PagedDriver(model, num_blocks=64, block_size=4, layout=layout)
+    last = {name: driver.step([Chunk(name, PROMPTS[name])])[name][-1] for name in names}
+    steps = []
+    for _ in range(DECODE_STEPS):
+        chunks = [Chunk(name, [int(last[name].argmax())], decode=True) for name in names]
+        out = driver.step(chunks)
+        steps.append(torch.stack([out[name][0] for name in names]))
+        last = {name: out[name][0] for name in names}
+    return steps
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize(
+    ("arch", "layout"), [("llama", Layout.NHD), ("llama", Layout.HND), ("qwen2", Layout.NHD)]
+)
+def test_decode_steps_take_the_fused_layer_and_equal_the_unfused(request, fused_calls, arch, layout):
+    model = request.getfixturevalue("model" if arch == "llama" else "qwen2_model")
+    layers = len(model.model.layers)
+    assert all(layer.fused_decode is not None for layer in model.model.layers)
+    fused = _greedy_decode(model, layout, ["a", "b", "c"])
+    assert fused_calls.count == DECODE_STEPS * layers  # the prompts' steps took the unfused layer
+    with _unfused_ctx(model):
+        unfused = _greedy_decode(model, layout, ["a", "b", "c"])
+    for ours, theirs in zip(fused, unfused, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=LOGIT_TOLERANCE, rtol=0)
+        assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+@torch.inference_mode()
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(model, fused_calls):
+    alone = _greedy_decode(model, Layout.NHD, ["a"])
+    batched = _greedy_decode(model, Layout.NHD, ["b", "a", "c"])
+    assert fused_calls.count == 2 * DECODE_STEPS * len(model.model.layers)
+    for single, rows in zip(alone, batched, strict=True):
+        assert torch.equal(single[0], rows[1])
+
+
+class RecordingHooks:
+    """Per-layer connector hooks that only count their calls."""
+
+    def __init__(self) -> None:
+        self.saved = 0
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
+    def save_kv_layer(self, layer_name: str, kv_cache: torch.Tensor, attn: object) -> None:
+        self.saved += 1
+
+
+@torch.inference_mode()
+def test_steps_it_does_not_serve_take_the_unfused_layer(model, fused_calls):
+    """A decode sharing its step with a prefill, and a layer with connector hooks."""
+    driver = PagedDriver(model, num_blocks=64, block_size=4)
+    first = driver.step([Chunk("a", PROMPTS["a"])])["a"][-1]
+    driver.step([Chunk("a", [int(first.argmax())], decode=True), Chunk("b", PROMPTS["b"])])
+    assert fused_calls.count == 0
+    hooks = RecordingHooks()
+    hooked = PagedDriver(model, num_blocks=64, block_size=4, hooks=hooks)
+    try:
+        first = hooked.step([Chunk("a", PROMPTS["a"])])["a"][-1]
+        hooked.step([Chunk("a", [int(first.argmax())], decode=True)])
+    finally:
+        model.set_hook_placement(HookPlacement.NONE)
+    assert fused_calls.count == 0
+    assert hooks.saved == 2 * len(model.model.layers)  # the decode step called them too
+
+
+@torch.inference_mode()
+def test_an_engine_decodes_through_it_as_the_gguf_reference_does(smollm2_gguf, fused_calls):
+    """The embedded SmolLM2 (Q4_1 layers, a Q8_0 LM head) in the engine's own runner (its
+    metadata, micro-batching, sampling), eager: greedy answers and logprobs as transformers
+    computing the kernel's arithmetic (tests.test_gguf_quant)."""
+    llm = eager_smollm2(smollm2_gguf, "gguf")
+    prompts = [llm.inputs.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS[:2]]
+    ours = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, logprobs=1))
+    assert fused_calls.count >= (MAX_NEW - 1) * 30  # SmolLM2's 30 layers, every decode step
+    reference = gguf_reference(load_hf_reference(llm.config.model, torch.float32))
+    assert steps_equal_to_reference(reference, ours, GGUF_LOGPROB_TOLERANCE) >= MAX_NEW
+    assert_pool_full(llm)
