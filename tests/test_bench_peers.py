@@ -10,6 +10,7 @@ import importlib.metadata
 import json
 import os
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -213,6 +214,23 @@ def peers_setup(tmp_path: Path) -> Setup:
         vllm_venv=tmp_path / "venv",
         kvferry_args=["--enforce-eager"],
     )
+
+
+@pytest.mark.parametrize(
+    ("kvferry_args", "loads_the_gguf"),
+    [(["--quantization", "gguf"], True), (["--quantization=gguf", "--enforce-eager"], True),
+     (["--quantization", "int4"], False), ([], False)],
+)  # fmt: skip
+def test_kvferry_loads_the_gguf_itself_under_gguf_quantization(
+    tmp_path: Path, kvferry_args: list[str], loads_the_gguf: bool
+) -> None:
+    """--quantization gguf keeps the file's blocks: kvferry's server and driver get the GGUF,
+    not the directory converted for vLLM (which that mode refuses)."""
+    setup = replace(peers_setup(tmp_path), gguf_file=tmp_path / "m.gguf", kvferry_args=kvferry_args)
+    expected = setup.gguf_file if loads_the_gguf else setup.model_dir
+    assert setup.kvferry_model() == expected
+    assert str(expected.absolute()) in serving.server_command("kvferry", setup, 8124)
+    assert str(setup.model_dir.absolute()) in serving.server_command("vllm", setup, 8123)
 
 
 def test_server_and_client_commands_share_model_cores_and_limits(tmp_path: Path) -> None:

@@ -2,7 +2,8 @@
 
     python -m kvferry_bench.peers.kvferry_driver WORKLOADS.json RESULT.json [kvferry engine args]
 
-Builds ``LLM.from_config`` from kvferry's own engine arguments (the model directory, dtype,
+Builds ``LLM.from_config`` from kvferry's own engine arguments (the model the setup gives
+kvferry: the directory, or the GGUF itself under --quantization gguf; dtype,
 max_model_len and max_num_seqs of the workloads file, then any extra ones), times each
 workload (greedy, ignore_eos) and writes the timings in the vLLM driver's format.
 """
@@ -22,7 +23,7 @@ def engine_config(spec: dict, extra: list[str]):
 
     parser = argparse.ArgumentParser(prog="kvferry-driver")
     add_engine_args(parser)
-    argv = [spec["model"], "--dtype", spec["dtype"], "--max-model-len", str(spec["max_model_len"])]
+    argv = [spec["kvferry_model"], "--dtype", spec["dtype"], "--max-model-len", str(spec["max_model_len"])]
     argv += ["--max-num-seqs", str(spec["max_num_seqs"]), "--seed", str(spec["seed"]), *extra]
     return engine_config_from_args(parser.parse_args(argv))
 

@@ -79,6 +79,7 @@ def write_spec(setup: Setup, workloads: list[dict]) -> Path:
     """The workloads file every driver reads: model (and its GGUF), dtype, limits, threads, token ids."""
     spec = {
         "model": str(setup.model_dir.absolute()),
+        "kvferry_model": str(setup.kvferry_model().absolute()),
         "gguf_file": str(setup.gguf_file.absolute()) if setup.gguf_file else None,
         "threads": setup.threads,
         "dtype": setup.dtype,

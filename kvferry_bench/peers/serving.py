@@ -83,7 +83,8 @@ def server_command(engine: str, setup: Setup, port: int) -> list[str]:
     if engine == "vllm":
         serve = [setup.vllm_bin("vllm"), "serve", model, *common, *setup.vllm_serve_args]
         return [*setup.vllm_env_argv(), *setup.pin, *serve]
-    serve = [sys.executable, "-m", "kvferry.entrypoints.cli", "serve", model, *common]
+    kvferry_model = str(setup.kvferry_model().absolute())
+    serve = [sys.executable, "-m", "kvferry.entrypoints.cli", "serve", kvferry_model, *common]
     return [*setup.pin, *serve, *setup.kvferry_engine_args()]
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvferry.config import WeightQuantization
 from kvferry_bench.peers.install import vllm_env
 
 
@@ -56,6 +58,16 @@ class Setup:
         """`env K=V ...` setting vLLM's own variables, for commands started without an env."""
         own = {k: v for k, v in self.vllm_env().items() if os.environ.get(k) != v}
         return ["env", *(f"{k}={v}" for k, v in sorted(own.items()))]
+
+    def kvferry_model(self) -> Path:
+        """What kvferry loads: the GGUF itself under `--quantization gguf` (the mode keeps
+        the file's blocks), else the directory every engine loads."""
+        parser = argparse.ArgumentParser(add_help=False)
+        parser.add_argument("--quantization", type=WeightQuantization, default=WeightQuantization.NONE)
+        known, _ = parser.parse_known_args(self.kvferry_args)
+        if known.quantization is WeightQuantization.GGUF and self.gguf_file is not None:
+            return self.gguf_file
+        return self.model_dir
 
     def kvferry_engine_args(self) -> list[str]:
         return ["--kv-cache-memory", f"{self.kv_cache_gib:g}", *self.kvferry_args]

@@ -1,5 +1,6 @@
 """kvferry's matmul of GGUF quantized blocks (csrc/gguf_matmul.cpp): Q4_0, Q4_1 and Q8_0
-weights, as the file stores them, times a few float32 rows quantized to int8 per block of 32.
+weights, the file's blocks rearranged once into tiles of 16 output rows (same bytes per
+weight), times a few float32 rows quantized to int8 per block of 32.
 
 The `kvferry_cpu::gguf_matmul` operator, loaded by kvferry.model.layers.cpu_kernels. Its
 vector path is the one the loaded library was built for (AVX-512 BW, AVX2, or the portable
@@ -39,7 +40,8 @@ class BlockType(IntEnum):
 
 @dataclass(frozen=True)
 class GGUFBlocks:
-    """A [out, in] weight as the GGUF file's blocks: uint8 [out, in / 32 * block bytes]."""
+    """A [out, in] weight as the GGUF file's blocks: uint8 [out, in / 32 * block bytes]; and,
+    made once on first use, as the kernel's tiles of 16 interleaved output rows (`tiles`)."""
 
     block_type: BlockType
     data: torch.Tensor
@@ -49,10 +51,18 @@ class GGUFBlocks:
     def out_features(self) -> int:
         return int(self.data.shape[0])
 
+    @functools.cached_property
+    def tiles(self) -> torch.Tensor:
+        """uint8 [tiles, blocks, tile bytes] (csrc/gguf_matmul.cpp's `gguf_pack`)."""
+        packed: torch.Tensor = torch.ops.kvferry_cpu.gguf_pack(self.data, int(self.block_type))
+        return packed
+
 
 def gguf_matmul(rows: torch.Tensor, blocks: GGUFBlocks, portable: bool = False) -> torch.Tensor:
     """float32 rows [m, in] times the weight: float32 [m, out]."""
-    out: torch.Tensor = torch.ops.kvferry_cpu.gguf_matmul(rows, blocks.data, int(blocks.block_type), portable)
+    out: torch.Tensor = torch.ops.kvferry_cpu.gguf_matmul(
+        rows, blocks.tiles, int(blocks.block_type), blocks.out_features, portable
+    )
     return out
 
 

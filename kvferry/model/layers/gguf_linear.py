@@ -32,6 +32,7 @@ class GGUFWeight(DenseFallbackWeight):
 
     def __init__(self, blocks: GGUFBlocks, dense: PackedWeight | torch.Tensor):
         self.blocks = blocks
+        blocks.tiles  # noqa: B018  # the kernel's layout, made at load rather than by a first step
         self.out_features = blocks.out_features
         self.dense = dense
         self.max_rows = MAX_GGUF_ROWS

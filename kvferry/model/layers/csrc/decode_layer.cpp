@@ -24,7 +24,7 @@
 
 namespace {
 
-using GGUFMatmul = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, bool);
+using GGUFMatmul = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, bool);
 using WriteKV = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
                      int64_t, int64_t, int64_t);
 using PagedDecode = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -48,14 +48,14 @@ const KernelOps& kernel_ops() {
   return ops;
 }
 
-// A weight as the GGUF file's blocks: uint8 [out, bytes per row], and its block type.
+// A weight as the kernel's tiles of GGUF blocks (gguf_pack), its block type and outputs.
 struct Blocks {
-  const at::Tensor& data;
-  int64_t type;
+  const at::Tensor& tiles;
+  int64_t type, features;
 };
 
 at::Tensor project(const at::Tensor& rows, const Blocks& weight, const std::optional<at::Tensor>& bias) {
-  at::Tensor out = kernel_ops().gguf_matmul.call(rows, weight.data, weight.type, false);
+  at::Tensor out = kernel_ops().gguf_matmul.call(rows, weight.tiles, weight.type, weight.features, false);
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == out.size(1),
                 "decode_layer: a float32 bias per output");
@@ -165,7 +165,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     const std::optional<at::Tensor>& o_bias, const at::Tensor& gate_up, int64_t gate_up_type, const at::Tensor& down,
     int64_t down_type, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& cache, bool hnd,
     const at::Tensor& slots, const at::Tensor& table, const at::Tensor& seq_lens,
-    const std::optional<at::Tensor>& start_pos, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t window, double scale) {
+    const std::optional<at::Tensor>& start_pos, int64_t heads, int64_t kv_heads, int64_t head_dim,
+    int64_t intermediate, int64_t window, double scale) {
   TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.dim() == 2 && hidden.is_contiguous(),
               "decode_layer: hidden float32 [rows, hidden size], contiguous");
   TORCH_CHECK(input_norm.scalar_type() == at::kFloat && post_norm.scalar_type() == at::kFloat,
@@ -176,15 +177,16 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   at::Tensor carried = residual.has_value() ? residual->contiguous().clone() : hidden.clone();
   TORCH_CHECK(carried.sizes() == hidden.sizes(), "decode_layer: residual of hidden's shape");
   const at::Tensor normed = add_and_norm(hidden, carried, residual.has_value(), input_norm, eps);
-  at::Tensor qkv_out = project(normed, {qkv, qkv_type}, qkv_bias);
-  TORCH_CHECK(qkv_out.size(1) == (heads + 2 * kv_heads) * head_dim, "decode_layer: q/k/v projection width");
+  const int64_t width = hidden.size(1);
+  at::Tensor qkv_out = project(normed, {qkv, qkv_type, (heads + 2 * kv_heads) * head_dim}, qkv_bias);
   rotate(qkv_out, 0, heads + kv_heads, head_dim, cos, sin);  // q and k are adjacent
   const at::Tensor attended =
       attend(qkv_out, heads, kv_heads, head_dim, cache, hnd, slots, table, seq_lens, start_pos, window, scale);
-  const at::Tensor projected = project(attended, {o, o_type}, o_bias);
+  const at::Tensor projected = project(attended, {o, o_type, width}, o_bias);
   const at::Tensor mlp_in = add_and_norm(projected, carried, true, post_norm, eps);
-  const at::Tensor activated = silu_and_mul(project(mlp_in, {gate_up, gate_up_type}, std::nullopt));
-  return {project(activated, {down, down_type}, std::nullopt), carried};
+  const Blocks gate_up_blocks{gate_up, gate_up_type, 2 * intermediate};
+  const at::Tensor activated = silu_and_mul(project(mlp_in, gate_up_blocks, std::nullopt));
+  return {project(activated, {down, down_type, width}, std::nullopt), carried};
 }
 
 }  // namespace
@@ -195,7 +197,7 @@ TORCH_LIBRARY_FRAGMENT(kvferry_cpu, m) {
       "Tensor qkv, int qkv_type, Tensor? qkv_bias, Tensor o, int o_type, Tensor? o_bias, Tensor gate_up, "
       "int gate_up_type, Tensor down, int down_type, Tensor cos, Tensor sin, Tensor(a!) cache, bool hnd, "
       "Tensor slots, Tensor table, Tensor seq_lens, Tensor? start_pos, int heads, int kv_heads, int head_dim, "
-      "int window, float scale) -> (Tensor, Tensor)");
+      "int intermediate, int window, float scale) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(kvferry_cpu, CPU, m) { m.impl("gguf_decode_layer", &decode_layer); }
