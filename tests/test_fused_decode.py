@@ -16,13 +16,16 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch._dynamo.utils as dynamo_utils
 
+from kvferry.engine.llm import LLM
 from kvferry.kv.spec import Layout
 from kvferry.model.forward_context import HookPlacement
 from kvferry.model.layers.fused_decode import GGUFDecodeLayer, fused_decode_available
 from kvferry.model.loader import load_model
 from kvferry.model.resolve import resolve_model_config
 from kvferry.sampling_params import SamplingParams
+from kvferry.worker.capture import FUSED_LAYERS_STAY_EAGER
 from kvferry_bench.hf_reference import load_hf_reference
 from tests.engine_helpers import assert_pool_full
 from tests.fixtures.paged import Chunk, PagedDriver
@@ -181,4 +184,21 @@ def test_an_engine_decodes_through_it_as_the_gguf_reference_does(smollm2_gguf, f
     assert fused_calls.count >= (MAX_NEW - 1) * 30  # SmolLM2's 30 layers, every decode step
     reference = gguf_reference(load_hf_reference(llm.config.model, torch.float32))
     assert steps_equal_to_reference(reference, ours, GGUF_LOGPROB_TOLERANCE) >= MAX_NEW
+    assert_pool_full(llm)
+
+
+def test_capture_auto_compiles_nothing_when_every_layer_decodes_fused(smollm2_gguf, tmp_path):
+    """The compiled program would run the layers operator by operator: --capture auto keeps
+    decode steps eager without compiling one (torch's counter of compiled graphs)."""
+    before = int(dynamo_utils.counters["stats"]["unique_graphs"])
+    llm = LLM(str(smollm2_gguf), quantization="gguf", capture="auto", cache_dir=str(tmp_path),
+              kv_cache_bytes=64 << 20, max_model_len=256)  # fmt: skip
+    decision = llm.engine.capture_decision
+    assert not decision.compiled and decision.not_compiled == FUSED_LAYERS_STAY_EAGER
+    assert decision.describe().endswith(f"({FUSED_LAYERS_STAY_EAGER})")
+    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=4, temperature=0))
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert int(dynamo_utils.counters["stats"]["unique_graphs"]) == before
+    (stats,) = llm.engine.executor.capture_stats()
+    assert stats.compiled_steps == 0 and stats.compile_seconds == 0.0
     assert_pool_full(llm)

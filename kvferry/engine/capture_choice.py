@@ -114,9 +114,13 @@ def decide_capture(
     """After warm-up: decide (or keep the stored decision), give every rank the decision,
     keep a measured one for later starts, and log it in one line."""
     mode = config.compilation.capture
-    compiled = mode is not CaptureMode.NEVER and all(s.compiled_steps > 0 for s in executor.capture_stats())
+    stats = executor.capture_stats()
+    compiled = mode is not CaptureMode.NEVER and all(s.compiled_steps > 0 for s in stats)
     cached = stored.decision if stored is not None else None
-    if cached is not None:
+    not_compiled = next((s.not_compiled for s in stats if s.not_compiled is not None), None)
+    if not_compiled is not None:
+        decision = CaptureDecision(mode, False, not_compiled=not_compiled)
+    elif cached is not None:
         decision = cached if compiled or not cached.compiled else CaptureDecision(mode, False)
     else:
         sizes = timed_batch_sizes(config, kv_config) if mode is CaptureMode.AUTO and compiled else []

@@ -122,6 +122,7 @@ class CausalLM(nn.Module):
     final_logit_softcapping: float | None = None
     microbatcher: MicroBatcher | None = None  # see enable_microbatching
     hook_placement = HookPlacement.NONE  # see set_hook_placement
+    decodes_fused = False  # every decoder layer has a one-call decode path (fuse_decode_layers)
 
     def enable_microbatching(self, num_threads: int) -> None:
         """Split batches over `num_threads` CPU threads (kvferry.model.microbatch); a single
@@ -161,7 +162,8 @@ class CausalLM(nn.Module):
 
     def fuse_decode_layers(self) -> int:
         """Give decoder layers whose weights allow it a one-call decode path (a model family
-        that has one: kvferry.model.llama); how many took it."""
+        that has one: kvferry.model.llama; it runs in eager steps only); how many took it.
+        Sets `decodes_fused` when all did."""
         return 0
 
     def attention_layers(self) -> list[KVCacheLayer]:

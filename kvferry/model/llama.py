@@ -226,9 +226,10 @@ class LlamaForCausalLM(CausalLM):
         return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False}
 
     def fuse_decode_layers(self) -> int:
-        return sum(
-            layer.fuse_for_decode() for layer in self.model.layers if isinstance(layer, LlamaDecoderLayer)
-        )
+        layers = self.model.layers
+        fused = sum(layer.fuse_for_decode() for layer in layers if isinstance(layer, LlamaDecoderLayer))
+        self.decodes_fused = fused == len(layers) > 0
+        return fused
 
     @staticmethod
     def mlp_factory(config: Any, tp: TPGroup, dtype: torch.dtype) -> MLPFactory:

@@ -57,6 +57,11 @@ logger = logging.getLogger(__name__)
 
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
+# --capture auto's decision without a compile: a program would run the layers operator by
+# operator, and the fused layer (kvferry.model.layers.fused_decode) runs in eager steps only;
+# at batch 1 it decodes in about half the compiled program's time (docs/benchmarks.md).
+FUSED_LAYERS_STAY_EAGER = "not compiled: every decoder layer decodes in one fused call, in eager steps"
+
 # The compiler specializes a batch of one token; decode batches are padded to two so
 # that one dynamic-size program serves them all (one compile, not two).
 MIN_CAPTURED_TOKENS = 2
@@ -161,12 +166,15 @@ class CaptureDecision:
     compiled: bool
     timings: tuple[StepTiming, ...] = ()
     cached: bool = False  # AUTO: measured by an earlier start (kvferry.engine.capture_cache)
+    not_compiled: str | None = None  # AUTO: why no program was compiled to measure (CaptureStats)
 
     def describe(self) -> str:
         """The start-up log line."""
         return f"captured forward: {'on' if self.compiled else 'off'} ({self._why()})"
 
     def _why(self) -> str:
+        if self.not_compiled is not None:
+            return self.not_compiled
         if self.timings:
             measured = "; ".join(t.describe() for t in self.timings)
             return f"cached decision, measured by an earlier start: {measured}" if self.cached else measured
@@ -183,6 +191,7 @@ class CaptureStats:
     eager_steps: int = 0  # forwards run eagerly (prefill, eager mode, or after a fallback)
     compile_seconds: float = 0.0  # time spent in first calls of the compiled program (compiling)
     decision: CaptureDecision | None = None  # the engine's, once made (kvferry.engine.capture_choice)
+    not_compiled: str | None = None  # --capture auto decided before compiling: why no program
 
     def describe(self) -> str:
         return f"captured forward: {self.compiled_steps} forwards compiled, {self.eager_steps} eager"
@@ -204,7 +213,9 @@ class CapturedForward:
         self.cuda_graphs = device.type == "cuda"
         self.stats = CaptureStats()
         self.fallback_reason: str | None = None
-        never = mode is CaptureMode.NEVER
+        if mode is CaptureMode.AUTO and model.decodes_fused:
+            self.stats.not_compiled = FUSED_LAYERS_STAY_EAGER
+        never = mode is CaptureMode.NEVER or self.stats.not_compiled is not None
         if not never:
             keep_compiled_programs_in(compilation.cache_dir)
         self._compiled = None if never else self._compile(model, placement, self.cuda_graphs)
