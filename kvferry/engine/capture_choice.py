@@ -14,7 +14,10 @@ for its model, machine, versions and options follows it before warm-up, so a cac
 `eager` compiles nothing and a cached `compiled` measures nothing.
 
 --capture always keeps the program unmeasured; never (--enforce-eager) compiles nothing.
-A compile that fell back to eager on any rank leaves decode steps eager on all of them.
+A compile that fell back to eager on any rank leaves decode steps eager on all of them. A
+model whose decoder layers all decode fused (kvferry.model.layers.fused_decode, eager steps
+only) is not compiled under auto: the decision is eager, with that reason
+(CaptureStats.not_compiled).
 """
 
 from __future__ import annotations
