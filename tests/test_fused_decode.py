@@ -131,6 +131,34 @@ def test_decode_steps_take_the_fused_layer_and_equal_the_unfused(request, fused_
         assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
 
 
+@contextlib.contextmanager
+def _sliding_window(model: torch.nn.Module, window: int) -> Iterator[None]:
+    attentions = [layer.self_attn.attn for layer in model.model.layers]
+    for attention in attentions:
+        attention.sliding_window = window
+    try:
+        yield
+    finally:
+        for attention in attentions:
+            attention.sliding_window = None
+
+
+@torch.inference_mode()
+def test_a_sliding_window_clips_the_fused_attention_as_the_unfused(model, fused_calls):
+    """Every layer seeing its last 4 positions (prompts of 2 to 9 tokens, 6 more decoded):
+    equal to the unfused layer, and apart from full attention (the window reached the
+    kernel)."""
+    with _sliding_window(model, 4):
+        fused = _greedy_decode(model, Layout.NHD, ["a", "b", "c"])
+        with _unfused_ctx(model):
+            unfused = _greedy_decode(model, Layout.NHD, ["a", "b", "c"])
+    full = _greedy_decode(model, Layout.NHD, ["a", "b", "c"])
+    assert fused_calls.count == 2 * DECODE_STEPS * len(model.model.layers)
+    for ours, theirs in zip(fused, unfused, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=LOGIT_TOLERANCE, rtol=0)
+    assert not torch.allclose(fused[-1], full[-1], atol=1e-2)
+
+
 @torch.inference_mode()
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(model, fused_calls):
     alone = _greedy_decode(model, Layout.NHD, ["a"])
