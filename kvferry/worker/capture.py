@@ -59,7 +59,7 @@ INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
 # --capture auto's decision without a compile: a program would run the layers operator by
 # operator, and the fused layer (kvferry.model.layers.fused_decode) runs in eager steps only;
-# at batch 1 it decodes in about half the compiled program's time (docs/benchmarks.md).
+# at batch 1 it decodes in about 3/4 of the compiled program's time (docs/benchmarks.md).
 FUSED_LAYERS_STAY_EAGER = "not compiled: every decoder layer decodes in one fused call, in eager steps"
 
 # The compiler specializes a batch of one token; decode batches are padded to two so

@@ -123,7 +123,8 @@ class GGUFDecodeLayer:
             return None
         cache = ctx.kv_caches[attention.layer_name]
         if (
-            hidden.dtype != torch.float32
+            not hidden.is_contiguous()
+            or hidden.dtype != torch.float32
             or cache.dtype != torch.float32
             or cache.shape[-1] != attention.head_dim
         ):
