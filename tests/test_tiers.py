@@ -71,6 +71,9 @@ REPRESENTATIVES = {
     ),
     "the CPU prefill kernel in an engine": "tests/test_prefill_kernel.py::test_an_engine_prefills_through_the_kernel[8]",
     "the CPU decode kernel in an engine": "tests/test_decode_kernel.py::test_an_engine_decodes_through_the_kernel",
+    "the fused GGUF decode layer in an engine": (
+        "tests/test_fused_decode.py::test_an_engine_decodes_through_it_as_the_gguf_reference_does"
+    ),
     "structured outputs: JSON-schema answers validate": (
         "tests/test_structured.py::test_json_schema_answers_validate[0.0]"
     ),
