@@ -203,11 +203,11 @@ def test_steps_it_does_not_serve_take_the_unfused_layer(model, fused_calls):
 def test_an_engine_decodes_through_it_as_the_gguf_reference_does(smollm2_gguf, fused_calls):
     """The embedded SmolLM2 (Q4_1 layers, a Q8_0 LM head) in the engine's own runner (its
     metadata, micro-batching, sampling), eager: greedy answers and logprobs as transformers
-    computing the kernel's arithmetic (tests.test_gguf_quant). Two questions whose answers
-    meet no near-tie of the reference's early on (every other one is in the slow tier's
-    test_smollm2_gguf_greedy_equals_its_reference)."""
+    computing the kernel's arithmetic (tests.test_gguf_quant). Three questions whose answers
+    met no near-tie of the reference's early on here (17, 23 and 24 of 24 steps compared;
+    every question is in the slow tier's test_smollm2_gguf_greedy_equals_its_reference)."""
     llm = eager_smollm2(smollm2_gguf, "gguf")
-    prompts = [llm.inputs.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS[3:5]]
+    prompts = [llm.inputs.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS[2:5]]
     ours = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, logprobs=1))
     assert fused_calls.count >= (MAX_NEW - 1) * 30  # SmolLM2's 30 layers, every decode step
     reference = gguf_reference(load_hf_reference(llm.config.model, torch.float32))
