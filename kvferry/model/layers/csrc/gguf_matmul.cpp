@@ -104,11 +104,14 @@ float half_to_float(uint16_t bits) { return static_cast<float>(c10::Half(bits, c
 
 // A file block's 32 weights as the integers q it stores (Q4: 0..15, Q8_0: -128..127).
 void decode_block(const uint8_t* quants, bool four_bit, int8_t* q) {
-  for (int64_t i = 0; i < kBlock / 2 && four_bit; ++i) {
+  if (!four_bit) {
+    std::memcpy(q, quants, kBlock);
+    return;
+  }
+  for (int64_t i = 0; i < kBlock / 2; ++i) {
     q[i] = static_cast<int8_t>(quants[i] & 0x0F);
     q[i + kBlock / 2] = static_cast<int8_t>(quants[i] >> 4);
   }
-  if (!four_bit) std::memcpy(q, quants, kBlock);
 }
 
 // Row j of the file's blocks (one block) into its place in a tile's block.
