@@ -6,16 +6,19 @@ where it cannot be built."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from kvferry.cpu_features import read_cpu_features
 from kvferry.engine.llm import LLM
 from kvferry.kv.spec import Layout
 from kvferry.model.forward_context import AttentionMetadata, ForwardContext, PrefillSpan
-from kvferry.model.layers import attention, prefill_kernel
+from kvferry.model.layers import attention, cpu_kernels, prefill_kernel
 from kvferry.model.layers.attention import Scores
 from kvferry.sampling_params import SamplingParams
 from tests.engine_helpers import PROMPT_TEXTS
@@ -24,9 +27,10 @@ from tests.tiers import SLOW, first_fast
 
 BLOCK = 16
 SCALE = 0.125
-# fp32: the portable tiles, as exact as SDPA's own rounding; bf16 (the AVX-512 BF16 path
-# where the CPU has it): probabilities are rounded to bf16 before the weighted sum, as in
-# torch's bf16 flash kernel, and the outputs of both are bf16.
+# fp32 (the AVX-512 or AVX2 microkernel at these head widths, where built): as exact as
+# SDPA's own rounding; bf16 (the AVX-512 BF16 path where the CPU has it): probabilities are
+# rounded to bf16 before the weighted sum, as in torch's bf16 flash kernel, and the outputs
+# of both are bf16.
 TOLERANCES = [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)]
 
 
@@ -70,6 +74,18 @@ def test_a_batch_of_fresh_spans_equals_sdpa(dtype, tolerance, window, threads) -
     expected = attention._fresh_batch_sdpa(q, k, v, 3, score)
     got = prefill_kernel.fresh_prefill(q, k, v, 3, window, SCALE)
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("length", [33, 257])
+@pytest.mark.parametrize("window", [0, 40])
+def test_the_portable_fp32_tiles_equal_sdpa(length, window) -> None:
+    """The tiles a CPU without AVX2 (or a head width off the multiples of 32) runs."""
+    assert prefill_kernel.prefill_kernel_available()
+    gen = torch.Generator().manual_seed(length + window)
+    q, k, v = _qkv(length, 9, 3, 64, torch.float32, gen)
+    expected = attention._fresh_batch_sdpa(q, k, v, 1, Scores(SCALE, window))
+    got = prefill_kernel.fresh_prefill(q, k, v, 1, window, SCALE, portable=True)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
 
 
 def _cached_span(layout: Layout, dtype: torch.dtype, stored_dim: int, context: int, length: int, group: int):
@@ -116,12 +132,37 @@ def test_the_layer_takes_the_kernel_for_bf16() -> None:
     """bf16 of a 32-multiple head width on a CPU with AVX-512 BF16 goes to the kernel."""
     q, k, v, ctx, span = _cached_span(Layout.NHD, torch.bfloat16, 32, 40, 9, 3)
     assert prefill_kernel.prefill_kernel_available()
-    if not torch.ops.kvferry_cpu.prefill_bf16_fast_path(32):
+    if not prefill_kernel.fast_path(torch.bfloat16, 32):
         pytest.skip("this CPU has no AVX-512 BF16: bf16 prefill stays on SDPA")
     assert prefill_kernel.takes_prefill(q, k, v)
     got = attention._prefill(q, k, v, ctx.kv_caches["layer"], ctx, span, Scores(SCALE, 0))
     expected = attention._prefill_sdpa(q, k, v, ctx.kv_caches["layer"], ctx, span, Scores(SCALE, 0))
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+def _needs_fp32_microkernel(head_dim: int) -> None:
+    assert prefill_kernel.prefill_kernel_available()
+    if not prefill_kernel.fast_path(torch.float32, head_dim):
+        pytest.skip("this build has no fp32 microkernel (a CPU without AVX2 and FMA)")
+
+
+def test_the_layer_takes_the_fp32_microkernel() -> None:
+    """fp32 of a 32-multiple head width goes to the vector microkernel: the layer's output
+    has its bits, not the portable tiles' (which sum in another order)."""
+    _needs_fp32_microkernel(32)
+    q, k, v, ctx, span = _cached_span(Layout.NHD, torch.float32, 32, 40, 45, 3)
+    cache = ctx.kv_caches["layer"]
+    assert prefill_kernel.takes_prefill(q, k, v)
+    got = attention._prefill(q, k, v, cache, ctx, span, Scores(SCALE, 0))
+
+    def kernel(portable: bool) -> torch.Tensor:
+        return prefill_kernel.paged_prefill(
+            q, k, v, cache, Layout.NHD, span.block_table, 40, 0, 0, SCALE, portable
+        )
+
+    assert torch.equal(got, kernel(portable=False))
+    assert not torch.equal(got, kernel(portable=True))
+    torch.testing.assert_close(got, kernel(portable=True), atol=2e-5, rtol=2e-5)
 
 
 def _greedy(model: Path, **options: object) -> list[list[int]]:
@@ -184,7 +225,7 @@ def test_a_bf16_engine_prefills_through_the_bf16_microkernels(
     except from a step where SDPA's two best tokens are a near-tie (bf16 rounds them
     either way), and the same logprobs up to there."""
     assert prefill_kernel.prefill_kernel_available()
-    if not torch.ops.kvferry_cpu.prefill_bf16_fast_path(32):
+    if not prefill_kernel.fast_path(torch.bfloat16, 32):
         pytest.skip("this CPU has no AVX-512 BF16: bf16 prefill stays on SDPA")
     with monkeypatch.context() as on_sdpa:
         on_sdpa.setattr(attention, "takes_prefill", lambda q, k, v: False)
@@ -198,6 +239,72 @@ def test_a_bf16_engine_prefills_through_the_bf16_microkernels(
             assert ref_tops[same][0] - ref_tops[same][1] < NEAR_TIE, (tokens, ref_tokens, ref_tops[same])
         for step in range(same):
             assert abs(tops[step][0] - ref_tops[step][0]) < NEAR_TIE, (step, tops[step], ref_tops[step])
+
+
+@pytest.mark.parametrize("chunk", first_fast([2048, 8]))
+def test_a_float32_engine_prefills_through_the_fp32_microkernel(
+    tiny_llama_head32: Path, monkeypatch: pytest.MonkeyPatch, chunk: int
+) -> None:
+    """End to end on the fp32 microkernel: a float32 engine (heads of 32) with the SDPA
+    prefill paths broken gives the same greedy tokens as on SDPA, and logprobs within
+    float32 rounding."""
+    _needs_fp32_microkernel(32)
+    with monkeypatch.context() as on_sdpa:
+        on_sdpa.setattr(attention, "takes_prefill", lambda q, k, v: False)
+        expected = _greedy_with_logprobs(tiny_llama_head32, max_num_batched_tokens=chunk)
+    monkeypatch.setattr(attention, "_prefill_sdpa", _broken)
+    monkeypatch.setattr(attention, "_fresh_batch_sdpa", _broken)
+    got = _greedy_with_logprobs(tiny_llama_head32, max_num_batched_tokens=chunk)
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
+    for (_, tops), (_, ref_tops) in zip(got, expected, strict=True):
+        torch.testing.assert_close(torch.tensor(tops), torch.tensor(ref_tops), atol=1e-4, rtol=0)
+
+
+_AVX2_RUN = """
+import sys, torch
+torch.ops.load_library(sys.argv[1])
+assert torch.ops.kvferry_cpu.prefill_fp32_lanes() == "avx2"
+from kvferry.model.layers import prefill_kernel
+cases = torch.load(sys.argv[2])
+torch.save([prefill_kernel.fresh_prefill(q, k, v, count, window, scale) for q, k, v, count, window, scale in cases],
+           sys.argv[3])
+"""
+
+
+@pytest.mark.slow  # builds the AVX2 library (~30 s)
+def test_the_avx2_build_of_the_fp32_microkernel_equals_sdpa(tmp_path: Path) -> None:
+    """The AVX2 lanes' microkernel (what an AVX2-only CPU runs; here built with AVX2 flags
+    and loaded in a process of its own) against SDPA: lengths around the tiles, windows,
+    grouped heads, a batch of spans, heads of 32 and 64."""
+    if not cpu_kernels.AVX2.runs_on(read_cpu_features()):
+        pytest.skip("this CPU lacks AVX2")
+    library = cpu_kernels.build_prebuilt(prefill_kernel.SOURCE, cpu_kernels.AVX2, tmp_path)
+    gen = torch.Generator().manual_seed(3)
+    cases = []
+    for length, window, group, dim, count in [
+        (1, 0, 1, 64, 1),
+        (33, 0, 3, 64, 1),
+        (257, 0, 3, 64, 1),
+        (257, 40, 3, 64, 1),
+        (100, 0, 2, 32, 3),
+    ]:
+        q, k, v = _qkv(length * count, 3 * group, 3, dim, torch.float32, gen)
+        cases.append((q, k, v, count, window, SCALE))
+    torch.save(cases, tmp_path / "cases.pt")
+    run = [
+        sys.executable,
+        "-c",
+        _AVX2_RUN,
+        str(library),
+        str(tmp_path / "cases.pt"),
+        str(tmp_path / "avx2.pt"),
+    ]
+    subprocess.run(run, check=True, timeout=120, cwd=Path(__file__).parent.parent)
+    avx2 = torch.load(tmp_path / "avx2.pt")
+    assert len(avx2) == len(cases)
+    for (q, k, v, count, window, scale), got in zip(cases, avx2, strict=True):
+        expected = attention._fresh_batch_sdpa(q, k, v, count, Scores(scale, window))
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
 
 
 def test_without_a_compiler_prefill_falls_back_to_sdpa_with_one_warning(

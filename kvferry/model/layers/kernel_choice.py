@@ -10,12 +10,12 @@ from kvferry.config import WeightQuantization
 from kvferry.model.layers.decode_kernel import decode_kernel_available
 from kvferry.model.layers.gguf_kernel import gguf_kernel_available, gguf_kernel_path
 from kvferry.model.layers.int4_kernel import int4_kernel_available
-from kvferry.model.layers.prefill_kernel import prefill_kernel_available
+from kvferry.model.layers.prefill_kernel import fast_path, fp32_lanes, prefill_kernel_available
 
 
 def describe_cpu_kernels(dtype: torch.dtype, head_dims: set[int], quantization: WeightQuantization) -> str:
-    """E.g. 'decode attention: kvferry paged kernel; prefill attention: kvferry bf16 tiles
-    (AVX-512 BF16); int4 linears: kvferry (AVX-512 BF16)'. `head_dims`: the attention
+    """E.g. 'decode attention: kvferry paged kernel; prefill attention: kvferry float32 tiles
+    (avx512); int4 linears: kvferry (AVX-512 BF16)'. `head_dims`: the attention
     layers' head sizes."""
     parts = [
         f"decode attention: {_decode_kernel()}",
@@ -33,16 +33,21 @@ def _decode_kernel() -> str:
 
 
 def _prefill_kernel(dtype: torch.dtype, head_dims: set[int]) -> str:
-    if dtype != torch.bfloat16:
-        return f"torch SDPA ({dtype} model; the kernel serves bf16)"
+    if dtype not in (torch.bfloat16, torch.float32):
+        return f"torch SDPA ({dtype} model; the kernel serves bf16 and float32)"
     if not prefill_kernel_available():
         return "torch SDPA (kernel not built)"
-    slow = sorted(dim for dim in head_dims if not torch.ops.kvferry_cpu.prefill_bf16_fast_path(dim))
+    lanes = "AVX-512 BF16" if dtype == torch.bfloat16 else fp32_lanes()
+    tiles = f"kvferry {_DTYPE_WORDS[dtype]} tiles ({lanes})"
+    slow = sorted(dim for dim in head_dims if not fast_path(dtype, dim))
     if len(slow) == len(head_dims):
-        return "torch SDPA (no AVX-512 BF16, or head sizes not multiples of 32)"
+        return f"torch SDPA (no {_DTYPE_WORDS[dtype]} microkernel in this build, or head sizes not multiples of 32)"
     if slow:
-        return f"kvferry bf16 tiles (AVX-512 BF16), torch SDPA for head size {slow}"
-    return "kvferry bf16 tiles (AVX-512 BF16)"
+        return f"{tiles}, torch SDPA for head size {slow}"
+    return tiles
+
+
+_DTYPE_WORDS = {torch.bfloat16: "bf16", torch.float32: "float32"}
 
 
 def _int4_kernel() -> str:

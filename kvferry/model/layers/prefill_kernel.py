@@ -6,8 +6,10 @@ A prompt span's queries attend its cached context, read in place from the KV cac
 through the block table, then the span's own k/v: flash-style tiles with a running
 softmax, so no gathered KV copy and no mask tensor. bf16 on a CPU with AVX-512 BF16 runs
 microkernels on _mm512_dpbf16_ps, over 2x faster than torch's CPU flash SDPA on a
-1,000-token prompt. Other dtypes and CPUs have portable fp32 tiles, which the attention
-layer does not take (torch's SDPA is as fast there).
+1,000-token prompt; fp32 runs microkernels on AVX-512 or AVX2 + FMA lanes, faster than
+torch's causal flash SDPA at prompt lengths. Both need a head width that is a multiple
+of 32. Other dtypes and widths have portable fp32 tiles, which the attention layer does
+not take (torch's SDPA is as fast there).
 
 Loaded by kvferry.model.layers.cpu_kernels; if there is no library, prefill
 attention stays on torch's SDPA with one warning naming the cause.
@@ -40,12 +42,14 @@ def paged_prefill(
     start: int,
     window: int,
     scale: float,
+    portable: bool = False,
 ) -> torch.Tensor:
     """One span's attention: q [L, heads, D] at positions context_len .. + L - 1 over the
     cached keys at positions `start` .. context_len - 1 (the block table names the
     sequence's blocks from position 0; `start` a multiple of the block size) and the span's
     own k, v [L, kv_heads, D]. Causal; `window` > 0 limits each query to its last `window`
-    positions. The cache may store heads wider than D: the first D values are read."""
+    positions. The cache may store heads wider than D: the first D values are read.
+    `portable`: the portable tiles even where a microkernel serves these inputs."""
     geometry = CacheGeometry.of(kv_cache, layout)
     k, v = _same_strides(k, v)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -66,12 +70,19 @@ def paged_prefill(
         geometry.kv_stride,
         window,
         scale,
+        portable,
     )
     return out
 
 
 def fresh_prefill(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, window: int, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    count: int,
+    window: int,
+    scale: float,
+    portable: bool = False,
 ) -> torch.Tensor:
     """`count` adjacent spans of equal length and no cached context, q [count * L, heads, D]
     and k, v [count * L, kv_heads, D]: each span causal over its own keys."""
@@ -80,21 +91,33 @@ def fresh_prefill(
     no_cache = torch.empty(0, dtype=q.dtype)
     no_table = torch.empty(0, dtype=torch.long)
     torch.ops.kvferry_cpu.paged_prefill(
-        q.contiguous(), k, v, no_cache, no_table, out, count, 0, 0, 0, 0, 0, 0, 0, window, scale
+        q.contiguous(), k, v, no_cache, no_table, out, count, 0, 0, 0, 0, 0, 0, 0, window, scale, portable
     )
     return out
 
 
 def takes_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the kernel serves this prefill: bf16 on CPU where its AVX-512 BF16
-    microkernels were built (elsewhere torch's SDPA is as fast as the portable tiles). A
-    span with cached context also needs a bf16 cache."""
+    """Whether the kernel serves this prefill: bf16 or fp32 on CPU where a microkernel of
+    this dtype and head width was built (elsewhere torch's SDPA is as fast as the portable
+    tiles). A span with cached context also needs a cache of q's dtype."""
     return (
         q.device.type == "cpu"
-        and q.dtype == k.dtype == v.dtype == torch.bfloat16
+        and q.dtype == k.dtype == v.dtype
+        and q.dtype in (torch.bfloat16, torch.float32)
         and prefill_kernel_available()
-        and bool(torch.ops.kvferry_cpu.prefill_bf16_fast_path(q.shape[-1]))
+        and fast_path(q.dtype, q.shape[-1])
     )
+
+
+def fast_path(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the loaded kernel has a microkernel for `dtype` at `head_dim`."""
+    return bool(torch.ops.kvferry_cpu.prefill_fast_path(dtype, head_dim))
+
+
+def fp32_lanes() -> str:
+    """The lanes the loaded kernel's fp32 microkernel runs on: 'avx512', 'avx2' or 'none'."""
+    lanes: str = torch.ops.kvferry_cpu.prefill_fp32_lanes()
+    return lanes
 
 
 def _same_strides(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

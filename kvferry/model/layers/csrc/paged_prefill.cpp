@@ -8,8 +8,10 @@
 // Each KV head's keys and values are first packed tile by tile into the layout the
 // microkernels read. bf16 on a CPU with AVX-512 BF16: keys as bf16 pairs with 16 keys on
 // the lanes, values as key pairs, scored and summed with _mm512_dpbf16_ps (fp32
-// accumulation; probabilities rounded to bf16 like the values). Otherwise (fp32, fp16, or
-// a CPU without it): fp32 tiles in loops the compiler vectorises.
+// accumulation; probabilities rounded to bf16 like the values). fp32 of a head width that
+// is a multiple of 32 on a build with AVX-512 or AVX2 + FMA: keys on the lanes, query rows
+// blocked in registers, one microkernel written once over either instruction set's lanes.
+// Otherwise (fp16, other widths, `portable`): fp32 tiles in loops the compiler vectorises.
 //
 // q [spans * L, heads, D] contiguous; k, v [spans * L, kv_heads, D] (D contiguous); out
 // like q. Span s's query i sits at position context + i and sees keys at positions
@@ -26,6 +28,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "cpu_vec.h"
@@ -319,6 +322,230 @@ struct Bf16Kernel {
 };
 #endif
 
+#if defined(KVFERRY_AVX512)
+// fp32 lanes of AVX-512: 16 a register, 32 registers. Register blocks (rows x vectors):
+// scores 12 x 2 (all 32 keys of a tile), weighted sums 12 x 2 (32 values of a head).
+struct Avx512Lanes {
+  using reg = __m512;
+  static constexpr int kLanes = 16, kRows = 12, kVecs = 2;
+  static reg zero() { return _mm512_setzero_ps(); }
+  static reg set1(float x) { return _mm512_set1_ps(x); }
+  static reg load(const float* at) { return _mm512_loadu_ps(at); }
+  static void store(float* at, reg x) { _mm512_storeu_ps(at, x); }
+  static reg fmadd(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
+  static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
+  static reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
+  static reg sub(reg a, reg b) { return _mm512_sub_ps(a, b); }
+  static reg max(reg a, reg b) { return _mm512_max_ps(a, b); }
+  static bool any_above(reg a, float bound) { return _mm512_cmp_ps_mask(a, set1(bound), _CMP_GT_OQ) != 0; }
+  static float max_lanes(reg a) { return _mm512_reduce_max_ps(a); }
+  static float sum_lanes(reg a) { return _mm512_reduce_add_ps(a); }
+  static reg exp2_nonpositive(reg x) { return kvferry_vec::exp2_nonpositive(x); }
+
+  // `scores` of keys first_key .. + 15 with those hidden from the query at query_pos set to -inf.
+  static reg hide(reg scores, int64_t first_key, int64_t query_pos, int64_t window) {
+    const __m512i keys = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(first_key)),
+                                          _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+    const __m512i query = _mm512_set1_epi32(static_cast<int32_t>(query_pos));
+    __mmask16 hidden = _mm512_cmpgt_epi32_mask(keys, query);
+    if (window > 0) {
+      hidden |= _mm512_cmpge_epi32_mask(_mm512_sub_epi32(query, keys), _mm512_set1_epi32(static_cast<int32_t>(window)));
+    }
+    return _mm512_mask_mov_ps(scores, hidden, set1(kNegInf));
+  }
+};
+using Fp32Lanes = Avx512Lanes;
+#define KVFERRY_PREFILL_FP32_LANES 1
+#elif defined(__AVX2__) && defined(__FMA__)
+// fp32 lanes of AVX2: 8 a register, 16 registers. Register blocks: 6 rows x 2 vectors (16
+// keys of a tile, 16 values of a head), as a 6 x 16 GEMM microkernel.
+struct Avx2Lanes {
+  using reg = __m256;
+  static constexpr int kLanes = 8, kRows = 6, kVecs = 2;
+  static reg zero() { return _mm256_setzero_ps(); }
+  static reg set1(float x) { return _mm256_set1_ps(x); }
+  static reg load(const float* at) { return _mm256_loadu_ps(at); }
+  static void store(float* at, reg x) { _mm256_storeu_ps(at, x); }
+  static reg fmadd(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
+  static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
+  static reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
+  static reg sub(reg a, reg b) { return _mm256_sub_ps(a, b); }
+  static reg max(reg a, reg b) { return _mm256_max_ps(a, b); }
+  static bool any_above(reg a, float bound) { return _mm256_movemask_ps(_mm256_cmp_ps(a, set1(bound), _CMP_GT_OQ)) != 0; }
+  static float max_lanes(reg a) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+  }
+  static float sum_lanes(reg a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+
+  // 2^x for x <= 0 (-inf included): as kvferry_vec::exp2_nonpositive, 2^n built in the
+  // exponent bits; below -127 the exponent field is 0 and the result 0.
+  static reg exp2_nonpositive(reg x) {
+    x = _mm256_max_ps(x, set1(-127.0f));
+    const reg n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const reg f = sub(x, n);
+    reg poly = set1(1.5403530393381606e-4f);
+    poly = fmadd(poly, f, set1(1.3333558146428443e-3f));
+    poly = fmadd(poly, f, set1(9.6181291076284772e-3f));
+    poly = fmadd(poly, f, set1(5.5504108664821580e-2f));
+    poly = fmadd(poly, f, set1(2.4022650695910071e-1f));
+    poly = fmadd(poly, f, set1(6.9314718055994531e-1f));
+    poly = fmadd(poly, f, set1(1.0f));
+    const __m256i biased = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+    return mul(poly, _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23)));
+  }
+
+  static reg hide(reg scores, int64_t first_key, int64_t query_pos, int64_t window) {
+    const __m256i keys = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(first_key)),
+                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i query = _mm256_set1_epi32(static_cast<int32_t>(query_pos));
+    __m256i hidden = _mm256_cmpgt_epi32(keys, query);
+    if (window > 0) {
+      const __m256i reach = _mm256_set1_epi32(static_cast<int32_t>(window - 1));
+      hidden = _mm256_or_si256(hidden, _mm256_cmpgt_epi32(_mm256_sub_epi32(query, keys), reach));
+    }
+    return _mm256_blendv_ps(scores, set1(kNegInf), _mm256_castsi256_ps(hidden));
+  }
+};
+using Fp32Lanes = Avx2Lanes;
+#define KVFERRY_PREFILL_FP32_LANES 1
+#endif
+
+#if defined(KVFERRY_PREFILL_FP32_LANES)
+// fp32 microkernels over one instruction set's lanes `L`, on the portable tiles' packing
+// (keys [D][kKeyTile], values [kKeyTile][D]): GEMM-style register blocks of L::kRows query
+// rows by L::kVecs vectors of keys (scores) or of head values (weighted sums), with the
+// query's or weight's value broadcast. Weights stay fp32 (nothing rounded below the
+// inputs' precision); softmax sums stay on lanes, with the lazy rescaling of the bf16
+// kernel. Needs D a multiple of 32.
+template <typename L>
+struct Fp32Kernel : PortableKernel {
+  using reg = typename L::reg;
+  static constexpr int kKeyVecs = kKeyTile / L::kLanes;  // vectors a row of a key tile
+  static constexpr int kSlice = L::kVecs * L::kLanes;    // keys or values a register block spans
+  static constexpr int kTailRows = kQueryTile % L::kRows;
+
+  static void score_fold(const float* const* queries, int64_t dim, const float* keys, const TileMask& mask,
+                         float scale, TileState& state) {
+    for (int64_t c0 = 0; c0 < kKeyTile; c0 += kSlice) {
+      int64_t r0 = 0;
+      for (; r0 + L::kRows <= kQueryTile; r0 += L::kRows)
+        score_block<L::kRows>(queries + r0, dim, keys + c0, &state.scores[r0 * kKeyTile + c0]);
+      if constexpr (kTailRows > 0) score_block<kTailRows>(queries + r0, dim, keys + c0, &state.scores[r0 * kKeyTile + c0]);
+    }
+    for (int64_t r = 0; r < kQueryTile; ++r) fold_row(r, mask, scale, dim, state);
+  }
+
+  // Scores of `rows` query rows against kSlice keys of the tile (at `keys`, row stride
+  // kKeyTile), into scores[row][key] (same stride). Not inlined: the register allocator
+  // then gives the accumulators every register instead of keeping the fold's constants in
+  // some of them and spilling accumulators.
+  template <int rows>
+  __attribute__((noinline)) static void score_block(const float* const* queries, int64_t dim, const float* keys,
+                                                    float* scores) {
+    reg acc[rows][L::kVecs];
+#pragma GCC unroll 12
+    for (int r = 0; r < rows; ++r)
+#pragma GCC unroll 4
+      for (int j = 0; j < L::kVecs; ++j) acc[r][j] = L::zero();
+    for (int64_t d = 0; d < dim; ++d) {
+      reg k[L::kVecs];
+#pragma GCC unroll 4
+      for (int j = 0; j < L::kVecs; ++j) k[j] = L::load(keys + d * kKeyTile + j * L::kLanes);
+#pragma GCC unroll 12
+      for (int r = 0; r < rows; ++r) {
+        const reg q = L::set1(queries[r][d]);
+#pragma GCC unroll 4
+        for (int j = 0; j < L::kVecs; ++j) acc[r][j] = L::fmadd(q, k[j], acc[r][j]);
+      }
+    }
+#pragma GCC unroll 12
+    for (int r = 0; r < rows; ++r)
+#pragma GCC unroll 4
+      for (int j = 0; j < L::kVecs; ++j) L::store(scores + r * kKeyTile + j * L::kLanes, acc[r][j]);
+  }
+
+  // One row's scores (state.scores) into fp32 weights in place, and its running max and
+  // lane sums.
+  static inline void fold_row(int64_t r, const TileMask& mask, float scale, int64_t dim, TileState& state) {
+    float* row = &state.scores[r * kKeyTile];
+    reg s[kKeyVecs];
+#pragma GCC unroll 4
+    for (int j = 0; j < kKeyVecs; ++j) s[j] = L::load(row + j * L::kLanes);
+    const reg scaled = L::set1(scale);
+    reg highs = L::set1(kNegInf);
+#pragma GCC unroll 4
+    for (int j = 0; j < kKeyVecs; ++j) {
+      s[j] = L::mul(s[j], scaled);
+      if (mask.partial) s[j] = L::hide(s[j], mask.first_key_pos + j * L::kLanes, mask.first_query_pos + r, mask.window);
+      highs = L::max(highs, s[j]);
+    }
+    float* sums = &state.sums[r * L::kLanes];
+    if (L::any_above(highs, state.peak[r] + kLazyMargin)) {
+      const float high = L::max_lanes(highs);
+      const float factor = std::exp2(state.peak[r] - high);
+      state.peak[r] = high;
+      rescale_row(&state.out[r * dim], dim, factor);
+      L::store(sums, L::mul(L::load(sums), L::set1(factor)));
+    }
+    const float peak = state.peak[r];
+    const reg shift = L::set1(peak == kNegInf ? 0.0f : peak);
+    reg total = L::load(sums);
+#pragma GCC unroll 4
+    for (int j = 0; j < kKeyVecs; ++j) {
+      const reg weight = L::exp2_nonpositive(L::sub(s[j], shift));
+      L::store(row + j * L::kLanes, weight);
+      total = L::add(total, weight);
+    }
+    L::store(sums, total);
+  }
+
+  static float row_total(const TileState& state, int64_t r) { return L::sum_lanes(L::load(&state.sums[r * L::kLanes])); }
+
+  static void accumulate(TileState& state, int64_t dim, const float* values) {
+    for (int64_t d0 = 0; d0 < dim; d0 += kSlice) {
+      int64_t r0 = 0;
+      for (; r0 + L::kRows <= kQueryTile; r0 += L::kRows)
+        sum_block<L::kRows>(&state.scores[r0 * kKeyTile], values + d0, dim, &state.out[r0 * dim + d0]);
+      if constexpr (kTailRows > 0)
+        sum_block<kTailRows>(&state.scores[r0 * kKeyTile], values + d0, dim, &state.out[r0 * dim + d0]);
+    }
+  }
+
+  // out[row][0 .. kSlice) += the rows' weights (stride kKeyTile) times the tile's values
+  // (at `values`, row stride dim); out's rows have stride dim.
+  template <int rows>
+  __attribute__((noinline)) static void sum_block(const float* weights, const float* values, int64_t dim,
+                                                  float* out) {
+    reg acc[rows][L::kVecs];
+#pragma GCC unroll 12
+    for (int r = 0; r < rows; ++r)
+#pragma GCC unroll 4
+      for (int j = 0; j < L::kVecs; ++j) acc[r][j] = L::load(out + r * dim + j * L::kLanes);
+    for (int64_t c = 0; c < kKeyTile; ++c) {
+      reg v[L::kVecs];
+#pragma GCC unroll 4
+      for (int j = 0; j < L::kVecs; ++j) v[j] = L::load(values + c * dim + j * L::kLanes);
+#pragma GCC unroll 12
+      for (int r = 0; r < rows; ++r) {
+        const reg w = L::set1(weights[r * kKeyTile + c]);
+#pragma GCC unroll 4
+        for (int j = 0; j < L::kVecs; ++j) acc[r][j] = L::fmadd(w, v[j], acc[r][j]);
+      }
+    }
+#pragma GCC unroll 12
+    for (int r = 0; r < rows; ++r)
+#pragma GCC unroll 4
+      for (int j = 0; j < L::kVecs; ++j) L::store(out + r * dim + j * L::kLanes, acc[r][j]);
+  }
+};
+#endif
+
 // Packs every (span, KV head, key tile) of K and V: [spans][kv_heads][tiles][tile_elements].
 template <typename Kernel, typename scalar_t>
 void pack_all(const Problem& p, const KeyRows<scalar_t>& source, typename Kernel::packed_t* keys,
@@ -403,20 +630,47 @@ void run(const Problem& p, const KeyRows<scalar_t>& source, const scalar_t* q, s
   });
 }
 
-template <typename scalar_t>
-void dispatch(const Problem& p, const KeyRows<scalar_t>& source, const scalar_t* q, scalar_t* out) {
+// Whether `dtype` at head width `dim` takes a vector microkernel of this build.
+bool fast_path(c10::ScalarType dtype, int64_t dim) {
+  if (dim % 32 != 0) return false;
 #if defined(KVFERRY_AVX512_BF16)
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    if (p.dim % 32 == 0) return run<Bf16Kernel>(p, source, q, out);
-  }
+  if (dtype == at::kBFloat16) return true;
 #endif
+#if defined(KVFERRY_PREFILL_FP32_LANES)
+  if (dtype == at::kFloat) return true;
+#endif
+  (void)dtype;
+  return false;
+}
+
+// The lanes of the fp32 microkernel in this build: "avx512", "avx2" or "none".
+std::string fp32_lanes() {
+#if defined(KVFERRY_AVX512)
+  return "avx512";
+#elif defined(KVFERRY_PREFILL_FP32_LANES)
+  return "avx2";
+#else
+  return "none";
+#endif
+}
+
+template <typename scalar_t>
+void dispatch(const Problem& p, const KeyRows<scalar_t>& source, const scalar_t* q, scalar_t* out, bool portable) {
+  if (!portable && fast_path(c10::CppTypeToScalarType<scalar_t>::value, p.dim)) {
+#if defined(KVFERRY_AVX512_BF16)
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) return run<Bf16Kernel>(p, source, q, out);
+#endif
+#if defined(KVFERRY_PREFILL_FP32_LANES)
+    if constexpr (std::is_same_v<scalar_t, float>) return run<Fp32Kernel<Fp32Lanes>>(p, source, q, out);
+#endif
+  }
   run<PortableKernel>(p, source, q, out);
 }
 
 void paged_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cache,
                    const at::Tensor& table, at::Tensor& out, int64_t spans, int64_t context, int64_t start,
                    int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t head_stride,
-                   int64_t kv_stride, int64_t window, double scale) {
+                   int64_t kv_stride, int64_t window, double scale, bool portable) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && table.is_contiguous(), "paged_prefill: contiguous q, out, table");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes() && k.strides() == v.strides(), "paged_prefill: k, v shapes");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() && k.stride(2) == 1, "paged_prefill: k, v");
@@ -433,18 +687,8 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
     const KeyRows<scalar_t> source{cache.data_ptr<scalar_t>(), table.data_ptr<int64_t>(), block_size, block_stride,
                                    token_stride, head_stride, kv_stride, {k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>()},
                                    k.stride(0), k.stride(1)};
-    dispatch<scalar_t>(p, source, q.data_ptr<scalar_t>(), out.data_ptr<scalar_t>());
+    dispatch<scalar_t>(p, source, q.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), portable);
   });
-}
-
-// Whether bf16 of this head width takes the AVX-512 BF16 microkernels (else the fp32 tiles).
-bool bf16_fast_path(int64_t dim) {
-#if defined(KVFERRY_AVX512_BF16)
-  return dim % 32 == 0;
-#else
-  (void)dim;
-  return false;
-#endif
 }
 
 }  // namespace
@@ -453,8 +697,9 @@ TORCH_LIBRARY_FRAGMENT(kvferry_cpu, m) {
   m.def(
       "paged_prefill(Tensor q, Tensor k, Tensor v, Tensor cache, Tensor table, Tensor(a!) out, int spans, "
       "int context, int start, int block_size, int block_stride, int token_stride, int head_stride, "
-      "int kv_stride, int window, float scale) -> ()");
-  m.def("prefill_bf16_fast_path(int dim) -> bool", &bf16_fast_path);
+      "int kv_stride, int window, float scale, bool portable=False) -> ()");
+  m.def("prefill_fast_path(ScalarType dtype, int dim) -> bool", &fast_path);
+  m.def("prefill_fp32_lanes() -> str", &fp32_lanes);
 }
 
 TORCH_LIBRARY_IMPL(kvferry_cpu, CPU, m) { m.impl("paged_prefill", &paged_prefill); }
