@@ -88,6 +88,21 @@ def test_the_portable_fp32_tiles_equal_sdpa(length, window) -> None:
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_views_of_one_qkv_projection_give_the_bits_of_contiguous_inputs(dtype) -> None:
+    """q, k and v as the attention layer passes them (views into one [T, (9 + 3 + 3) * 64]
+    projection, each with its own strides) are read in place: the same bits as copies."""
+    assert prefill_kernel.prefill_kernel_available()
+    qkv = torch.randn(70, 15 * 64, generator=torch.Generator().manual_seed(9)).to(dtype)
+    q, k, v = (part.view(70, -1, 64) for part in qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1))
+    assert not q.is_contiguous() and k.stride() == v.stride() != (3 * 64, 64, 1)
+    got = prefill_kernel.fresh_prefill(q, k, v, 1, 0, SCALE)
+    expected = prefill_kernel.fresh_prefill(q.contiguous(), k.contiguous(), v.contiguous(), 1, 0, SCALE)
+    assert got.is_contiguous() and torch.equal(got, expected)
+    separate = prefill_kernel.fresh_prefill(q, k, v.contiguous(), 1, 0, SCALE)  # k, v strides differ
+    assert torch.equal(separate, expected)
+
+
 def _cached_span(layout: Layout, dtype: torch.dtype, stored_dim: int, context: int, length: int, group: int):
     """A span of `length` queries after `context` cached tokens on shuffled blocks of a
     random cache (3 KV heads of 32 values stored `stored_dim` wide); the span's own k/v

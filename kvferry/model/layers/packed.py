@@ -60,8 +60,9 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if padded == rows:
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
         return out
-    flat = x.new_zeros(padded, x.shape[-1])
+    flat = x.new_empty(padded, x.shape[-1])
     flat[:rows] = x.reshape(rows, x.shape[-1])
+    flat[rows:].zero_()  # only the padding: the rows are written once, not zeroed first
     out = torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], "")
     return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
 

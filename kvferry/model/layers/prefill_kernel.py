@@ -51,10 +51,10 @@ def paged_prefill(
     positions. The cache may store heads wider than D: the first D values are read.
     `portable`: the portable tiles even where a microkernel serves these inputs."""
     geometry = CacheGeometry.of(kv_cache, layout)
-    k, v = _same_strides(k, v)
+    q, k, v = _rows(q), _rows(k), _rows(v)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     torch.ops.kvferry_cpu.paged_prefill(
-        q.contiguous(),
+        q,
         k,
         v,
         kv_cache,
@@ -86,12 +86,12 @@ def fresh_prefill(
 ) -> torch.Tensor:
     """`count` adjacent spans of equal length and no cached context, q [count * L, heads, D]
     and k, v [count * L, kv_heads, D]: each span causal over its own keys."""
-    k, v = _same_strides(k, v)
+    q, k, v = _rows(q), _rows(k), _rows(v)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     no_cache = torch.empty(0, dtype=q.dtype)
     no_table = torch.empty(0, dtype=torch.long)
     torch.ops.kvferry_cpu.paged_prefill(
-        q.contiguous(), k, v, no_cache, no_table, out, count, 0, 0, 0, 0, 0, 0, 0, window, scale, portable
+        q, k, v, no_cache, no_table, out, count, 0, 0, 0, 0, 0, 0, 0, window, scale, portable
     )
     return out
 
@@ -120,11 +120,10 @@ def fp32_lanes() -> str:
     return lanes
 
 
-def _same_strides(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """k and v as the kernel reads them: rows of contiguous values, with equal strides."""
-    if k.stride() == v.stride() and k.stride(-1) == 1:
-        return k, v
-    return k.contiguous(), v.contiguous()
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel reads it: rows of contiguous values (any token and head strides, so
+    views of the fused qkv projection are read in place)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 @functools.cache

@@ -13,8 +13,8 @@
 // blocked in registers, one microkernel written once over either instruction set's lanes.
 // Otherwise (fp16, other widths, `portable`): fp32 tiles in loops the compiler vectorises.
 //
-// q [spans * L, heads, D] contiguous; k, v [spans * L, kv_heads, D] (D contiguous); out
-// like q. Span s's query i sits at position context + i and sees keys at positions
+// q [spans * L, heads, D], k, v [spans * L, kv_heads, D] (each at strides of its own, D
+// contiguous); out contiguous, q's shape. Span s's query i sits at position context + i and sees keys at positions
 // <= its own (window > 0: and > its own - window): cached ones at positions start ..
 // context - 1 (cache: K at `cache`, V at + kv_stride, position p at table[p / block_size]
 // * block_stride + p % block_size * token_stride + head * head_stride), then its own k/v.
@@ -58,16 +58,26 @@ struct KeyRows {
   const int64_t* table;
   int64_t block_size, block_stride, token_stride, head_stride, kv_stride;
   const scalar_t* fresh[2];
-  int64_t fresh_token_stride, fresh_head_stride;
+  int64_t fresh_token_stride[2], fresh_head_stride[2];  // of k and of v
 
   const scalar_t* row(const Problem& p, int64_t span, int which, int64_t j, int64_t head) const {
     const int64_t pos = p.start + j;
     if (pos >= p.context) {
       const int64_t token = span * p.length + pos - p.context;
-      return fresh[which] + token * fresh_token_stride + head * fresh_head_stride;
+      return fresh[which] + token * fresh_token_stride[which] + head * fresh_head_stride[which];
     }
     return cache + which * kv_stride + table[pos / block_size] * block_stride +
            (pos % block_size) * token_stride + head * head_stride;
+  }
+};
+
+// Query i of a span's head: rows of D contiguous values at any token and head strides.
+template <typename scalar_t>
+struct QueryRows {
+  const scalar_t* data;
+  int64_t token_stride, head_stride;
+  const scalar_t* row(const Problem& p, int64_t span, int64_t i, int64_t head) const {
+    return data + (span * p.length + i) * token_stride + head * head_stride;
   }
 };
 
@@ -583,7 +593,7 @@ bool fully_visible(const Problem& p, int64_t first_query, int64_t first_key) {
 
 // One (span, query head, query tile): all its visible key tiles, then the normalised rows.
 template <typename Kernel, typename scalar_t>
-void attend_tile(const Problem& p, const scalar_t* q, const typename Kernel::packed_t* keys,
+void attend_tile(const Problem& p, const QueryRows<scalar_t>& q, const typename Kernel::packed_t* keys,
                  const typename Kernel::packed_t* values, int64_t span, int64_t head, int64_t tile,
                  const scalar_t* zeros, scalar_t* out, TileState& state) {
   const int64_t first_query = tile * kQueryTile, size = Kernel::tile_elements(p.dim);
@@ -592,7 +602,7 @@ void attend_tile(const Problem& p, const scalar_t* q, const typename Kernel::pac
   const scalar_t* queries[kQueryTile];
   for (int64_t r = 0; r < kQueryTile; ++r) {
     const int64_t i = first_query + r;  // rows past the span read zeros; their output is dropped
-    queries[r] = i < p.length ? q + ((span * p.length + i) * p.heads + head) * p.dim : zeros;
+    queries[r] = i < p.length ? q.row(p, span, i, head) : zeros;
   }
   state.reset(p.dim);
   const auto [first, last] = visible_tiles(p, first_query);
@@ -614,7 +624,7 @@ void attend_tile(const Problem& p, const scalar_t* q, const typename Kernel::pac
 inline int64_t interleaved(int64_t k, int64_t n) { return k % 2 == 0 ? k / 2 : n - 1 - k / 2; }
 
 template <typename Kernel, typename scalar_t>
-void run(const Problem& p, const KeyRows<scalar_t>& source, const scalar_t* q, scalar_t* out) {
+void run(const Problem& p, const KeyRows<scalar_t>& source, const QueryRows<scalar_t>& q, scalar_t* out) {
   const int64_t packed = p.spans * p.kv_heads * p.key_tiles() * Kernel::tile_elements(p.dim);
   std::vector<typename Kernel::packed_t> keys(packed), values(packed);
   pack_all<Kernel>(p, source, keys.data(), values.data());
@@ -655,7 +665,8 @@ std::string fp32_lanes() {
 }
 
 template <typename scalar_t>
-void dispatch(const Problem& p, const KeyRows<scalar_t>& source, const scalar_t* q, scalar_t* out, bool portable) {
+void dispatch(const Problem& p, const KeyRows<scalar_t>& source, const QueryRows<scalar_t>& q, scalar_t* out,
+              bool portable) {
   if (!portable && fast_path(c10::CppTypeToScalarType<scalar_t>::value, p.dim)) {
 #if defined(KVFERRY_AVX512_BF16)
     if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) return run<Bf16Kernel>(p, source, q, out);
@@ -671,9 +682,10 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
                    const at::Tensor& table, at::Tensor& out, int64_t spans, int64_t context, int64_t start,
                    int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t head_stride,
                    int64_t kv_stride, int64_t window, double scale, bool portable) {
-  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && table.is_contiguous(), "paged_prefill: contiguous q, out, table");
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes() && k.strides() == v.strides(), "paged_prefill: k, v shapes");
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() && k.stride(2) == 1, "paged_prefill: k, v");
+  TORCH_CHECK(out.is_contiguous() && table.is_contiguous(), "paged_prefill: contiguous out, table");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes() && out.sizes() == q.sizes(), "paged_prefill: shapes");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "paged_prefill: k, v dtype");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "paged_prefill: rows of contiguous values");
   TORCH_CHECK(context == 0 || (cache.scalar_type() == q.scalar_type() && cache.stride(-1) == 1), "paged_prefill: cache");
   TORCH_CHECK(table.scalar_type() == at::kLong && spans >= 1 && q.size(0) % spans == 0, "paged_prefill: table, spans");
   TORCH_CHECK(spans == 1 || context == 0, "paged_prefill: several spans only without context");
@@ -686,8 +698,9 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_prefill", [&] {
     const KeyRows<scalar_t> source{cache.data_ptr<scalar_t>(), table.data_ptr<int64_t>(), block_size, block_stride,
                                    token_stride, head_stride, kv_stride, {k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>()},
-                                   k.stride(0), k.stride(1)};
-    dispatch<scalar_t>(p, source, q.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), portable);
+                                   {k.stride(0), v.stride(0)}, {k.stride(1), v.stride(1)}};
+    const QueryRows<scalar_t> queries{q.data_ptr<scalar_t>(), q.stride(0), q.stride(1)};
+    dispatch<scalar_t>(p, source, queries, out.data_ptr<scalar_t>(), portable);
   });
 }
 
