@@ -1,6 +1,6 @@
-"""What the weight-only quantized linears (int4, GGUF blocks) share: the dense weight kept
-for calls with more rows than their kernel is fast for, and a compiler cache key that names
-the type rather than hashing the weight."""
+"""What the weight-only quantized linears share: a compiler cache key that names the type
+rather than hashing the weight (int4, GGUF blocks), and the dense weight kept for calls with
+more rows than the kernel is fast for (int4)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,16 @@ from torch._opaque_base import OpaqueBase
 from kvferry.model.layers.packed import PackedWeight, onednn_linear
 
 
-class DenseFallbackWeight(OpaqueBase):
+class KeyedByType(OpaqueBase):
+    """A weight the compiler sees as an opaque reference: its cache key names the type
+    rather than hashing the weight."""
+
+    def __reduce__(self) -> tuple[type, tuple[str]]:
+        """For the compiler's cache key: a reference, not the weight."""
+        return str, (type(self).__qualname__,)
+
+
+class DenseFallbackWeight(KeyedByType):
     """A quantized [out, in] weight with its dense form (`dense`) for large calls."""
 
     dense: PackedWeight | torch.Tensor
@@ -23,10 +32,6 @@ class DenseFallbackWeight(OpaqueBase):
         if isinstance(self.dense, PackedWeight):
             return onednn_linear(rows, self.dense.tensor, None)
         return F.linear(rows, self.dense)
-
-    def __reduce__(self) -> tuple[type, tuple[str]]:
-        """For the compiler's cache key: a reference, not the weight."""
-        return str, (type(self).__qualname__,)
 
 
 def quantized_linear(

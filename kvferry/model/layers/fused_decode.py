@@ -10,8 +10,8 @@ ops round as float32 loops do, within float32 rounding of torch's).
 
 A layer takes the fused path on an eager step (never while a forward is being compiled:
 the compiled program keeps the operator-by-operator layer) whose rows are all decodes
-(speculative decoding's verification rows included), at most MAX_GGUF_ROWS of them (more
-rows use the dense weights, as the unfused layer does), float32, with no connector hooks
+(speculative decoding's verification rows included), at most MAX_FUSED_ROWS of them (the
+decode batches it was measured on; larger ones take the unfused layer), float32, with no connector hooks
 on the layer (a hook's place is between the layer's operators), a float32 KV cache of the
 layer's own head size, and a single rank. Anything else takes the unfused layer.
 """
@@ -30,13 +30,14 @@ from kvferry.model.layers import cpu_kernels
 from kvferry.model.layers.attention import PagedAttention
 from kvferry.model.layers.decode_kernel import decode_kernel_available
 from kvferry.model.layers.gguf_kernel import gguf_kernel_available
-from kvferry.model.layers.gguf_linear import MAX_GGUF_ROWS, GGUFWeight
+from kvferry.model.layers.gguf_linear import GGUFWeight
 from kvferry.model.layers.linear import PackableLinear, RowParallelLinear
 from kvferry.model.layers.norm import RMSNorm
 
 logger = logging.getLogger(__name__)
 
 SOURCE = cpu_kernels.CSRC / "decode_layer.cpp"
+MAX_FUSED_ROWS = 64  # decode rows a step may have for the fused path
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
 
@@ -116,7 +117,7 @@ class GGUFDecodeLayer:
         returns them; None when the step is not one the fused path takes (see the module)."""
         attention = self.attention
         rows = hidden.shape[0]
-        if attention.hooks is not HookPlacement.NONE or not 0 < rows <= MAX_GGUF_ROWS:
+        if attention.hooks is not HookPlacement.NONE or not 0 < rows <= MAX_FUSED_ROWS:
             return None
         attn = ctx.attn_for(attention.layer_name)
         if attn.prefills or attn.num_decodes != rows or attn.slot_mapping.numel() != rows:

@@ -90,9 +90,9 @@ def _packed_form(
 ) -> PackedWeight | Int4Weight | GGUFWeight | None:
     """int4, or the GGUF blocks, where asked and possible, else oneDNN's packed float32,
     else None."""
-    dense = pack(weight) if can_pack(weight) else None
     if quantization is WeightQuantization.GGUF and blocks is not None and gguf_kernel_available():
-        return GGUFWeight(blocks, dense if dense is not None else weight.detach())
+        return GGUFWeight(blocks)  # no dense copy: every call runs on the blocks
+    dense = pack(weight) if can_pack(weight) else None
     if quantization is WeightQuantization.INT4 and can_quantize_int4(weight):
         return Int4Weight(weight, dense if dense is not None else weight.detach())
     return dense
