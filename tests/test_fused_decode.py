@@ -230,3 +230,27 @@ def test_capture_auto_compiles_nothing_when_every_layer_decodes_fused(smollm2_gg
     (stats,) = llm.engine.executor.capture_stats()
     assert stats.compiled_steps == 0 and stats.compile_seconds == 0.0
     assert_pool_full(llm)
+
+
+@torch.inference_mode()  # the 135M SmolLM2 (~3 s): on the tiny models torch's results coincide
+def test_a_decode_sharing_a_step_with_a_prefill_gets_the_bits_of_a_decode_step(smollm2_gguf, fused_calls):
+    """A step the one-call path does not take (a decode beside a prefill) runs the same code
+    in parts, so the decode row's logits are, bit for bit, those of a step of decodes only:
+    a P/D decoder's steps and a colocated engine's mixed ones answer alike. (torch's
+    operators in the mixed step gave other bits: the norms sum in float there, in double in
+    the fused code.)"""
+    model = _gguf_model(smollm2_gguf)
+    layers = len(model.model.layers)
+
+    def decoded(driver: PagedDriver, token: int, beside: list[Chunk]) -> torch.Tensor:
+        return driver.step([Chunk("a", [token], decode=True), *beside])["a"][0]
+
+    alone = PagedDriver(model, num_blocks=64, block_size=16)
+    token = int(alone.step([Chunk("a", PROMPTS["a"])])["a"][-1].argmax())
+    pure = decoded(alone, token, [])
+    assert fused_calls.count == layers
+    mixed = PagedDriver(model, num_blocks=64, block_size=16)
+    mixed.step([Chunk("a", PROMPTS["a"])])
+    beside_a_prefill = decoded(mixed, token, [Chunk("b", PROMPTS["b"])])
+    assert fused_calls.count == layers  # the mixed step: in parts
+    assert torch.equal(pure, beside_a_prefill)

@@ -159,6 +159,8 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fused_decode is not None and not torch.compiler.is_compiling():
             fused = self.fused_decode.run(rope, hidden, residual, ctx)
+            if fused is None:  # a step the one-call path does not take: the same code in parts
+                fused = self.fused_decode.run_in_parts(rope, hidden, residual, ctx)
             if fused is not None:
                 return fused
         if residual is None:

@@ -11,9 +11,13 @@ ops round as float32 loops do, within float32 rounding of torch's).
 A layer takes the fused path on an eager step (never while a forward is being compiled:
 the compiled program keeps the operator-by-operator layer) whose rows are all decodes
 (speculative decoding's verification rows included), at most MAX_FUSED_ROWS of them (the
-decode batches it was measured on; larger ones take the unfused layer), float32, with no connector hooks
-on the layer (a hook's place is between the layer's operators), a float32 KV cache of the
-layer's own head size, and a single rank. Anything else takes the unfused layer.
+decode batches it was measured on), float32, with no connector hooks on the layer (a
+hook's place is between the layer's operators), a float32 KV cache of the layer's own
+head size, and a single rank. Other eager float32 steps (prefills, decodes beside them,
+hooks, larger batches) run the same code in parts: the operator's code before its
+attention (`gguf_layer_head`), the layer's attention module, and its code after
+(`gguf_layer_tail`). A decode row thus gets the same bits in any step, and P/D under
+--quantization gguf answers as colocated serving does.
 """
 
 from __future__ import annotations
@@ -161,6 +165,58 @@ class GGUFDecodeLayer:
             self.down.blocks.in_features,
             attention.sliding_window or 0,
             attention.scale,
+        )
+        return out, carried
+
+    def run_in_parts(
+        self, rope: CosSin, hidden: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(MLP output, residual) of this layer over any step `run` does not take (prefills,
+        mixed steps, hooks, larger batches): the fused operator's own code before and after
+        its attention (`gguf_layer_head`, `gguf_layer_tail`), and the layer's attention
+        module between them. A decode row therefore gets the bits `run` gives it, whatever
+        step it is in (a P/D decoder's pure decode steps and a colocated engine's mixed
+        ones); None for float32-less inputs."""
+        if hidden.dtype != torch.float32 or hidden.dim() != 2 or hidden.shape[0] == 0:
+            return None
+        attention = self.attention
+        heads, kv_heads, head_dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
+        cos, sin = rope
+        qkv, carried = torch.ops.kvferry_cpu.gguf_layer_head(
+            hidden.contiguous(),
+            residual,
+            self.input_norm,
+            self.eps,
+            self.qkv.blocks.tiles,
+            int(self.qkv.blocks.block_type),
+            self.qkv_bias,
+            cos,
+            sin,
+            heads,
+            kv_heads,
+            head_dim,
+        )
+        rows = qkv.shape[0]
+        q, k, v = qkv.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
+        attended = attention(
+            q.view(rows, heads, head_dim),
+            k.view(rows, kv_heads, head_dim),
+            v.view(rows, kv_heads, head_dim),
+            ctx,
+        )
+        out = torch.ops.kvferry_cpu.gguf_layer_tail(
+            attended.reshape(rows, heads * head_dim),
+            carried,
+            self.post_norm,
+            self.eps,
+            self.o.blocks.tiles,
+            int(self.o.blocks.block_type),
+            self.o_bias,
+            self.gate_up.blocks.tiles,
+            int(self.gate_up.blocks.block_type),
+            self.down.blocks.tiles,
+            int(self.down.blocks.block_type),
+            self.down.blocks.in_features,
         )
         return out, carried
 

@@ -6,10 +6,8 @@ to int8 per block of 32 (the only rounding besides the checkpoint's own: at most
 step of max|x| / 127 per input) and sums in integers. No dense copy of a weight is kept:
 the embedded SmolLM2's Q4_1 layers hold 5 bits per weight in memory (not 32), and its tied
 Q8_0 embedding serves as an 8.5-bit LM head. A row's output does not depend on the rows
-that share its call. (P/D is still not byte-identical to colocated serving under this mode:
-a decoder's steps are pure decodes, which take the fused layer (layers.fused_decode),
-where a colocated engine's steps mixed with prefills take the operator-by-operator layer,
-and the two round the norms differently.)
+that share its call; with the fused layer computing a decode row alike in every step
+(layers.fused_decode), P/D is byte-identical to colocated serving under this mode.
 
 The kernel against the packed float32 GEMM, SmolLM2's four layer linears at 64 to 2,048
 rows on a 2-core AVX-512 EPYC: 1.5x faster at every count with VNNI; built for AVX2 on the

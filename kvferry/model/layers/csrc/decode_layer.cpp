@@ -14,6 +14,7 @@
 // beside it (speculative decoding's verification rows, kvferry/spec_decode). The norms sum
 // their squares in double: the same result whatever vector width a build uses.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
@@ -48,6 +49,10 @@ const KernelOps& kernel_ops() {
   return ops;
 }
 
+// Rows a thread takes at least in the elementwise loops: a decode step's few rows stay on
+// one thread, a prefill chunk's are split. Each row is computed alike on any thread.
+constexpr int64_t kRowGrain = 16;
+
 // A weight as the kernel's tiles of GGUF blocks (gguf_pack), its block type and outputs.
 struct Blocks {
   const at::Tensor& tiles;
@@ -77,16 +82,18 @@ at::Tensor add_and_norm(const at::Tensor& hidden, at::Tensor& residual, bool add
   float* res = residual.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
   float* out = normed.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    float* x = res + r * width;
-    double squares = 0.0;
-    for (int64_t i = 0; i < width; ++i) {
-      if (add) x[i] += h[r * width + i];
-      squares += static_cast<double>(x[i]) * x[i];
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* x = res + r * width;
+      double squares = 0.0;
+      for (int64_t i = 0; i < width; ++i) {
+        if (add) x[i] += h[r * width + i];
+        squares += static_cast<double>(x[i]) * x[i];
+      }
+      const float inverse = static_cast<float>(1.0 / std::sqrt(squares / width + eps));
+      for (int64_t i = 0; i < width; ++i) out[r * width + i] = x[i] * inverse * w[i];
     }
-    const float inverse = static_cast<float>(1.0 / std::sqrt(squares / width + eps));
-    for (int64_t i = 0; i < width; ++i) out[r * width + i] = x[i] * inverse * w[i];
-  }
+  });
   return normed;
 }
 
@@ -95,18 +102,20 @@ at::Tensor add_and_norm(const at::Tensor& hidden, at::Tensor& residual, bool add
 void rotate(at::Tensor& x, int64_t first, int64_t heads, int64_t dim, const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t half = dim / 2, stride = x.size(1);
   float* base = x.data_ptr<float>();
-  for (int64_t r = 0; r < x.size(0); ++r) {
-    const float* c = cos.data_ptr<float>() + r * cos.stride(0);
-    const float* s = sin.data_ptr<float>() + r * sin.stride(0);
-    for (int64_t h = 0; h < heads; ++h) {
-      float* v = base + r * stride + (first + h) * dim;
-      for (int64_t i = 0; i < half; ++i) {
-        const float x1 = v[i], x2 = v[i + half];
-        v[i] = x1 * c[i] - x2 * s[i];
-        v[i + half] = x2 * c[i] + x1 * s[i];
+  at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* c = cos.data_ptr<float>() + r * cos.stride(0);
+      const float* s = sin.data_ptr<float>() + r * sin.stride(0);
+      for (int64_t h = 0; h < heads; ++h) {
+        float* v = base + r * stride + (first + h) * dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = v[i], x2 = v[i + half];
+          v[i] = x1 * c[i] - x2 * s[i];
+          v[i + half] = x2 * c[i] + x1 * s[i];
+        }
       }
     }
-  }
+  });
 }
 
 // silu(gate) * up of a merged [rows, 2 * width] projection: [rows, width].
@@ -115,10 +124,12 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   at::Tensor out = at::empty({rows, width}, gate_up.options());
   const float* in = gate_up.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* gate = in + r * 2 * width;
-    for (int64_t i = 0; i < width; ++i) o[r * width + i] = gate[i] / (1.f + std::exp(-gate[i])) * gate[width + i];
-  }
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gate = in + r * 2 * width;
+      for (int64_t i = 0; i < width; ++i) o[r * width + i] = gate[i] / (1.f + std::exp(-gate[i])) * gate[width + i];
+    }
+  });
   return out;
 }
 
@@ -155,9 +166,60 @@ at::Tensor attend(const at::Tensor& qkv, int64_t heads, int64_t kv_heads, int64_
   return out.view({rows, heads * dim});
 }
 
+// The layer up to its attention: the residual carried (a copy of the previous layer's, or
+// of hidden at the first layer) with hidden added, normed, projected to q/k/v and q and k
+// rotated. Returns (qkv [rows, (heads + 2 kv_heads) * head_dim], residual).
+std::tuple<at::Tensor, at::Tensor> layer_head(const at::Tensor& hidden, const std::optional<at::Tensor>& residual,
+                                              const at::Tensor& input_norm, double eps, const at::Tensor& qkv,
+                                              int64_t qkv_type, const std::optional<at::Tensor>& qkv_bias,
+                                              const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
+                                              int64_t kv_heads, int64_t head_dim) {
+  TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.dim() == 2 && hidden.is_contiguous(),
+              "decode_layer: hidden float32 [rows, hidden size], contiguous");
+  TORCH_CHECK(input_norm.scalar_type() == at::kFloat, "decode_layer: float32 norm weights");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.stride(-1) == 1 && sin.stride(-1) == 1 &&
+                  cos.size(0) >= hidden.size(0) && cos.size(-1) == head_dim / 2,
+              "decode_layer: float32 cos and sin [rows, 1, head_dim / 2]");
+  at::Tensor carried = residual.has_value() ? residual->contiguous().clone() : hidden.clone();
+  TORCH_CHECK(carried.sizes() == hidden.sizes(), "decode_layer: residual of hidden's shape");
+  const at::Tensor normed = add_and_norm(hidden, carried, residual.has_value(), input_norm, eps);
+  at::Tensor qkv_out = project(normed, {qkv, qkv_type, (heads + 2 * kv_heads) * head_dim}, qkv_bias);
+  rotate(qkv_out, 0, heads + kv_heads, head_dim, cos, sin);  // q and k are adjacent
+  return {qkv_out, carried};
+}
+
+// The layer after its attention: output projection, residual add (into `carried`, in
+// place) and norm, gated SiLU MLP. Returns (MLP output, residual).
+std::tuple<at::Tensor, at::Tensor> layer_tail(const at::Tensor& attended, at::Tensor& carried,
+                                              const at::Tensor& post_norm, double eps, const at::Tensor& o,
+                                              int64_t o_type, const std::optional<at::Tensor>& o_bias,
+                                              const at::Tensor& gate_up, int64_t gate_up_type, const at::Tensor& down,
+                                              int64_t down_type, int64_t intermediate) {
+  TORCH_CHECK(post_norm.scalar_type() == at::kFloat, "decode_layer: float32 norm weights");
+  TORCH_CHECK(attended.scalar_type() == at::kFloat && attended.dim() == 2 && carried.is_contiguous() &&
+                  attended.size(0) == carried.size(0),
+              "decode_layer: attention output float32 [rows, heads * head_dim], a contiguous residual");
+  const int64_t width = carried.size(1);
+  const at::Tensor projected = project(attended.contiguous(), {o, o_type, width}, o_bias);
+  const at::Tensor mlp_in = add_and_norm(projected, carried, true, post_norm, eps);
+  const Blocks gate_up_blocks{gate_up, gate_up_type, 2 * intermediate};
+  const at::Tensor activated = silu_and_mul(project(mlp_in, gate_up_blocks, std::nullopt));
+  return {project(activated, {down, down_type, width}, std::nullopt), carried};
+}
+
+// layer_tail as an operator: the MLP output; the residual is updated in place.
+at::Tensor layer_tail_op(const at::Tensor& attended, at::Tensor& residual, const at::Tensor& post_norm, double eps,
+                         const at::Tensor& o, int64_t o_type, const std::optional<at::Tensor>& o_bias,
+                         const at::Tensor& gate_up, int64_t gate_up_type, const at::Tensor& down, int64_t down_type,
+                         int64_t intermediate) {
+  return std::get<0>(layer_tail(attended, residual, post_norm, eps, o, o_type, o_bias, gate_up, gate_up_type, down,
+                                down_type, intermediate));
+}
+
 // One decoder layer over `hidden` [rows, hidden size] float32, each row a decode (one query
 // token of its sequence). `residual`: the previous layer's (None at the first layer).
-// Returns the MLP's output and the residual, as LlamaDecoderLayer.forward does.
+// Returns the MLP's output and the residual, as LlamaDecoderLayer.forward does: layer_head,
+// the KV write and paged decode attention, layer_tail.
 std::tuple<at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& hidden, const std::optional<at::Tensor>& residual, const at::Tensor& input_norm,
     const at::Tensor& post_norm, double eps, const at::Tensor& qkv, int64_t qkv_type,
@@ -167,26 +229,12 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& slots, const at::Tensor& table, const at::Tensor& seq_lens,
     const std::optional<at::Tensor>& start_pos, int64_t heads, int64_t kv_heads, int64_t head_dim,
     int64_t intermediate, int64_t window, double scale) {
-  TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.dim() == 2 && hidden.is_contiguous(),
-              "decode_layer: hidden float32 [rows, hidden size], contiguous");
-  TORCH_CHECK(input_norm.scalar_type() == at::kFloat && post_norm.scalar_type() == at::kFloat,
-              "decode_layer: float32 norm weights");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.stride(-1) == 1 && sin.stride(-1) == 1 &&
-                  cos.size(0) >= hidden.size(0) && cos.size(-1) == head_dim / 2,
-              "decode_layer: float32 cos and sin [rows, 1, head_dim / 2]");
-  at::Tensor carried = residual.has_value() ? residual->contiguous().clone() : hidden.clone();
-  TORCH_CHECK(carried.sizes() == hidden.sizes(), "decode_layer: residual of hidden's shape");
-  const at::Tensor normed = add_and_norm(hidden, carried, residual.has_value(), input_norm, eps);
-  const int64_t width = hidden.size(1);
-  at::Tensor qkv_out = project(normed, {qkv, qkv_type, (heads + 2 * kv_heads) * head_dim}, qkv_bias);
-  rotate(qkv_out, 0, heads + kv_heads, head_dim, cos, sin);  // q and k are adjacent
+  auto [qkv_out, carried] =
+      layer_head(hidden, residual, input_norm, eps, qkv, qkv_type, qkv_bias, cos, sin, heads, kv_heads, head_dim);
   const at::Tensor attended =
       attend(qkv_out, heads, kv_heads, head_dim, cache, hnd, slots, table, seq_lens, start_pos, window, scale);
-  const at::Tensor projected = project(attended, {o, o_type, width}, o_bias);
-  const at::Tensor mlp_in = add_and_norm(projected, carried, true, post_norm, eps);
-  const Blocks gate_up_blocks{gate_up, gate_up_type, 2 * intermediate};
-  const at::Tensor activated = silu_and_mul(project(mlp_in, gate_up_blocks, std::nullopt));
-  return {project(activated, {down, down_type, width}, std::nullopt), carried};
+  return layer_tail(attended, carried, post_norm, eps, o, o_type, o_bias, gate_up, gate_up_type, down, down_type,
+                    intermediate);
 }
 
 }  // namespace
@@ -198,6 +246,16 @@ TORCH_LIBRARY_FRAGMENT(kvferry_cpu, m) {
       "int gate_up_type, Tensor down, int down_type, Tensor cos, Tensor sin, Tensor(a!) cache, bool hnd, "
       "Tensor slots, Tensor table, Tensor seq_lens, Tensor? start_pos, int heads, int kv_heads, int head_dim, "
       "int intermediate, int window, float scale) -> (Tensor, Tensor)");
+  m.def(
+      "gguf_layer_head(Tensor hidden, Tensor? residual, Tensor input_norm, float eps, Tensor qkv, int qkv_type, "
+      "Tensor? qkv_bias, Tensor cos, Tensor sin, int heads, int kv_heads, int head_dim) -> (Tensor, Tensor)");
+  m.def(
+      "gguf_layer_tail(Tensor attended, Tensor(a!) residual, Tensor post_norm, float eps, Tensor o, int o_type, "
+      "Tensor? o_bias, Tensor gate_up, int gate_up_type, Tensor down, int down_type, int intermediate) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvferry_cpu, CPU, m) { m.impl("gguf_decode_layer", &decode_layer); }
+TORCH_LIBRARY_IMPL(kvferry_cpu, CPU, m) {
+  m.impl("gguf_decode_layer", &decode_layer);
+  m.impl("gguf_layer_head", &layer_head);
+  m.impl("gguf_layer_tail", &layer_tail_op);
+}
