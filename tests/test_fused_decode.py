@@ -236,9 +236,8 @@ def test_capture_auto_compiles_nothing_when_every_layer_decodes_fused(smollm2_gg
 def test_a_decode_sharing_a_step_with_a_prefill_gets_the_bits_of_a_decode_step(smollm2_gguf, fused_calls):
     """A step the one-call path does not take (a decode beside a prefill) runs the same code
     in parts, so the decode row's logits are, bit for bit, those of a step of decodes only:
-    a P/D decoder's steps and a colocated engine's mixed ones answer alike. (torch's
-    operators in the mixed step gave other bits: the norms sum in float there, in double in
-    the fused code.)"""
+    a P/D decoder's steps and a colocated engine's mixed ones answer alike. (With torch's
+    operators in the mixed step this equality failed.)"""
     model = _gguf_model(smollm2_gguf)
     layers = len(model.model.layers)
 

@@ -11,16 +11,12 @@ library was built for and the portable scalar path (forced) are both checked.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from kvferry.cpu_features import read_cpu_features
-from kvferry.model.layers import cpu_kernels
 from kvferry.model.layers.gguf_kernel import (
     BLOCK,
     SOURCE,
@@ -30,6 +26,7 @@ from kvferry.model.layers.gguf_kernel import (
     gguf_matmul,
 )
 from kvferry.model.loader.gguf_dequant import dequantize
+from tests.avx2_build import outputs_of_the_avx2_build
 
 pytestmark = pytest.mark.skipif(not gguf_kernel_available(), reason="no C++ compiler for the CPU kernels")
 
@@ -131,9 +128,6 @@ def test_the_avx2_build_computes_the_bits_of_this_machines_build(tmp_path: Path)
     its 512-bit pass), bit for bit: each block type, even and odd block counts, 1..9 rows.
     The two passes share lanes, products and the order of every sum, so a greedy answer
     does not depend on which CPU kind served it. (On an AVX2-only CPU both are AVX2.)"""
-    if not cpu_kernels.AVX2.runs_on(read_cpu_features()):
-        pytest.skip("this CPU lacks AVX2")
-    library = cpu_kernels.build_prebuilt(SOURCE, cpu_kernels.AVX2, tmp_path)
     gen = torch.Generator().manual_seed(7)
     cases = []
     for block_type in BlockType:
@@ -141,18 +135,8 @@ def test_the_avx2_build_computes_the_bits_of_this_machines_build(tmp_path: Path)
             blocks = random_blocks(block_type, out, inputs, gen)
             for rows in range(1, 10):
                 cases.append((torch.randn(rows, inputs, generator=gen) * 3, blocks.data, int(block_type)))
-    torch.save(cases, tmp_path / "cases.pt")
-    run = [
-        sys.executable,
-        "-c",
-        _AVX2_RUN,
-        str(library),
-        str(tmp_path / "cases.pt"),
-        str(tmp_path / "avx2.pt"),
-    ]
-    subprocess.run(run, check=True, timeout=120)
-    avx2 = torch.load(tmp_path / "avx2.pt")
-    assert len(avx2) == len(cases) == 3 * 2 * 9
+    avx2 = outputs_of_the_avx2_build(SOURCE, _AVX2_RUN, cases, tmp_path)
+    assert len(avx2) == 3 * 2 * 9
     for (x, data, qtype), theirs in zip(cases, avx2, strict=True):
         ours = gguf_matmul(x, GGUFBlocks(BlockType(qtype), data, x.shape[1]))
         assert torch.equal(ours, theirs), (qtype, x.shape)

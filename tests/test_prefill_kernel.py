@@ -6,21 +6,19 @@ where it cannot be built."""
 from __future__ import annotations
 
 import logging
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from kvferry.cpu_features import read_cpu_features
 from kvferry.engine.llm import LLM
 from kvferry.kv.spec import Layout
 from kvferry.model.forward_context import AttentionMetadata, ForwardContext, PrefillSpan
-from kvferry.model.layers import attention, cpu_kernels, prefill_kernel
+from kvferry.model.layers import attention, prefill_kernel
 from kvferry.model.layers.attention import Scores
 from kvferry.sampling_params import SamplingParams
+from tests.avx2_build import outputs_of_the_avx2_build
 from tests.engine_helpers import PROMPT_TEXTS
 from tests.fixtures.tiny_models import build_tiny_model
 from tests.tiers import SLOW, first_fast
@@ -291,9 +289,6 @@ def test_the_avx2_build_of_the_fp32_microkernel_equals_sdpa(tmp_path: Path) -> N
     """The AVX2 lanes' microkernel (what an AVX2-only CPU runs; here built with AVX2 flags
     and loaded in a process of its own) against SDPA: lengths around the tiles, windows,
     grouped heads, a batch of spans, heads of 32 and 64."""
-    if not cpu_kernels.AVX2.runs_on(read_cpu_features()):
-        pytest.skip("this CPU lacks AVX2")
-    library = cpu_kernels.build_prebuilt(prefill_kernel.SOURCE, cpu_kernels.AVX2, tmp_path)
     gen = torch.Generator().manual_seed(3)
     cases = []
     for length, window, group, dim, count in [
@@ -305,18 +300,7 @@ def test_the_avx2_build_of_the_fp32_microkernel_equals_sdpa(tmp_path: Path) -> N
     ]:
         q, k, v = _qkv(length * count, 3 * group, 3, dim, torch.float32, gen)
         cases.append((q, k, v, count, window, SCALE))
-    torch.save(cases, tmp_path / "cases.pt")
-    run = [
-        sys.executable,
-        "-c",
-        _AVX2_RUN,
-        str(library),
-        str(tmp_path / "cases.pt"),
-        str(tmp_path / "avx2.pt"),
-    ]
-    subprocess.run(run, check=True, timeout=120, cwd=Path(__file__).parent.parent)
-    avx2 = torch.load(tmp_path / "avx2.pt")
-    assert len(avx2) == len(cases)
+    avx2 = outputs_of_the_avx2_build(prefill_kernel.SOURCE, _AVX2_RUN, cases, tmp_path)
     for (q, k, v, count, window, scale), got in zip(cases, avx2, strict=True):
         expected = attention._fresh_batch_sdpa(q, k, v, count, Scores(scale, window))
         torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)

@@ -109,8 +109,10 @@ def takes_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     )
 
 
+@functools.cache
 def fast_path(dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether the loaded kernel has a microkernel for `dtype` at `head_dim`."""
+    """Whether the loaded kernel has a microkernel for `dtype` at `head_dim` (fixed by the
+    build: asked once, not by every layer of every prefill)."""
     return bool(torch.ops.kvferry_cpu.prefill_fast_path(dtype, head_dim))
 
 

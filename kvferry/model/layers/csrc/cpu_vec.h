@@ -14,8 +14,11 @@
 
 // KVFERRY_AVX512: AVX-512 F, BW and VL (16 fp32 lanes, masked 16-bit loads);
 // KVFERRY_AVX512_BF16: with the bf16 dot products (vdpbf16ps) and conversions too.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX2__)
 #include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define KVFERRY_AVX512 1
 #if defined(__AVX512BF16__)
 #define KVFERRY_AVX512_BF16 1
@@ -23,6 +26,11 @@
 #endif
 
 namespace kvferry_vec {
+
+// 2^f for f in [-0.5, 0.5]: ln2^k / k!, k = 6 .. 0 (Horner's order), for exp2_nonpositive.
+constexpr float kExp2Polynomial[7] = {1.5403530393381606e-4f, 1.3333558146428443e-3f, 9.6181291076284772e-3f,
+                                      5.5504108664821580e-2f, 2.4022650695910071e-1f, 6.9314718055994531e-1f,
+                                      1.0f};
 
 // ---- portable ---------------------------------------------------------------------------
 
@@ -72,13 +80,8 @@ inline __m512 exp2_nonpositive(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-160.0f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);  // [-0.5, 0.5]
-  __m512 poly = _mm512_set1_ps(1.5403530393381606e-4f);  // ln2^k / k!, k = 6 .. 0
-  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(1.0f));
+  __m512 poly = _mm512_set1_ps(kExp2Polynomial[0]);
+  for (int k = 1; k < 7; ++k) poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(kExp2Polynomial[k]));
   return _mm512_scalef_ps(poly, n);
 }
 
@@ -100,6 +103,20 @@ inline float max_of(const float* values, int64_t n) {
 inline float max_of(const float* values, int64_t n) { return max_of_portable(values, n); }
 
 #endif  // KVFERRY_AVX512
+
+#if defined(__AVX2__) && defined(__FMA__)
+// 2^x for x <= 0 (-inf included) on 8 lanes: the same polynomial, 2^n built in the exponent
+// bits (AVX2 has no scalef); below -127 the exponent field is 0 and the result 0.
+inline __m256 exp2_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-127.0f));
+  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(x, n);
+  __m256 poly = _mm256_set1_ps(kExp2Polynomial[0]);
+  for (int k = 1; k < 7; ++k) poly = _mm256_fmadd_ps(poly, f, _mm256_set1_ps(kExp2Polynomial[k]));
+  const __m256i biased = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+  return _mm256_mul_ps(poly, _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23)));
+}
+#endif  // AVX2 + FMA
 
 #if defined(KVFERRY_AVX512_BF16)
 // Two bf16 values (adjacent in memory) on every 32-bit lane, for vdpbf16ps.

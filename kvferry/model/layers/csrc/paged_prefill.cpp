@@ -198,140 +198,6 @@ struct PortableKernel {
   }
 };
 
-#if defined(KVFERRY_AVX512_BF16)
-using kvferry_vec::exp2_nonpositive;
-using kvferry_vec::max_lanes;
-using kvferry_vec::sum_lanes;
-
-inline __m512bh pair_of(const uint16_t* pair) { return kvferry_vec::bf16_pair_on_every_lane(pair); }
-inline __m512bh load_bh(const uint16_t* at) { return kvferry_vec::load_bf16_pairs(at); }
-
-// bf16 microkernels. A key tile: 2 groups of 16 keys, each [D / 2][16 keys][2] (a key's
-// values d, d + 1 side by side); a value tile: [kKeyTile / 2][D][2] (keys c, c + 1 side by
-// side). Needs D a multiple of 32.
-struct Bf16Kernel {
-  using packed_t = uint16_t;
-  static constexpr int kRows = 8;  // query rows per register block
-  static int64_t tile_elements(int64_t dim) { return kKeyTile * dim; }
-
-  static uint16_t bits(const c10::BFloat16* row, int64_t d) { return row ? row[d].x : 0; }
-
-  static void pack_keys(const c10::BFloat16* const* rows, int64_t dim, uint16_t* tile) {
-    for (int64_t c = 0; c < kKeyTile; ++c) {
-      uint16_t* lane = tile + (c / 16) * 16 * dim + (c % 16) * 2;
-      for (int64_t d = 0; d < dim; d += 2) {
-        lane[(d / 2) * 32] = bits(rows[c], d);
-        lane[(d / 2) * 32 + 1] = bits(rows[c], d + 1);
-      }
-    }
-  }
-
-  static void pack_values(const c10::BFloat16* const* rows, int64_t dim, uint16_t* tile) {
-    for (int64_t c = 0; c < kKeyTile; ++c)
-      for (int64_t d = 0; d < dim; ++d) tile[((c / 2) * dim + d) * 2 + c % 2] = bits(rows[c], d);
-  }
-
-  // Scores of 8 query rows at a time in registers, each row then folded (masked, scaled,
-  // exponentiated, rounded to bf16 weights) without a trip through memory.
-  static void score_fold(const c10::BFloat16* const* queries, int64_t dim, const uint16_t* keys, const TileMask& mask,
-                         float scale, TileState& state) {
-    const uint16_t* second = keys + 16 * dim;
-    for (int64_t r0 = 0; r0 < kQueryTile; r0 += kRows) {
-      __m512 acc[kRows][2];
-#pragma GCC unroll 8
-      for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-      for (int64_t d = 0; d < dim; d += 2) {
-        const __m512bh k0 = load_bh(keys + d * 16), k1 = load_bh(second + d * 16);
-#pragma GCC unroll 8
-        for (int r = 0; r < kRows; ++r) {
-          const __m512bh qr = pair_of(reinterpret_cast<const uint16_t*>(queries[r0 + r]) + d);
-          acc[r][0] = _mm512_dpbf16_ps(acc[r][0], qr, k0);
-          acc[r][1] = _mm512_dpbf16_ps(acc[r][1], qr, k1);
-        }
-      }
-#pragma GCC unroll 8
-      for (int r = 0; r < kRows; ++r) fold_row(r0 + r, acc[r][0], acc[r][1], mask, scale, dim, state);
-    }
-  }
-
-  // Keys hidden from row r among the 16 from key column c0, as a lane mask.
-  static __mmask16 hidden_lanes(const TileMask& mask, int64_t r, int64_t c0) {
-    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __m512i keys = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(mask.first_key_pos + c0)), lanes);
-    const __m512i query = _mm512_set1_epi32(static_cast<int32_t>(mask.first_query_pos + r));
-    __mmask16 hidden = _mm512_cmpgt_epi32_mask(keys, query);
-    if (mask.window > 0) {
-      const __m512i window = _mm512_set1_epi32(static_cast<int32_t>(mask.window));
-      hidden |= _mm512_cmpge_epi32_mask(_mm512_sub_epi32(query, keys), window);
-    }
-    return hidden;
-  }
-
-  // Lazy rescaling: a row's reference max moves only when a score exceeds it by more than
-  // kLazyMargin (log2 units), so weights stay below 2^kLazyMargin and most key tiles skip the
-  // rescale of the row's sums. Sums stay on 16 lanes until the end (no horizontal add).
-  static inline void fold_row(int64_t r, __m512 s0, __m512 s1, const TileMask& mask, float scale, int64_t dim,
-                              TileState& state) {
-    const __m512 scaled = _mm512_set1_ps(scale);
-    s0 = _mm512_mul_ps(s0, scaled);
-    s1 = _mm512_mul_ps(s1, scaled);
-    if (mask.partial) {
-      const __m512 hide = _mm512_set1_ps(kNegInf);
-      s0 = _mm512_mask_mov_ps(s0, hidden_lanes(mask, r, 0), hide);
-      s1 = _mm512_mask_mov_ps(s1, hidden_lanes(mask, r, 16), hide);
-    }
-    const __m512 highs = _mm512_max_ps(s0, s1);
-    float* sums = &state.sums[r * 16];
-    if (_mm512_cmp_ps_mask(highs, _mm512_set1_ps(state.peak[r] + kLazyMargin), _CMP_GT_OQ)) {
-      const float high = max_lanes(highs);  // horizontal: only when the max moves
-      const float factor = std::exp2(state.peak[r] - high);
-      state.peak[r] = high;
-      rescale_row(&state.out[r * dim], dim, factor);
-      _mm512_storeu_ps(sums, _mm512_mul_ps(_mm512_loadu_ps(sums), _mm512_set1_ps(factor)));
-    }
-    const float peak = state.peak[r];
-    const __m512 shift = _mm512_set1_ps(peak == kNegInf ? 0.0f : peak);  // a row that sees nothing yet
-    const __m512 p0 = exp2_nonpositive(_mm512_sub_ps(s0, shift)), p1 = exp2_nonpositive(_mm512_sub_ps(s1, shift));
-    _mm512_storeu_si512(&state.weights[r * kKeyTile], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-    _mm512_storeu_ps(sums, _mm512_add_ps(_mm512_loadu_ps(sums), _mm512_add_ps(p0, p1)));
-  }
-
-  static float row_total(const TileState& state, int64_t r) {
-    return sum_lanes(_mm512_loadu_ps(&state.sums[r * 16]));
-  }
-
-  static void accumulate(TileState& state, int64_t dim, const uint16_t* values) {
-    for (int64_t d0 = 0; d0 < dim; d0 += 32) {
-      for (int64_t r0 = 0; r0 < kQueryTile; r0 += kRows) {
-        float* out = &state.out[r0 * dim + d0];
-        __m512 acc[kRows][2];
-#pragma GCC unroll 8
-        for (int r = 0; r < kRows; ++r) {
-          acc[r][0] = _mm512_loadu_ps(out + r * dim);
-          acc[r][1] = _mm512_loadu_ps(out + r * dim + 16);
-        }
-        const uint16_t* weights = &state.weights[r0 * kKeyTile];
-        for (int64_t c = 0; c < kKeyTile; c += 2) {
-          const uint16_t* pair = values + (c * dim + d0 * 2);
-          const __m512bh v0 = load_bh(pair), v1 = load_bh(pair + 32);
-#pragma GCC unroll 8
-          for (int r = 0; r < kRows; ++r) {
-            const __m512bh w = pair_of(weights + r * kKeyTile + c);
-            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w, v0);
-            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w, v1);
-          }
-        }
-#pragma GCC unroll 8
-        for (int r = 0; r < kRows; ++r) {
-          _mm512_storeu_ps(out + r * dim, acc[r][0]);
-          _mm512_storeu_ps(out + r * dim + 16, acc[r][1]);
-        }
-      }
-    }
-  }
-};
-#endif
-
 #if defined(KVFERRY_AVX512)
 // fp32 lanes of AVX-512: 16 a register, 32 registers. Register blocks (rows x vectors):
 // scores 12 x 2 (all 32 keys of a tile), weighted sums 12 x 2 (32 values of a head).
@@ -393,22 +259,7 @@ struct Avx2Lanes {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
   }
 
-  // 2^x for x <= 0 (-inf included): as kvferry_vec::exp2_nonpositive, 2^n built in the
-  // exponent bits; below -127 the exponent field is 0 and the result 0.
-  static reg exp2_nonpositive(reg x) {
-    x = _mm256_max_ps(x, set1(-127.0f));
-    const reg n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const reg f = sub(x, n);
-    reg poly = set1(1.5403530393381606e-4f);
-    poly = fmadd(poly, f, set1(1.3333558146428443e-3f));
-    poly = fmadd(poly, f, set1(9.6181291076284772e-3f));
-    poly = fmadd(poly, f, set1(5.5504108664821580e-2f));
-    poly = fmadd(poly, f, set1(2.4022650695910071e-1f));
-    poly = fmadd(poly, f, set1(6.9314718055994531e-1f));
-    poly = fmadd(poly, f, set1(1.0f));
-    const __m256i biased = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
-    return mul(poly, _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23)));
-  }
+  static reg exp2_nonpositive(reg x) { return kvferry_vec::exp2_nonpositive(x); }
 
   static reg hide(reg scores, int64_t first_key, int64_t query_pos, int64_t window) {
     const __m256i keys = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(first_key)),
@@ -425,6 +276,127 @@ struct Avx2Lanes {
 using Fp32Lanes = Avx2Lanes;
 #define KVFERRY_PREFILL_FP32_LANES 1
 #endif
+
+#if defined(KVFERRY_AVX512_BF16)
+using kvferry_vec::exp2_nonpositive;
+using kvferry_vec::max_lanes;
+using kvferry_vec::sum_lanes;
+
+inline __m512bh pair_of(const uint16_t* pair) { return kvferry_vec::bf16_pair_on_every_lane(pair); }
+inline __m512bh load_bh(const uint16_t* at) { return kvferry_vec::load_bf16_pairs(at); }
+
+// bf16 microkernels. A key tile: 2 groups of 16 keys, each [D / 2][16 keys][2] (a key's
+// values d, d + 1 side by side); a value tile: [kKeyTile / 2][D][2] (keys c, c + 1 side by
+// side). Needs D a multiple of 32.
+struct Bf16Kernel {
+  using packed_t = uint16_t;
+  static constexpr int kRows = 8;  // query rows per register block
+  static int64_t tile_elements(int64_t dim) { return kKeyTile * dim; }
+
+  static uint16_t bits(const c10::BFloat16* row, int64_t d) { return row ? row[d].x : 0; }
+
+  static void pack_keys(const c10::BFloat16* const* rows, int64_t dim, uint16_t* tile) {
+    for (int64_t c = 0; c < kKeyTile; ++c) {
+      uint16_t* lane = tile + (c / 16) * 16 * dim + (c % 16) * 2;
+      for (int64_t d = 0; d < dim; d += 2) {
+        lane[(d / 2) * 32] = bits(rows[c], d);
+        lane[(d / 2) * 32 + 1] = bits(rows[c], d + 1);
+      }
+    }
+  }
+
+  static void pack_values(const c10::BFloat16* const* rows, int64_t dim, uint16_t* tile) {
+    for (int64_t c = 0; c < kKeyTile; ++c)
+      for (int64_t d = 0; d < dim; ++d) tile[((c / 2) * dim + d) * 2 + c % 2] = bits(rows[c], d);
+  }
+
+  // Scores of 8 query rows at a time in registers, each row then folded (masked, scaled,
+  // exponentiated, rounded to bf16 weights) without a trip through memory.
+  static void score_fold(const c10::BFloat16* const* queries, int64_t dim, const uint16_t* keys, const TileMask& mask,
+                         float scale, TileState& state) {
+    const uint16_t* second = keys + 16 * dim;
+    for (int64_t r0 = 0; r0 < kQueryTile; r0 += kRows) {
+      __m512 acc[kRows][2];
+#pragma GCC unroll 8
+      for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < dim; d += 2) {
+        const __m512bh k0 = load_bh(keys + d * 16), k1 = load_bh(second + d * 16);
+#pragma GCC unroll 8
+        for (int r = 0; r < kRows; ++r) {
+          const __m512bh qr = pair_of(reinterpret_cast<const uint16_t*>(queries[r0 + r]) + d);
+          acc[r][0] = _mm512_dpbf16_ps(acc[r][0], qr, k0);
+          acc[r][1] = _mm512_dpbf16_ps(acc[r][1], qr, k1);
+        }
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < kRows; ++r) fold_row(r0 + r, acc[r][0], acc[r][1], mask, scale, dim, state);
+    }
+  }
+
+  // Lazy rescaling: a row's reference max moves only when a score exceeds it by more than
+  // kLazyMargin (log2 units), so weights stay below 2^kLazyMargin and most key tiles skip the
+  // rescale of the row's sums. Sums stay on 16 lanes until the end (no horizontal add).
+  static inline void fold_row(int64_t r, __m512 s0, __m512 s1, const TileMask& mask, float scale, int64_t dim,
+                              TileState& state) {
+    const __m512 scaled = _mm512_set1_ps(scale);
+    s0 = _mm512_mul_ps(s0, scaled);
+    s1 = _mm512_mul_ps(s1, scaled);
+    if (mask.partial) {
+      s0 = Avx512Lanes::hide(s0, mask.first_key_pos, mask.first_query_pos + r, mask.window);
+      s1 = Avx512Lanes::hide(s1, mask.first_key_pos + 16, mask.first_query_pos + r, mask.window);
+    }
+    const __m512 highs = _mm512_max_ps(s0, s1);
+    float* sums = &state.sums[r * 16];
+    if (_mm512_cmp_ps_mask(highs, _mm512_set1_ps(state.peak[r] + kLazyMargin), _CMP_GT_OQ)) {
+      const float high = max_lanes(highs);  // horizontal: only when the max moves
+      const float factor = std::exp2(state.peak[r] - high);
+      state.peak[r] = high;
+      rescale_row(&state.out[r * dim], dim, factor);
+      _mm512_storeu_ps(sums, _mm512_mul_ps(_mm512_loadu_ps(sums), _mm512_set1_ps(factor)));
+    }
+    const float peak = state.peak[r];
+    const __m512 shift = _mm512_set1_ps(peak == kNegInf ? 0.0f : peak);  // a row that sees nothing yet
+    const __m512 p0 = exp2_nonpositive(_mm512_sub_ps(s0, shift)), p1 = exp2_nonpositive(_mm512_sub_ps(s1, shift));
+    _mm512_storeu_si512(&state.weights[r * kKeyTile], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    _mm512_storeu_ps(sums, _mm512_add_ps(_mm512_loadu_ps(sums), _mm512_add_ps(p0, p1)));
+  }
+
+  static float row_total(const TileState& state, int64_t r) {
+    return sum_lanes(_mm512_loadu_ps(&state.sums[r * 16]));
+  }
+
+  static void accumulate(TileState& state, int64_t dim, const uint16_t* values) {
+    for (int64_t d0 = 0; d0 < dim; d0 += 32) {
+      for (int64_t r0 = 0; r0 < kQueryTile; r0 += kRows) {
+        float* out = &state.out[r0 * dim + d0];
+        __m512 acc[kRows][2];
+#pragma GCC unroll 8
+        for (int r = 0; r < kRows; ++r) {
+          acc[r][0] = _mm512_loadu_ps(out + r * dim);
+          acc[r][1] = _mm512_loadu_ps(out + r * dim + 16);
+        }
+        const uint16_t* weights = &state.weights[r0 * kKeyTile];
+        for (int64_t c = 0; c < kKeyTile; c += 2) {
+          const uint16_t* pair = values + (c * dim + d0 * 2);
+          const __m512bh v0 = load_bh(pair), v1 = load_bh(pair + 32);
+#pragma GCC unroll 8
+          for (int r = 0; r < kRows; ++r) {
+            const __m512bh w = pair_of(weights + r * kKeyTile + c);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w, v0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w, v1);
+          }
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < kRows; ++r) {
+          _mm512_storeu_ps(out + r * dim, acc[r][0]);
+          _mm512_storeu_ps(out + r * dim + 16, acc[r][1]);
+        }
+      }
+    }
+  }
+};
+#endif
+
 
 #if defined(KVFERRY_PREFILL_FP32_LANES)
 // fp32 microkernels over one instruction set's lanes `L`, on the portable tiles' packing
