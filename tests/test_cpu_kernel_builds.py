@@ -107,3 +107,49 @@ def test_build_kernels_ships_a_library_the_engine_loads_without_a_compiler(tmp_p
     assert run.returncode == 0, run.stderr[-3000:]
     loaded = json.loads(run.stdout.strip().splitlines()[-1])
     assert [Path(p) for p in loaded if Path(p).parent == out] == [library]
+
+
+# A stand-in compiler: notes when each build starts and ends (a line per event in $BUILD_LOG),
+# holds each build for a moment, and writes an empty "library" where -o says.
+FAKE_COMPILER = """#!/bin/sh
+[ "$1" = --version ] && { echo fake-cxx 1; exit 0; }
+out=""; prev=""
+for arg in "$@"; do [ "$prev" = -o ] && out="$arg"; prev="$arg"; done
+echo "start $out" >> "$BUILD_LOG"
+sleep 1
+: > "$out"
+echo "end $out" >> "$BUILD_LOG"
+"""
+
+
+def test_build_ahead_runs_the_builds_side_by_side_and_load_reuses_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    compiler, log = tmp_path / "fake-cxx", tmp_path / "builds.log"
+    compiler.write_text(FAKE_COMPILER)
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CXX", str(compiler))
+    monkeypatch.setenv("BUILD_LOG", str(log))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv(cpu_kernels.KERNELS_DIR_ENV, raising=False)
+    prefill = cpu_kernels.CSRC / "paged_prefill.cpp"
+    threads = cpu_kernels.build_ahead([DECODE, prefill])
+    assert len(threads) == 2
+    for thread in threads:
+        thread.join(timeout=60)
+    events = [line.split()[0] for line in log.read_text().splitlines()]
+    assert events == ["start", "start", "end", "end"]  # one after the other would alternate
+    for source in (DECODE, prefill):  # built: another call compiles nothing
+        assert cpu_kernels.built_library(source).is_file()
+    assert len(log.read_text().splitlines()) == 4
+
+
+def test_build_ahead_skips_a_kernel_with_a_prebuilt_library(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(cpu_kernels.KERNELS_DIR_ENV, str(tmp_path))
+    best = next((isa for isa in ISA_LEVELS if isa.runs_on(read_cpu_features())), None)
+    if best is None:
+        pytest.skip("this CPU runs none of the prebuilt levels")
+    (tmp_path / cpu_kernels.prebuilt_name(DECODE, best)).write_bytes(b"")
+    assert cpu_kernels.build_ahead([DECODE]) == []

@@ -12,7 +12,9 @@ Two ways to a library, tried in this order for each kernel:
   not picked up.
 - built here on first use for this CPU (-march=native, with the host's C++ compiler `CXX`,
   default g++) and cached under `$XDG_CACHE_HOME/kvferry/kernels` (default ~/.cache) by a
-  key of the sources, torch's version, the compiler and the CPU's flags.
+  key of the sources, torch's version, the compiler and the CPU's flags. `build_ahead`
+  starts the builds a model will need side by side (one compiler process each), so a cold
+  start waits for the slowest build, not for their sum; a build holds its own lock.
 
 Callers decide what to do when neither works (decode_kernel, prefill_kernel: torch's SDPA;
 int4_kernel: torch's int4 kernel), with one warning (`loaded`).
@@ -26,6 +28,8 @@ import logging
 import os
 import shutil
 import subprocess
+import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,15 +147,34 @@ def build_prebuilt(source: Path, isa: IsaLevel, out_dir: Path) -> Path:
     return library
 
 
+def build_ahead(sources: Iterable[Path]) -> list[threading.Thread]:
+    """Start building, each in a thread of its own, every one of `sources` this CPU has no
+    prebuilt library for; `load` then waits on that build's lock instead of compiling.
+    A build that fails here is tried (and its error reported) again by `load`."""
+    cpu = read_cpu_features()
+    missing = [source for source in sources if find_prebuilt(source, cpu) is None]
+    threads = [threading.Thread(target=_build_quietly, args=(source,), daemon=True) for source in missing]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def _build_quietly(source: Path) -> None:
+    try:
+        built_library(source)
+    except BUILD_ERRORS:
+        pass  # load() builds again and names the error where the kernel is needed
+
+
 def built_library(source: Path) -> Path:
     """The library of `source` for this machine, compiled unless a cached build exists (one
-    process builds; others wait on the lock and load its result)."""
+    thread or process builds it; others wait on its lock and load its result)."""
     compiler = _compiler()
     directory = cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     library = directory / f"{source.stem}-{_key(source, (version, _cpu_flags()))}.so"
-    with open(directory / "build.lock", "w") as lock:
+    with open(library.with_suffix(".lock"), "w") as lock:  # each open holds its own flock
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not library.exists():
             logger.info("building %s for this CPU (once; cached in %s)", source.name, library.parent)

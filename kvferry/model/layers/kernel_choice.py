@@ -4,13 +4,29 @@ library could be built here, so one line tells a user what their machine got."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from kvferry.config import WeightQuantization
+from kvferry.cpu_features import read_cpu_features
+from kvferry.model.layers import decode_kernel, fused_decode, gguf_kernel, int4_kernel, prefill_kernel
 from kvferry.model.layers.decode_kernel import decode_kernel_available
 from kvferry.model.layers.gguf_kernel import gguf_kernel_available, gguf_kernel_path
 from kvferry.model.layers.int4_kernel import int4_kernel_available
 from kvferry.model.layers.prefill_kernel import fast_path, fp32_lanes, prefill_kernel_available
+
+
+def kernel_sources(quantization: WeightQuantization) -> list[Path]:
+    """The C++ sources a CPU model under `quantization` loads (cpu_kernels.build_ahead):
+    attention always, the int4 tiles where the CPU has AVX-512 BF16 (nothing else runs
+    them), the GGUF block kernel and the fused decode layer under gguf."""
+    sources = [decode_kernel.SOURCE, prefill_kernel.SOURCE]
+    if quantization is WeightQuantization.INT4 and "avx512_bf16" in read_cpu_features().flags:
+        sources.append(int4_kernel.SOURCE)
+    if quantization is WeightQuantization.GGUF:
+        sources += [gguf_kernel.SOURCE, fused_decode.SOURCE]
+    return sources
 
 
 def describe_cpu_kernels(dtype: torch.dtype, head_dims: set[int], quantization: WeightQuantization) -> str:

@@ -12,11 +12,12 @@ from kvferry.config import ModelConfig, WeightQuantization
 from kvferry.cpu_features import native_half_precision
 from kvferry.errors import ConfigError
 from kvferry.model.causal_lm import CausalLM
+from kvferry.model.layers import cpu_kernels
 from kvferry.model.layers.attention import PagedAttention
 from kvferry.model.layers.gguf_kernel import GGUFBlocks
 from kvferry.model.layers.gguf_linear import GGUFWeight
 from kvferry.model.layers.int4 import Int4Weight
-from kvferry.model.layers.kernel_choice import describe_cpu_kernels
+from kvferry.model.layers.kernel_choice import describe_cpu_kernels, kernel_sources
 from kvferry.model.layers.linear import PackableLinear
 from kvferry.model.layers.mla import set_mla_forms
 from kvferry.model.layers.parallel import TPGroup
@@ -53,6 +54,8 @@ def load_model(
         raise ConfigError(
             "--quantization gguf keeps a GGUF checkpoint's blocks: the model must be a .gguf file"
         )
+    if torch.device(device).type == "cpu":  # compiled while the weights load, side by side
+        cpu_kernels.build_ahead(kernel_sources(quantization))
     cls = model_class(model_config.architecture)
     dtype = compute_dtype(model_config.dtype, device)
     with torch.device(device):
