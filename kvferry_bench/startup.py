@@ -39,18 +39,26 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", default="What is the capital of France?")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--starts", type=int, default=2, help="kvferry generate starts, one cache dir")
-    parser.add_argument("--capture", choices=["auto", "always", "never"], default="auto")
+    parser.add_argument(
+        "--capture",
+        choices=["auto", "always", "never"],
+        help="passed to every start (default: none, each command's own: generate eager, serve auto)",
+    )
     parser.add_argument("--cache-dir", help="kvferry's cache directory (default: a new, empty one)")
     parser.add_argument("--no-serve", action="store_true", help="skip timing kvferry serve")
     parser.add_argument("--startup-timeout", type=float, default=1200.0)
     parser.add_argument("--output", default="results/startup.json")
 
 
+def capture_args(args: argparse.Namespace) -> list[str]:
+    return ["--capture", args.capture] if args.capture else []
+
+
 def time_generate(args: argparse.Namespace, cache_dir: Path, index: int) -> dict:
     """One `kvferry generate` start: wall seconds to its answer and its start-up breakdown."""
     report = cache_dir.parent / f"startup-{index}.json"
     cmd = [*CLI, "generate", args.model, args.prompt, "--max-tokens", str(args.max_tokens)]
-    cmd += ["--capture", args.capture, "--cache-dir", str(cache_dir), "--startup-json", str(report)]
+    cmd += [*capture_args(args), "--cache-dir", str(cache_dir), "--startup-json", str(report)]
     load = os.getloadavg()[0]
     begin = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -67,7 +75,7 @@ def time_serve(args: argparse.Namespace, cache_dir: Path) -> dict:
     import httpx
 
     port = free_port()
-    cmd = [*CLI, "serve", args.model, "--port", str(port), "--capture", args.capture]
+    cmd = [*CLI, "serve", args.model, "--port", str(port), *capture_args(args)]
     cmd += ["--served-model-name", SERVED_NAME]
     child = Child(
         "serve",
@@ -98,7 +106,8 @@ def plot(doc: dict, path: Path) -> bool:
     breakdown.series = [Series(name, xs, [s["phases_s"][name] for s in starts]) for name in phases]
     total = Panel("kvferry generate: time to the answer", "seconds")
     total.series = [Series("answer", xs, [s["answer_s"] for s in starts])]
-    title = f"start-up of {doc['model']} (--capture {doc['capture']}; one cache directory)"
+    capture = f"--capture {doc['capture']}" if doc["capture"] else "default capture"
+    title = f"start-up of {doc['model']} ({capture}; one cache directory)"
     return save_panels(path, [total, breakdown], "start (1 = empty cache)", title)
 
 

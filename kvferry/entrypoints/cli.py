@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     from kvferry.config import EngineConfig
     from kvferry.engine.llm import LLM
 
+logger = logging.getLogger(__name__)
+
 
 def serve_config(args: argparse.Namespace) -> EngineConfig:
     """`kvferry serve`'s engine config: its connector settled for this served instance."""
@@ -49,7 +51,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from kvferry.sampling_params import SamplingParams
 
     refuse_a_model_read_as_the_prompt(args)
-    llm = LLM.from_config(engine_config_from_args(args))
+    llm = LLM.from_config(engine_config_from_args(generate_capture(args)))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sample_seed)
     out = (
         llm.chat([{"role": "user", "content": args.prompt}], params)
@@ -59,6 +61,19 @@ def cmd_generate(args: argparse.Namespace) -> None:
     print(out[0].outputs[0].text, flush=True)
     if args.startup_json:
         write_startup_json(llm, args.startup_json)
+
+
+def generate_capture(args: argparse.Namespace) -> argparse.Namespace:
+    """`kvferry generate` runs eagerly unless --capture says otherwise: one answer is a
+    batch of one for at most --max-tokens steps, where a compiled decode step saves a few
+    percent of tens of milliseconds, and compiling the program costs half a minute or more
+    (docs/benchmarks.md, "Start-up")."""
+    if args.capture is None and not args.enforce_eager:
+        logger.info(
+            "kvferry generate decodes eagerly (one answer: compiling costs more than it saves; --capture auto compiles)"
+        )
+        args.capture = "never"
+    return args
 
 
 def refuse_a_model_read_as_the_prompt(args: argparse.Namespace) -> None:
@@ -179,7 +194,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.set_defaults(func=cmd_serve)
 
-    gen = sub.add_parser("generate", help="one answer from the shell")
+    gen = sub.add_parser(
+        "generate",
+        help="one answer from the shell",
+        description="One answer from the shell. Decodes eagerly unless --capture is given: for one "
+        "answer, compiling the decode program costs more than it saves.",
+    )
     add_engine_args(gen)
     gen.add_argument("prompt")
     gen.add_argument("--max-tokens", type=int, default=64)
