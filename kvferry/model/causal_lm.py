@@ -23,7 +23,7 @@ from kvferry.model.forward_context import ForwardContext, HookPlacement
 from kvferry.model.layers.attention import KVCacheLayer
 from kvferry.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvferry.model.layers.linear import copy_checked, weight_loader_of
-from kvferry.model.microbatch import MicroBatcher
+from kvferry.model.microbatch import MicroBatcher, Part
 
 logger = logging.getLogger(__name__)
 
@@ -107,9 +107,15 @@ def layer_windows(config: Any) -> list[int | None]:
 
 class DecoderModel(nn.Module):
     """Base of an architecture's decoder (`CausalLM.model`): token embeddings in, final
-    hidden states out (`forward(input_ids, positions, ctx)`)."""
+    hidden states out (`forward(input_ids, positions, ctx)`).
+
+    A decoder with `prunes_rows` also takes `keep_rows` (ascending token indices; its
+    fourth argument) and returns only those rows: its last layer writes every row's KV but
+    runs what follows its attention (the output projection, the MLP, the final norm) for
+    the kept rows alone, the rows whose logits the step samples."""
 
     embed_tokens: VocabParallelEmbedding
+    prunes_rows = False
 
 
 class CausalLM(nn.Module):
@@ -131,18 +137,46 @@ class CausalLM(nn.Module):
         self.microbatcher = MicroBatcher(num_threads) if num_threads > 1 else None
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """Final hidden states [T, hidden] of a flat batch (decodes first, then prefill spans)."""
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        keep_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final hidden states [T, hidden] of a flat batch (decodes first, then prefill spans);
+        with `keep_rows` (ascending token indices), only those rows, [len(keep_rows), hidden]
+        (a decoder that `prunes_rows` skips the others' last-layer MLP)."""
         mb = self.microbatcher
         hooks = self.hook_placement is not HookPlacement.NONE  # hooks: once per layer
         parts = mb.split_batch(ctx, input_ids.shape[0]) if mb is not None and not hooks else []
         if len(parts) < 2 or mb is None:
-            hidden: torch.Tensor = self.model(input_ids, positions, ctx)
-            return hidden
-        outs = mb.map(
-            lambda p: self.model(input_ids[p.start : p.stop], positions[p.start : p.stop], p.ctx), parts
-        )
-        return torch.cat(outs)
+            return self._decode(input_ids, positions, ctx, keep_rows)
+
+        def decode_part(part: Part) -> torch.Tensor:
+            assert part.ctx is not None  # split_batch gives every part its context
+            kept = None if keep_rows is None else rows_within(keep_rows, part.start, part.stop)
+            return self._decode(
+                input_ids[part.start : part.stop], positions[part.start : part.stop], part.ctx, kept
+            )
+
+        return torch.cat(mb.map(decode_part, parts))
+
+    def _decode(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        keep_rows: torch.Tensor | None,
+    ) -> torch.Tensor:
+        hidden: torch.Tensor
+        if keep_rows is None:
+            hidden = self.model(input_ids, positions, ctx)
+        elif self.model.prunes_rows:
+            hidden = self.model(input_ids, positions, ctx, keep_rows)
+        else:
+            hidden = self.model(input_ids, positions, ctx).index_select(0, keep_rows)
+        return hidden
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -229,6 +263,12 @@ class CausalLM(nn.Module):
             if f".{ckpt}." in name:
                 return Target(name.replace(f".{ckpt}.", f".{fused}."), shard_id)
         return Target(name)
+
+
+def rows_within(rows: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """The ascending token indices `rows` that fall in [start, stop), counted from start."""
+    first, last = torch.searchsorted(rows, torch.tensor([start, stop], device=rows.device)).tolist()
+    return rows[first:last] - start
 
 
 def _named(names: list[str]) -> str:

@@ -72,7 +72,11 @@ class LlamaAttention(nn.Module):
             sliding_window=sliding_window,
         )
 
-    def forward(self, rope: CosSin, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(
+        self, rope: CosSin, hidden: torch.Tensor, ctx: ForwardContext, keep_rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The attention block's output; with `keep_rows`, of those rows only (every row's KV
+        is written all the same)."""
         qkv = self.qkv_proj(hidden)
         if self.q_norm is not None and self.k_norm is not None:
             q, k, v = self.qkv_proj.split_qkv(qkv)
@@ -81,7 +85,10 @@ class LlamaAttention(nn.Module):
             q, k = apply_rope(rope, q, k)
         else:
             q, k, v = self._rotated_qkv(rope, qkv)
-        out: torch.Tensor = self.o_proj(self.attn(q, k, v, ctx))
+        attended = self.attn(q, k, v, ctx)
+        if keep_rows is not None:
+            attended = attended.index_select(0, keep_rows)
+        out: torch.Tensor = self.o_proj(attended)
         return out
 
     def _rotated_qkv(
@@ -156,18 +163,23 @@ class LlamaDecoderLayer(nn.Module):
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         ctx: ForwardContext,
+        keep_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, residual); with `keep_rows`, of those rows only: what follows the
+        attention runs for them alone (the last layer of a step that samples few rows)."""
         if self.fused_decode is not None and not torch.compiler.is_compiling():
-            fused = self.fused_decode.run(rope, hidden, residual, ctx)
+            fused = self.fused_decode.run(rope, hidden, residual, ctx) if keep_rows is None else None
             if fused is None:  # a step the one-call path does not take: the same code in parts
-                fused = self.fused_decode.run_in_parts(rope, hidden, residual, ctx)
+                fused = self.fused_decode.run_in_parts(rope, hidden, residual, ctx, keep_rows)
             if fused is not None:
                 return fused
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(rope, hidden, ctx)
+        hidden = self.self_attn(rope, hidden, ctx, keep_rows)
+        if keep_rows is not None:
+            residual = residual.index_select(0, keep_rows)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         out: torch.Tensor = self.mlp(hidden)
         return out, residual
@@ -197,12 +209,21 @@ class LlamaModel(DecoderModel):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    prunes_rows = True
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        keep_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         hidden: torch.Tensor = self.embed_tokens(input_ids)
         rope = self.rotary_emb.cos_sin(positions, hidden.dtype)  # the same for every layer
         residual = None
-        for layer in self.layers:
-            hidden, residual = layer(rope, hidden, residual, ctx)
+        last = len(self.layers) - 1
+        for index, layer in enumerate(self.layers):
+            hidden, residual = layer(rope, hidden, residual, ctx, keep_rows if index == last else None)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -260,15 +260,22 @@ class CapturedForward:
         self._use_compiled = decision.compiled
         self.stats.decision = decision
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        keep_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The step's final hidden states; with `keep_rows`, those rows only (CausalLM.forward)."""
         num_tokens = input_ids.numel()
         if self.enabled and num_tokens and is_decode_only(ctx):
             padded = cuda_graph_size(num_tokens) if self.cuda_graphs else MIN_CAPTURED_TOKENS
             hidden = self._run_compiled(*pad_batch(input_ids, positions, padded), ctx)
             if hidden is not None:
-                return hidden[:num_tokens]
+                return hidden[:num_tokens] if keep_rows is None else hidden.index_select(0, keep_rows)
         self.stats.eager_steps += 1
-        eager: torch.Tensor = self.model(input_ids, positions, ctx)
+        eager: torch.Tensor = self.model(input_ids, positions, ctx, keep_rows)
         return eager
 
     def _run_compiled(

@@ -137,12 +137,14 @@ class ModelRunner:
         )
         # structured outputs: the grammars' masks are filled while the forward runs
         masks = self.grammars.start_fill([s.grammar for s in inputs.sample_states]) if self.grammars else None
-        hidden = self._forward(inputs, hooks)
+        every_row = any(s.params.prompt_logprobs is not None for s in inputs.ordered)
+        hidden = self._forward(inputs, hooks, every_row)
         output = ModelRunnerOutput(req_ids=[s.req_id for s in inputs.ordered])
-        if any(s.params.prompt_logprobs is not None for s in inputs.ordered):
+        if every_row:
             output.prompt_logprobs = compute_prompt_logprobs(
                 hidden, inputs.ordered, scheduler_output.num_scheduled_tokens, self.model.compute_logits
             )
+            hidden = hidden.index_select(0, self._sample_rows(inputs))
         sampled = self._sample(hidden, inputs, masks, drafts)
         for state in inputs.ordered:
             tokens, logprobs = sampled.get(state.req_id, ([], None))
@@ -153,7 +155,12 @@ class ModelRunner:
             output.logprobs.append(logprobs)
         return output
 
-    def _forward(self, inputs: StepInputs, hooks: ConnectorGuard | None) -> torch.Tensor:
+    def _sample_rows(self, inputs: StepInputs) -> torch.Tensor:
+        return torch.tensor(inputs.sample_rows, dtype=torch.int64, device=self.device)
+
+    def _forward(self, inputs: StepInputs, hooks: ConnectorGuard | None, every_row: bool) -> torch.Tensor:
+        """The final hidden states of the sampled rows (`inputs.sample_rows`, in order), or
+        of every row (`every_row`: prompt logprobs read them all)."""
         ctx = ForwardContext(
             attn=inputs.attn,
             layer_group=self.layer_group,
@@ -162,7 +169,9 @@ class ModelRunner:
             kv_hooks=hooks,
             workspace=self.workspace,
         )
-        return self.bound_forward()(inputs.input_ids, inputs.positions, ctx)
+        num_tokens = inputs.input_ids.numel()
+        keep_rows = None if every_row or len(inputs.sample_rows) == num_tokens else self._sample_rows(inputs)
+        return self.bound_forward()(inputs.input_ids, inputs.positions, ctx, keep_rows)
 
     def _sample(
         self,
@@ -172,11 +181,10 @@ class ModelRunner:
         drafts: dict[str, list[int]],
     ) -> dict[str, tuple[list[int], list[SampleLogprobs] | None]]:
         """Per sampling request, its tokens (with drafts: the kept ones and one more) and
-        their logprobs."""
+        their logprobs; `hidden`: the sampled rows' final hidden states."""
         if not inputs.sample_rows:
             return {}
-        rows = torch.tensor(inputs.sample_rows, dtype=torch.int64, device=hidden.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        logits = self.model.compute_logits(hidden)
         batch = build_sampling_batch(
             inputs.sample_states, self.config.model.eos_token_ids, inputs.sample_offsets
         )

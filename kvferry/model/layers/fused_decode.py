@@ -169,14 +169,20 @@ class GGUFDecodeLayer:
         return out, carried
 
     def run_in_parts(
-        self, rope: CosSin, hidden: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
+        self,
+        rope: CosSin,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        ctx: ForwardContext,
+        keep_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(MLP output, residual) of this layer over any step `run` does not take (prefills,
         mixed steps, hooks, larger batches): the fused operator's own code before and after
         its attention (`gguf_layer_head`, `gguf_layer_tail`), and the layer's attention
         module between them. A decode row therefore gets the bits `run` gives it, whatever
         step it is in (a P/D decoder's pure decode steps and a colocated engine's mixed
-        ones); None for float32-less inputs."""
+        ones: the tail is row-independent); with `keep_rows`, the tail runs for those rows
+        only. None for float32-less inputs."""
         if hidden.dtype != torch.float32 or hidden.dim() != 2 or hidden.shape[0] == 0:
             return None
         attention = self.attention
@@ -203,9 +209,11 @@ class GGUFDecodeLayer:
             k.view(rows, kv_heads, head_dim),
             v.view(rows, kv_heads, head_dim),
             ctx,
-        )
+        ).reshape(rows, heads * head_dim)
+        if keep_rows is not None:
+            attended, carried = attended.index_select(0, keep_rows), carried.index_select(0, keep_rows)
         out = torch.ops.kvferry_cpu.gguf_layer_tail(
-            attended.reshape(rows, heads * head_dim),
+            attended,
             carried,
             self.post_norm,
             self.eps,
