@@ -5,7 +5,8 @@ Each deployment in ``--deployments`` is started on localhost, swept, and stopped
 
 - ``serve``: one colocated ``kvferry serve``;
 - ``disagg``: ``kvferry disagg`` (round-robin proxy, every request disaggregated);
-- ``disagg-prefix``: ``kvferry disagg --policy prefix --local-prefill-tokens N``.
+- ``disagg-prefix``: ``kvferry disagg --policy prefix --local-prefill-tokens N``;
+- ``vllm``: vLLM's own server, colocated, the reference (``goodput_vllm``).
 
 For each request rate the workload's requests (``goodput_workload``: random long prompts,
 shared-prefix multi-turn traffic, or multi-turn conversations that share nothing but their
@@ -38,7 +39,7 @@ from pathlib import Path
 
 from kvferry.entrypoints.disagg import Child, spawn, stop_all, wait_healthy
 from kvferry.ports import free_port
-from kvferry_bench import serve
+from kvferry_bench import goodput_vllm, serve
 from kvferry_bench.goodput_metrics import (
     PrefixCacheCounts,
     RequestTiming,
@@ -53,6 +54,7 @@ from kvferry_bench.goodput_metrics import (
     prefix_cache_counts,
 )
 from kvferry_bench.goodput_oracle import oracle_hit_rate
+from kvferry_bench.goodput_vllm import VLLM
 from kvferry_bench.goodput_workload import (
     WorkloadKind,
     WorkloadRequest,
@@ -64,7 +66,9 @@ from kvferry_bench.results import host_facts, save_json
 
 logger = logging.getLogger(__name__)
 
-DEPLOYMENTS = ("serve", "disagg", "disagg-prefix")
+DEPLOYMENTS = ("serve", "disagg", "disagg-prefix", VLLM)
+DEFAULT_DEPLOYMENTS = ("serve", "disagg", "disagg-prefix")
+LONE_SERVERS = ("serve", VLLM)  # no proxy in front: the server computes every prompt
 SERVED_NAME = "kvferry-bench"
 
 
@@ -78,7 +82,7 @@ def parse_deployments(raw: str) -> list[str]:
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default="smollm2", help="as for `kvferry serve`")
-    parser.add_argument("--deployments", type=parse_deployments, default=list(DEPLOYMENTS))
+    parser.add_argument("--deployments", type=parse_deployments, default=list(DEFAULT_DEPLOYMENTS))
     parser.add_argument("--prefill", type=int, default=1, help="disagg: prefill instances")
     parser.add_argument("--decode", type=int, default=1, help="disagg: decode instances")
     parser.add_argument("--local-prefill-tokens", type=int, default=64, help="disagg-prefix: as for disagg")
@@ -114,6 +118,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--log-dir", default=None, help="deployment logs (default: a new temporary dir)")
     parser.add_argument("--output", default="bench-results/goodput.json")
+    goodput_vllm.add_args(parser)
 
 
 def workload_spec(args: argparse.Namespace, vocab_size: int) -> WorkloadSpec:
@@ -131,6 +136,7 @@ def workload_spec(args: argparse.Namespace, vocab_size: int) -> WorkloadSpec:
 
 
 def deployment_command(args: argparse.Namespace, name: str, port: int) -> list[str]:
+    """A kvferry deployment's command (`vllm`'s is goodput_vllm.command)."""
     cli = [sys.executable, "-m", "kvferry.entrypoints.cli"]
     common = ["--port", str(port), "--served-model-name", SERVED_NAME, *shlex.split(args.engine_args)]
     if name == "serve":
@@ -152,8 +158,8 @@ async def _get_text(client, url: str) -> str:  # noqa: ANN001 - an httpx.AsyncCl
 
 async def instance_urls(client, url: str, name: str) -> dict[str, str]:  # noqa: ANN001
     """Label -> base URL of every engine instance behind ``url`` (the proxy's /health)."""
-    if name == "serve":
-        return {"serve": url}
+    if name in LONE_SERVERS:
+        return {name: url}
     health = json.loads(await _get_text(client, url + "/health"))
     return {
         f"{role}-{i}": inst["url"]
@@ -174,7 +180,7 @@ async def pool_capacity(client, instances: dict[str, str], pool: str) -> int:  #
 
 def routed_pool(name: str) -> str:
     """The label prefix of the instances that compute prompts: prefillers, or the lone server."""
-    return "serve" if name == "serve" else "prefill"
+    return name if name in LONE_SERVERS else "prefill"
 
 
 def hit_rates(
@@ -184,11 +190,12 @@ def hit_rates(
     trace, cache size and number of instances."""
     pool = routed_pool(name)
     size = sum(label.startswith(pool) for label in deltas)
-    oracle = oracle_hit_rate([r.prompt for r in requests], size, capacity, args.block_size)
+    known = capacity > 0  # a server that does not say its cache size gets no oracle
+    oracle = oracle_hit_rate([r.prompt for r in requests], size, capacity, args.block_size) if known else None
     return {
         "prefix_cache_hit_rate": {label: counts.hit_rate for label, counts in deltas.items()},
         "pool_hit_rate": pooled_hit_rate(deltas, pool),
-        "oracle_hit_rate": oracle.hit_rate,
+        "oracle_hit_rate": oracle.hit_rate if oracle is not None else None,
         "pool_capacity_blocks": capacity,
     }
 
@@ -231,7 +238,8 @@ async def run_rate(
         instances = await instance_urls(client, url, name)
         completions = url + "/v1/completions"
         capacity = await pool_capacity(client, instances, routed_pool(name))
-        caches_before, paths_before = await _scrape(client, url, instances, name != "serve")
+        proxied = name not in LONE_SERVERS
+        caches_before, paths_before = await _scrape(client, url, instances, proxied)
         start = time.perf_counter()
         tasks = []
         for gap, request in zip(poisson_gaps(len(requests), rate, seed), requests):
@@ -240,7 +248,7 @@ async def run_rate(
             tasks.append(asyncio.ensure_future(serve.send_one(client, completions, body, {})))
         results = list(await asyncio.gather(*tasks))
         duration = time.perf_counter() - start
-        caches_after, paths_after = await _scrape(client, url, instances, name != "serve")
+        caches_after, paths_after = await _scrape(client, url, instances, proxied)
     timings = [_timing(r) for r in results]
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
     deltas = {label: caches_after[label].minus(caches_before[label]) for label in instances}
@@ -271,8 +279,12 @@ def prompts_for_rates(args: argparse.Namespace, spec: WorkloadSpec) -> list[list
 
 def bench_deployment(args: argparse.Namespace, name: str, workloads: list, log_dir: Path) -> dict:
     port = free_port()
-    command = deployment_command(args, name, port)
-    child = Child(name, command, f"http://127.0.0.1:{port}", log_dir / f"{name}.log")
+    command, env = (
+        goodput_vllm.command(args, SERVED_NAME, port)
+        if name == VLLM
+        else (deployment_command(args, name, port), {})
+    )
+    child = Child(name, command, f"http://127.0.0.1:{port}", log_dir / f"{name}.log", env)
     spawn(child)
     try:
         begin = time.monotonic()
@@ -300,7 +312,7 @@ def bench_deployment(args: argparse.Namespace, name: str, workloads: list, log_d
     attained = [(float(rate), r["slo_attainment"]) for rate, r in zip(args.request_rate, results)]
     return {
         "label": name,
-        "deployment": shlex.join(["kvferry", *command[3:]]),
+        "deployment": shlex.join(command if name == VLLM else ["kvferry", *command[3:]]),
         "goodput": goodput(attained, args.attainment),
         "results": results,
     }

@@ -90,8 +90,15 @@ def prefix_cache_counts(metrics_text: str) -> PrefixCacheCounts:
 
 
 def num_blocks(metrics_text: str) -> int:
-    """An instance's KV cache blocks in total (``kvferry:num_blocks``) from its /metrics; 0 if absent."""
-    return int(sum(value for name, _labels, value in _samples(metrics_text) if name == "kvferry:num_blocks"))
+    """An instance's KV cache blocks in total from its /metrics (kvferry's ``kvferry:num_blocks``,
+    or vLLM's ``num_gpu_blocks`` label of ``vllm:cache_config_info``); 0 if absent."""
+    total = 0.0
+    for name, labels, value in _samples(metrics_text):
+        if name == "kvferry:num_blocks":
+            total += value
+        elif name == "vllm:cache_config_info" and labels.get("num_gpu_blocks", "").isdigit():
+            total += int(labels["num_gpu_blocks"])
+    return int(total)
 
 
 def pooled_hit_rate(counts: dict[str, PrefixCacheCounts], prefix: str) -> float | None:

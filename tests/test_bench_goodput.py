@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kvferry_bench import goodput_vllm
 from kvferry_bench.cli import build_parser
 from kvferry_bench.goodput_metrics import (
     PrefixCacheCounts,
@@ -142,9 +143,29 @@ def test_counters_are_read_from_prometheus_text() -> None:
     assert prefix_cache_counts("").hit_rate is None
     blocks = '# TYPE kvferry:num_blocks gauge\nkvferry:num_blocks{model_name="m"} 812.0\n'
     assert num_blocks(blocks) == 812 and num_blocks("") == 0
+    vllm = (
+        "# TYPE vllm:cache_config_info gauge\n"
+        'vllm:cache_config_info{block_size="16",num_gpu_blocks="5461",enable_prefix_caching="True"} 1.0\n'
+    )
+    assert num_blocks(vllm) == 5461
     counts = {"prefill-0": PrefixCacheCounts(100, 50), "prefill-1": PrefixCacheCounts(300, 0)}
     assert pooled_hit_rate({**counts, "decode-0": PrefixCacheCounts(10, 10)}, "prefill") == 50 / 400
     assert pooled_hit_rate(counts, "serve") is None
+
+
+def test_the_vllm_deployment_serves_the_same_model_in_float32_from_its_own_venv(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    venv, converted = tmp_path / "venv", tmp_path / "hf"
+    monkeypatch.setattr(goodput_vllm, "ensure_vllm", lambda path: venv / "bin" / "python")
+    monkeypatch.setattr(goodput_vllm, "hf_model_dir", lambda model, dtype: converted)
+    args = build_parser().parse_args(["goodput", "smollm2", "--deployments", "serve,vllm", "--seed", "3"])
+    assert args.deployments == ["serve", "vllm"]
+    command, env = goodput_vllm.command(args, "bench", 8123)
+    assert command[:3] == [str(venv / "bin" / "vllm"), "serve", str(converted.absolute())]
+    assert command[command.index("--dtype") + 1] == "float32" and command[-2:] == ["--max-model-len", "2048"]
+    assert command[command.index("--port") + 1] == "8123" and command[command.index("--seed") + 1] == "3"
+    assert env["VLLM_TARGET_DEVICE"] == "cpu" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
 
 
 @pytest.mark.slow
