@@ -86,6 +86,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", type=int, default=1, help="disagg: prefill instances")
     parser.add_argument("--decode", type=int, default=1, help="disagg: decode instances")
     parser.add_argument("--local-prefill-tokens", type=int, default=64, help="disagg-prefix: as for disagg")
+    parser.add_argument("--idle-decoder-prefills", action="store_true", help="disagg-prefix: as for disagg")
     parser.add_argument("--engine-args", default="", help="more `kvferry serve` options for every instance")
     parser.add_argument("--workload", choices=[k.value for k in WorkloadKind], default="shared-prefix")
     parser.add_argument("--request-rate", nargs="+", type=serve.parse_rate, default=[0.1, 0.2, 0.4])
@@ -144,6 +145,7 @@ def deployment_command(args: argparse.Namespace, name: str, port: int) -> list[s
     sizes = ["--prefill", str(args.prefill), "--decode", str(args.decode)]
     sizes += ["--startup-timeout", str(args.startup_timeout)]  # disagg's own wait for its instances
     routing = ["--policy", "prefix", "--local-prefill-tokens", str(args.local_prefill_tokens)]
+    routing += ["--idle-decoder-prefills"] if args.idle_decoder_prefills else []
     return [*cli, "disagg", args.model, *sizes, *(routing if name == "disagg-prefix" else []), *common]
 
 
@@ -262,6 +264,8 @@ async def run_rate(
         "tpot_ms": percentiles_ms([t.tpot for t in timings if t.ok]),
         "itl_ms": percentiles_ms([gap for t in timings if t.ok for gap in t.itls]),
         "slo_attainment": attainment(timings, slo),
+        # each request's (ok, TTFT ms, TPOT ms), in arrival order: attainment under other objectives
+        "requests": [[t.ok, round(1000 * t.ttft, 1), round(1000 * t.tpot, 1)] for t in timings],
         **hit_rates(args, name, requests, deltas, capacity),
         "prefill_paths": counts_delta(paths_after, paths_before),
     }

@@ -191,6 +191,10 @@ def test_goodput_sweeps_colocated_and_prefix_routed_pd_on_the_same_prompts(
         for result in run["results"]:
             assert result["completed"] == 4 and result["failed"] == 0, result["errors"]
             assert result["slo_attainment"] == 1.0 and result["ttft_ms"]["p90"] > 0
+            assert [ok for ok, _, _ in result["requests"]] == [True] * 4
+            assert max(ttft for _, ttft, _ in result["requests"]) == pytest.approx(
+                result["ttft_ms"]["p90"], abs=0.1
+            )
             hit_rates = [r for r in result["prefix_cache_hit_rate"].values() if r is not None]
             assert hit_rates and max(hit_rates) > 0  # turn 2 and the second user reuse the prefix
             # the prefill pool may see one request only (the rest prefilled locally): >= 0

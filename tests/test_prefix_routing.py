@@ -313,3 +313,32 @@ def test_disagg_routes_by_prefix_and_prefills_short_prompts_on_the_decoder(tiny_
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(60)
+
+
+def test_an_idle_decoder_prefills_while_every_prefiller_is_busy() -> None:
+    """--idle-decoder-prefills: a leg goes local only while every healthy prefiller has a
+    prefill in flight and a healthy decoder has nothing in flight; off, never."""
+    from kvferry.entrypoints.proxy.pd import ProxyContext, prefills_locally
+    from kvferry.entrypoints.proxy.pool import InstancePool, make_policy
+
+    prefill = InstancePool("prefill", ["http://p0", "http://p1"], make_policy("round_robin"))
+    decode = InstancePool("decode", ["http://d0", "http://d1"], make_policy("least_loaded"))
+    ctx = ProxyContext(prefill, decode, None, None, idle_decoder_prefills=True)  # type: ignore[arg-type]
+    assert not prefills_locally(ctx, None)  # a prefiller is free
+    prefill.acquire()
+    assert not prefills_locally(ctx, None)  # the other still is
+    prefill.acquire()
+    assert prefills_locally(ctx, None)  # both busy, both decoders idle
+    decode.acquire()
+    assert prefills_locally(ctx, None)  # d1 is still idle
+    decode.acquire()
+    assert not prefills_locally(ctx, None)  # no idle decoder
+    decode.instances[1].healthy = False
+    decode.release(decode.instances[1])
+    assert not prefills_locally(ctx, None)  # the idle decoder is down
+    prefill.instances[0].healthy = False
+    prefill.release(prefill.instances[0])
+    decode.release(decode.instances[0])
+    assert prefills_locally(ctx, None)  # the healthy prefiller busy, d0 idle
+    ctx.idle_decoder_prefills = False
+    assert not prefills_locally(ctx, None)

@@ -71,6 +71,7 @@ def make_context(
         prompt_hasher=None if routing is None else routing.hasher,
         prefix_index=None if routing is None else routing.index,
         local_prefill_tokens=config.local_prefill_tokens,
+        idle_decoder_prefills=config.idle_decoder_prefills,
     )
 
 

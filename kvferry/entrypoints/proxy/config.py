@@ -47,6 +47,9 @@ class ProxyConfig:
     # Per-request disaggregation: a leg whose prompt has at most this many tokens not cached
     # on the decoder holding most of it is prefilled by the decoder itself (0: never).
     local_prefill_tokens: int = 0
+    # ... and, with this, a leg that would wait behind busy prefillers while a decoder has
+    # nothing in flight is prefilled by that decoder (any policy).
+    idle_decoder_prefills: bool = False
 
     def __repr__(self) -> str:  # never print the secrets
         shown = {

@@ -84,6 +84,12 @@ def add_prefix_args(parser: argparse.ArgumentParser) -> None:
         help="--policy prefix: a request with at most this many prompt tokens not cached on a "
         "decoder is prefilled by the decoder itself, without a KV transfer (default 0: never)",
     )
+    parser.add_argument(
+        "--idle-decoder-prefills",
+        action="store_true",
+        help="a request arriving while every prefill instance has a prefill in flight, and a "
+        "decode instance has nothing in flight, is prefilled by that decoder itself",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
@@ -106,6 +112,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         decode_kv_events=tuple(args.decode_kv_events),
         prefix_load_tokens=args.prefix_load_tokens,
         local_prefill_tokens=args.local_prefill_tokens,
+        idle_decoder_prefills=args.idle_decoder_prefills,
     )
 
 

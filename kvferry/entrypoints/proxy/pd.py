@@ -57,6 +57,9 @@ class ProxyContext:
     prompt_hasher: PromptHasher | None = None  # --policy prefix: a request's block hashes
     prefix_index: PrefixIndex | None = None  # --policy prefix: the instances' cached blocks
     local_prefill_tokens: int = 0  # legs with at most this many uncached tokens skip the prefiller
+    idle_decoder_prefills: bool = (
+        False  # a decoder with nothing in flight prefills while every prefiller is busy
+    )
     pools: list[InstancePool] = field(init=False)
     background: set[asyncio.Future[Any]] = field(init=False, default_factory=set)
 
@@ -293,9 +296,24 @@ async def route_key(ctx: ProxyContext, path: str, body: dict[str, Any]) -> Route
 
 
 def prefills_locally(ctx: ProxyContext, route: RouteKey | None) -> bool:
-    """Per-request disaggregation: whether the leg's uncached prompt tokens on the decoder
-    holding most of it (by the KV events) are at most --local-prefill-tokens; then the
-    decoder computes the prompt itself and no KV is transferred."""
+    """Per-request disaggregation: the decoder computes the prompt itself, and no KV is
+    transferred, when the leg's uncached prompt tokens on the decoder holding most of it
+    (by the KV events) are at most --local-prefill-tokens, or (--idle-decoder-prefills)
+    when every prefiller has a prefill in flight and a decoder has nothing in flight."""
+    return few_uncached_tokens(ctx, route) or (
+        ctx.idle_decoder_prefills and prefillers_busy_decoder_idle(ctx)
+    )
+
+
+def prefillers_busy_decoder_idle(ctx: ProxyContext) -> bool:
+    """Every healthy prefiller has a prefill in flight, and some healthy decoder nothing:
+    the prompt would queue behind another's prefill while a core sits idle."""
+    prefillers = [inst for inst in ctx.prefill.instances if inst.healthy]
+    decoders = [inst for inst in ctx.decode.instances if inst.healthy]
+    return all(inst.in_flight > 0 for inst in prefillers) and any(inst.in_flight == 0 for inst in decoders)
+
+
+def few_uncached_tokens(ctx: ProxyContext, route: RouteKey | None) -> bool:
     index = ctx.prefix_index
     if ctx.local_prefill_tokens <= 0 or route is None or index is None:
         return False
