@@ -326,7 +326,8 @@ def test_a_missing_compiler_falls_back_to_eager_with_one_warning(
     answers exactly as --enforce-eager does (the same command, run in this process)."""
     cli.main(_generate_args(tiny_llama, "--enforce-eager"))
     eager = capsys.readouterr().out
-    cmd = [sys.executable, "-m", "kvferry.entrypoints.cli", *_generate_args(tiny_llama)]
+    # --capture auto: `generate` alone decodes eagerly (cli.generate_capture) and compiles nothing
+    cmd = [sys.executable, "-m", "kvferry.entrypoints.cli", *_generate_args(tiny_llama, "--capture", "auto")]
     cache = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
     env = {**os.environ, **cache, "CXX": "/nonexistent/g++"}
     broken = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)

@@ -151,18 +151,18 @@ class CausalLM(nn.Module):
         hooks = self.hook_placement is not HookPlacement.NONE  # hooks: once per layer
         parts = mb.split_batch(ctx, input_ids.shape[0]) if mb is not None and not hooks else []
         if len(parts) < 2 or mb is None:
-            return self._decode(input_ids, positions, ctx, keep_rows)
+            return self._run_decoder(input_ids, positions, ctx, keep_rows)
 
         def decode_part(part: Part) -> torch.Tensor:
             assert part.ctx is not None  # split_batch gives every part its context
             kept = None if keep_rows is None else rows_within(keep_rows, part.start, part.stop)
-            return self._decode(
+            return self._run_decoder(
                 input_ids[part.start : part.stop], positions[part.start : part.stop], part.ctx, kept
             )
 
         return torch.cat(mb.map(decode_part, parts))
 
-    def _decode(
+    def _run_decoder(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
