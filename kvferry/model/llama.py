@@ -190,6 +190,8 @@ MLPFactory = Callable[[int], nn.Module | None]
 
 
 class LlamaModel(DecoderModel):
+    prunes_rows = True
+
     def __init__(
         self,
         config: Any,
@@ -208,8 +210,6 @@ class LlamaModel(DecoderModel):
             for i, window in enumerate(windows)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-
-    prunes_rows = True
 
     def forward(
         self,

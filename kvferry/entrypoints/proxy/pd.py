@@ -57,9 +57,8 @@ class ProxyContext:
     prompt_hasher: PromptHasher | None = None  # --policy prefix: a request's block hashes
     prefix_index: PrefixIndex | None = None  # --policy prefix: the instances' cached blocks
     local_prefill_tokens: int = 0  # legs with at most this many uncached tokens skip the prefiller
-    idle_decoder_prefills: bool = (
-        False  # a decoder with nothing in flight prefills while every prefiller is busy
-    )
+    # a decoder with nothing in flight prefills while every prefiller is busy
+    idle_decoder_prefills: bool = False
     pools: list[InstancePool] = field(init=False)
     background: set[asyncio.Future[Any]] = field(init=False, default_factory=set)
 

@@ -23,6 +23,7 @@ int4_kernel: torch's int4 kernel), with one warning (`loaded`).
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -172,8 +173,7 @@ def built_library(source: Path) -> Path:
     compiler = _compiler()
     directory = cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    library = directory / f"{source.stem}-{_key(source, (version, _cpu_flags()))}.so"
+    library = directory / f"{source.stem}-{_key(source, (_compiler_version(compiler), _cpu_flags()))}.so"
     with open(library.with_suffix(".lock"), "w") as lock:  # each open holds its own flock
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not library.exists():
@@ -192,6 +192,12 @@ def _compiler() -> str:
     if shutil.which(compiler) is None:
         raise OSError(f"C++ compiler {compiler!r} not found")
     return compiler
+
+
+@functools.cache
+def _compiler_version(compiler: str) -> str:
+    """`compiler --version`, asked once per process (every kernel's key holds it)."""
+    return subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
 
 
 def _cpu_flags() -> str:
