@@ -87,6 +87,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode", type=int, default=1, help="disagg: decode instances")
     parser.add_argument("--local-prefill-tokens", type=int, default=64, help="disagg-prefix: as for disagg")
     parser.add_argument("--idle-decoder-prefills", action="store_true", help="disagg-prefix: as for disagg")
+    parser.add_argument("--local-on-prefillers", action="store_true", help="disagg-prefix: as for disagg")
     parser.add_argument("--engine-args", default="", help="more `kvferry serve` options for every instance")
     parser.add_argument("--workload", choices=[k.value for k in WorkloadKind], default="shared-prefix")
     parser.add_argument("--request-rate", nargs="+", type=serve.parse_rate, default=[0.1, 0.2, 0.4])
@@ -146,6 +147,7 @@ def deployment_command(args: argparse.Namespace, name: str, port: int) -> list[s
     sizes += ["--startup-timeout", str(args.startup_timeout)]  # disagg's own wait for its instances
     routing = ["--policy", "prefix", "--local-prefill-tokens", str(args.local_prefill_tokens)]
     routing += ["--idle-decoder-prefills"] if args.idle_decoder_prefills else []
+    routing += ["--local-on-prefillers"] if args.local_on_prefillers else []
     return [*cli, "disagg", args.model, *sizes, *(routing if name == "disagg-prefix" else []), *common]
 
 

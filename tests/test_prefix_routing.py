@@ -315,6 +315,51 @@ def test_disagg_routes_by_prefix_and_prefills_short_prompts_on_the_decoder(tiny_
             proc.wait(60)
 
 
+@pytest.mark.slow
+def test_disagg_answers_short_prompts_whole_on_the_prefiller_too(tiny_llama: Path, tmp_path: Path):
+    """`kvferry disagg --local-prefill-tokens 64 --local-on-prefillers`, real processes over
+    NIXL: short prompts sent together are answered by both instances, the prefiller's
+    whole (prefill and decode); every greedy answer, streamed or not, equals the offline
+    colocated engine's, nothing is transferred, and both block pools are full again."""
+    import os
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvferry.engine.llm import LLM
+    from tests.test_disagg import _disagg_args, _metric, _wait_blocks_free
+
+    extra = ("--policy", "prefix", "--local-prefill-tokens", "64", "--block-size", "4")
+    args = _disagg_args(tiny_llama, free_port(), tmp_path / "logs", *extra, "--local-on-prefillers")
+    log = tmp_path / "disagg.log"
+    proc = start_cli(args, log)
+    try:
+        prompts = [f"the {word} sat by the river and" for word in ("cat", "dog", "bird", "fox", "owl", "cow")]
+        llm = LLM(str(tiny_llama), kv_cache_bytes=5 << 20, enforce_eager=True, block_size=4)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0))
+        expected = [o.outputs[0].text for o in outs]
+        deadline = time.monotonic() + 600
+        while (ready := READY.search(log.read_text(errors="replace"))) is None:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.5)
+        proxy, prefill, decode = (url.strip() for url in ready.groups())
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(
+                pool.map(lambda i: answer(proxy, prompts[i], stream=i % 2 == 1), range(len(prompts)))
+            )
+        assert answers == expected
+        metrics = plain_http.get(proxy + "/metrics", timeout=10).text
+        paths = dict(re.findall(r'prefill_path_total\{path="(\w+)"\} (\S+)', metrics))
+        assert set(paths) == {"local", "local_on_prefiller"}, paths
+        assert float(paths["local"]) + float(paths["local_on_prefiller"]) == len(prompts)
+        assert _metric(decode, "kvferry:kv_connector_nixl_bytes_read_total") == 0
+        for url in (prefill, decode):
+            _wait_blocks_free(url)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(60)
+
+
 def test_an_idle_decoder_prefills_while_every_prefiller_is_busy() -> None:
     """--idle-decoder-prefills: a leg goes local only while every healthy prefiller has a
     prefill in flight and a healthy decoder has nothing in flight; off, never."""
@@ -342,3 +387,88 @@ def test_an_idle_decoder_prefills_while_every_prefiller_is_busy() -> None:
     assert prefills_locally(ctx, None)  # the healthy prefiller busy, d0 idle
     ctx.idle_decoder_prefills = False
     assert not prefills_locally(ctx, None)
+
+
+def test_a_local_leg_goes_whole_to_a_prefiller_less_busy_than_every_decoder() -> None:
+    """--local-on-prefillers: a leg sent local is answered whole by a prefiller when one has
+    fewer requests in flight than every healthy decoder (or none is healthy); off, never."""
+    from kvferry.entrypoints.proxy.pd import ProxyContext, prefiller_takes_local_leg
+    from kvferry.entrypoints.proxy.pool import InstancePool, make_policy
+
+    prefill = InstancePool("prefill", ["http://p0", "http://p1"], make_policy("least_loaded"))
+    decode = InstancePool("decode", ["http://d0", "http://d1"], make_policy("least_loaded"))
+    ctx = ProxyContext(prefill, decode, None, None, local_on_prefillers=True)  # type: ignore[arg-type]
+    assert not prefiller_takes_local_leg(ctx)  # all idle: the decoders take it
+    decode.acquire()
+    assert not prefiller_takes_local_leg(ctx)  # d1 is still idle
+    decode.acquire()
+    assert prefiller_takes_local_leg(ctx)  # every decoder busy, the prefillers idle
+    prefill.acquire()
+    assert prefiller_takes_local_leg(ctx)  # p1 is idle
+    prefill.acquire()
+    assert not prefiller_takes_local_leg(ctx)  # one each everywhere: a tie goes to the decoders
+    decode.instances[0].healthy = decode.instances[1].healthy = False
+    assert prefiller_takes_local_leg(ctx)  # no healthy decoder: a prefiller answers
+    prefill.instances[0].healthy = prefill.instances[1].healthy = False
+    assert not prefiller_takes_local_leg(ctx)  # nothing healthy: the decode pool reports it
+    prefill.instances[0].healthy = True
+    ctx.local_on_prefillers = False
+    assert not prefiller_takes_local_leg(ctx)
+
+
+def test_local_on_prefillers_needs_a_rule_that_sends_legs_local() -> None:
+    from kvferry.entrypoints.proxy.config import ProxyConfig
+    from kvferry.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--local-on-prefillers"):
+        ProxyConfig(("http://p",), ("http://d",), local_on_prefillers=True)
+    ProxyConfig(("http://p",), ("http://d",), local_on_prefillers=True, idle_decoder_prefills=True)
+
+
+def test_short_prompts_go_whole_to_the_prefiller_while_the_decoder_is_busy(tiny_llama: Path):
+    """--local-prefill-tokens 8 --local-on-prefillers: while the decoder answers a short
+    prompt, the next short ones (streamed or not) are answered whole by the prefiller: the
+    client's request as is, no KV transfer asked; /metrics counts each path."""
+    import threading
+    from contextlib import ExitStack
+
+    from kvferry.entrypoints.proxy.app import build_app
+    from kvferry.entrypoints.proxy.config import ProxyConfig
+    from tests.proxy_fakes import FakeInstance, serve_in_thread
+
+    prefill, decode = FakeInstance("p"), FakeInstance("d")
+    decode.delay = 2.0
+    with ExitStack() as stack:
+        p_url = stack.enter_context(serve_in_thread(prefill.app))
+        d_url = stack.enter_context(serve_in_thread(decode.app))
+        config = ProxyConfig(
+            (p_url,),
+            (d_url,),
+            policy="prefix",
+            tokenizer=str(tiny_llama),
+            block_size=4,
+            local_prefill_tokens=8,
+            local_on_prefillers=True,
+        )
+        proxy = stack.enter_context(serve_in_thread(build_app(config)))
+
+        def ask(prompt: str, stream: bool = False) -> None:
+            body = {"model": "m", "prompt": prompt, "max_tokens": 3, "stream": stream}
+            resp = plain_http.post(proxy + "/v1/completions", json=body, timeout=30)
+            assert resp.status_code == 200 and ("data: [DONE]" in resp.text) == stream
+
+        first = threading.Thread(target=ask, args=("the cat",))
+        first.start()
+        deadline = time.monotonic() + 10
+        while not decode.requests:  # the decoder holds the first one
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        ask("a dog")
+        ask("a bird", stream=True)
+        first.join()
+        assert [r["prompt"] for r in decode.requests] == ["the cat"]
+        assert [r["prompt"] for r in prefill.requests] == ["a dog", "a bird"]
+        assert all("kv_transfer_params" not in r and r["max_tokens"] == 3 for r in prefill.requests)
+        metrics = plain_http.get(proxy + "/metrics", timeout=10).text
+        assert 'kvferry_proxy:prefill_path_total{path="local"} 1.0' in metrics
+        assert 'kvferry_proxy:prefill_path_total{path="local_on_prefiller"} 2.0' in metrics

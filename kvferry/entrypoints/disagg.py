@@ -157,6 +157,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--local-prefill-tokens", type=int, default=0, help="as for `kvferry proxy`")
     parser.add_argument("--idle-decoder-prefills", action="store_true", help="as for `kvferry proxy`")
+    parser.add_argument("--local-on-prefillers", action="store_true", help="as for `kvferry proxy`")
     parser.add_argument(
         "--api-key",
         default=None,
@@ -508,6 +509,7 @@ def plan_proxy(
     cmd += ["--health-interval", str(args.health_interval)] if args.health_interval else []
     cmd += prefix_argv(args, instances)
     cmd += ["--idle-decoder-prefills"] if args.idle_decoder_prefills else []
+    cmd += ["--local-on-prefillers"] if args.local_on_prefillers else []
     cmd += edge_argv(args)
     env = dict(shared)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host

@@ -72,6 +72,7 @@ def make_context(
         prefix_index=None if routing is None else routing.index,
         local_prefill_tokens=config.local_prefill_tokens,
         idle_decoder_prefills=config.idle_decoder_prefills,
+        local_on_prefillers=config.local_on_prefillers,
     )
 
 

@@ -50,6 +50,9 @@ class ProxyConfig:
     # ... and, with this, a leg that would wait behind busy prefillers while a decoder has
     # nothing in flight is prefilled by that decoder (any policy).
     idle_decoder_prefills: bool = False
+    # ... and, with this, such a leg is answered whole by a prefiller with fewer requests in
+    # flight than every decoder.
+    local_on_prefillers: bool = False
 
     def __repr__(self) -> str:  # never print the secrets
         shown = {
@@ -77,6 +80,11 @@ class ProxyConfig:
         given = bool(self.prefill_kv_events or self.decode_kv_events)
         if self.local_prefill_tokens < 0:
             raise ConfigError("--local-prefill-tokens must not be negative")
+        if self.local_on_prefillers and not (self.local_prefill_tokens or self.idle_decoder_prefills):
+            raise ConfigError(
+                "--local-on-prefillers places the requests sent local by --local-prefill-tokens "
+                "or --idle-decoder-prefills: give one of them"
+            )
         if self.policy != "prefix":
             if given or self.tokenizer is not None or self.local_prefill_tokens:
                 raise ConfigError(

@@ -90,6 +90,13 @@ def add_prefix_args(parser: argparse.ArgumentParser) -> None:
         help="a request arriving while every prefill instance has a prefill in flight, and a "
         "decode instance has nothing in flight, is prefilled by that decoder itself",
     )
+    parser.add_argument(
+        "--local-on-prefillers",
+        action="store_true",
+        help="a request sent to a decoder to prefill itself (--local-prefill-tokens, "
+        "--idle-decoder-prefills) is answered whole by a prefill instance instead when one has "
+        "fewer requests in flight than every decode instance",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
@@ -113,6 +120,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         prefix_load_tokens=args.prefix_load_tokens,
         local_prefill_tokens=args.local_prefill_tokens,
         idle_decoder_prefills=args.idle_decoder_prefills,
+        local_on_prefillers=args.local_on_prefillers,
     )
 
 

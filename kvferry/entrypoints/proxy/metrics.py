@@ -77,6 +77,7 @@ class PrefillPath(str, Enum):
     REMOTE = "remote"  # a prefill instance, its KV transferred to the decoder
     STREAMED = "streamed"  # a prefill instance, its KV read layer by layer as it computes
     LOCAL = "local"  # the decoder itself (short or mostly cached on the decoders)
+    LOCAL_ON_PREFILLER = "local_on_prefiller"  # a local leg a prefiller answers whole
 
 
 class ProxyMetrics:

@@ -59,6 +59,8 @@ class ProxyContext:
     local_prefill_tokens: int = 0  # legs with at most this many uncached tokens skip the prefiller
     # a decoder with nothing in flight prefills while every prefiller is busy
     idle_decoder_prefills: bool = False
+    # a leg sent local goes whole to a prefiller with fewer requests in flight than every decoder
+    local_on_prefillers: bool = False
     pools: list[InstancePool] = field(init=False)
     background: set[asyncio.Future[Any]] = field(init=False, default_factory=set)
 
@@ -243,7 +245,9 @@ def wants_logprobs(path: str, body: dict[str, Any]) -> bool:
 class Prefilled:
     """A prefill's answer and the instance that gave it (which keeps the leg's KV); with no
     instance and an empty answer, the decoder computes the prompt itself (local prefill).
-    ``route``: the prompt's blocks, for choosing the decoder too."""
+    ``route``: the prompt's blocks, for choosing the decoder too. ``serving``: the pool that
+    answers the leg from here (None: the decoders; the prefillers for a local leg one of
+    them takes whole)."""
 
     instance: Instance | None
     response: dict[str, Any]
@@ -251,6 +255,11 @@ class Prefilled:
     # A streamed (layer-wise) leg: its prefill's own answer, still on the way (None if the
     # prefill failed); ``response`` holds only the params pointing the decoder to it.
     answer: asyncio.Future[dict[str, Any] | None] | None = None
+    serving: InstancePool | None = None
+
+    def answering_pool(self, ctx: ProxyContext) -> InstancePool:
+        """The pool whose instance computes the rest of the leg (its answer)."""
+        return self.serving or ctx.decode
 
 
 async def run_prefill(
@@ -263,6 +272,9 @@ async def run_prefill(
     start = time.monotonic()
     route = await route_key(ctx, path, body)
     if prefills_locally(ctx, route):
+        if prefiller_takes_local_leg(ctx):
+            ctx.metrics.prefill_path(PrefillPath.LOCAL_ON_PREFILLER)
+            return Prefilled(None, {}, route, serving=ctx.prefill)
         ctx.metrics.prefill_path(PrefillPath.LOCAL)
         return Prefilled(None, {}, route)
     first = ctx.prefill.acquire(route=route)
@@ -312,6 +324,18 @@ def prefillers_busy_decoder_idle(ctx: ProxyContext) -> bool:
     return all(inst.in_flight > 0 for inst in prefillers) and any(inst.in_flight == 0 for inst in decoders)
 
 
+def prefiller_takes_local_leg(ctx: ProxyContext) -> bool:
+    """--local-on-prefillers: a leg that skips the transfer is served whole (prefilled and
+    decoded) by a prefiller, itself a complete engine, when one has fewer requests in flight
+    than every healthy decoder (or no decoder is healthy). Short prompts then use the
+    prefillers' cores as a colocated server would, instead of queueing on the decoders."""
+    if not ctx.local_on_prefillers:
+        return False
+    prefillers = [inst.in_flight for inst in ctx.prefill.instances if inst.healthy]
+    decoders = [inst.in_flight for inst in ctx.decode.instances if inst.healthy]
+    return bool(prefillers) and (not decoders or min(prefillers) < min(decoders))
+
+
 def few_uncached_tokens(ctx: ProxyContext, route: RouteKey | None) -> bool:
     index = ctx.prefix_index
     if ctx.local_prefill_tokens <= 0 or route is None or index is None:
@@ -345,7 +369,7 @@ async def run_leg(
     decode = decode_body(body, prefill.response)
     try:
         _, answer = await ctx.upstream.post_json(
-            ctx.decode, path, decode, headers, move_when_lost=False, route=prefill.route
+            prefill.answering_pool(ctx), path, decode, headers, move_when_lost=False, route=prefill.route
         )
     except DECODER_LOST as exc:
         release_abandoned(ctx, prefill, headers)

@@ -79,6 +79,7 @@ from kvferry.entrypoints.proxy.pd import (
     sum_usage,
     wants_logprobs,
 )
+from kvferry.entrypoints.proxy.pool import InstancePool
 from kvferry.entrypoints.proxy.prefix_index import RouteKey
 from kvferry.entrypoints.proxy.upstream import SSE_DONE, UpstreamStream
 
@@ -174,11 +175,14 @@ class StreamLeg:
         body = decode_body(self.body, prefilled.response)
         if self.can_fail_over:
             body["return_token_ids"] = True
-        return await self._open(body, prefilled.route)
+        return await self._open(body, prefilled.route, prefilled.answering_pool(self.ctx))
 
-    async def _open(self, body: dict[str, Any], route: RouteKey | None = None) -> UpstreamStream:
+    async def _open(
+        self, body: dict[str, Any], route: RouteKey | None = None, pool: InstancePool | None = None
+    ) -> UpstreamStream:
+        """A stream from ``pool`` (default: the decoders, which continue lost answers)."""
         stream = await self.ctx.upstream.open_stream(
-            self.ctx.decode, self.path, body, self.headers, route=route
+            pool or self.ctx.decode, self.path, body, self.headers, route=route
         )
         self.streams.append(stream)
         return stream
@@ -274,7 +278,7 @@ class StreamLeg:
         """Drop a lost decoder's stream (its answers continue on others)."""
         logger.warning("decoder lost mid-stream (%s); continuing on another decoder", exc)
         self.failed_over = True
-        self.ctx.decode.mark(lost.instance, False, str(exc))
+        lost.pool.mark(lost.instance, False, str(exc))
         await lost.aclose()
         if lost is self.first:  # the decoder handed the prefill's KV
             release_abandoned(self.ctx, self._prefilled(), self.headers)
