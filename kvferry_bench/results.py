@@ -6,17 +6,20 @@ import json
 import platform
 from pathlib import Path
 
-from kvferry.cpu_features import read_cpu_features
+from kvferry.cpu_features import host_cpu_features, isa_cap
 
 
 def host_facts() -> dict:
-    """The torch thread count and the CPU the numbers were taken on (with its flags)."""
+    """The torch thread count and the CPU the numbers were taken on (with its flags, and the
+    level $KVFERRY_MAX_ISA held kvferry to, if any)."""
     import torch
 
+    cap = isa_cap()
     return {
         "threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(),
-        "cpu": read_cpu_features().summary(),
+        "cpu": host_cpu_features().summary(),
+        "isa_cap": cap.value if cap else None,
     }
 
 

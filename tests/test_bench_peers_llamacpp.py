@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from kvferry.cpu_features import IsaCap
+from kvferry.errors import KVFerryError
 from kvferry_bench.peers import (
     command,
     llamacpp_driver,
@@ -41,7 +43,8 @@ def test_llamacpp_is_an_engine_with_its_own_venv() -> None:
     args = peers_args("--engines", "llamacpp,kvferry", "--llamacpp-venv", "/tmp/ll")
     assert args.engines == ["llamacpp", "kvferry"] and args.llamacpp_venv == "/tmp/ll"
     defaults = peers_args()
-    assert defaults.engines == ["kvferry", "vllm", "llamacpp"] and defaults.llamacpp_venv == ".venv-llamacpp"
+    assert defaults.engines == ["kvferry", "vllm", "llamacpp"] and defaults.llamacpp_venv is None
+    assert llamacpp_install.default_venv(None) == Path(".venv-llamacpp")
     assert "llamacpp" not in command.PD_ENGINES
 
 
@@ -64,6 +67,47 @@ def test_a_failed_llamacpp_build_is_a_clear_error(tmp_path: Path) -> None:
         llamacpp_install.ensure_llamacpp(tmp_path / "venv")
     assert len(calls.read_text().splitlines()) == 1  # not checked after a failed build
     assert not llamacpp_install.is_ready(tmp_path / "venv")
+
+
+def test_a_llamacpp_held_to_avx2_is_built_for_it_in_its_own_venv(tmp_path: Path) -> None:
+    """--max-isa avx2: GGML's options for AVX2 alone (not the CPU's own), no wheel cache (it
+    would hand back the native build), and a check that refuses AVX-512 in the library."""
+    venv = tmp_path / "venv"
+    calls = _fake_venv(venv, 0)
+    llamacpp_install.ensure_llamacpp(venv, IsaCap.AVX2)
+    pip, check = calls.read_text().splitlines()
+    assert pip.split() == ["pip", "install", "-q", "llama-cpp-python[server]==0.3.36", "--no-cache-dir"]
+    args = llamacpp_install.cmake_args(IsaCap.AVX2).split()
+    assert args[0] == "-DGGML_NATIVE=OFF" and "-DGGML_AVX2=ON" in args and "-DGGML_FMA=ON" in args
+    assert "-DGGML_AVX512=OFF" in args and "-DGGML_AVX512_VNNI=OFF" in args and "-DGGML_AMX_INT8=OFF" in args
+    assert "-DGGML_AVX512=ON" in llamacpp_install.cmake_args(IsaCap.AVX512).split()
+    assert llamacpp_install.default_venv(IsaCap.AVX2) == Path(".venv-llamacpp-avx2")
+    assert "AVX512" in check and "for avx2" in (venv / llamacpp_install.READY).read_text()
+    tail = llamacpp_install.check_code(IsaCap.AVX2).removeprefix(llamacpp_install.CHECK)
+    for info, held in ((b"CPU : AVX2 = 1 | FMA = 1 | ", True), (b"CPU : AVX2 = 1 | AVX512 = 1 | ", False)):
+        fake = types.SimpleNamespace(llama_print_system_info=lambda info=info: info)
+        if held:
+            exec(tail, {"llama_cpp": fake})
+        else:
+            with pytest.raises(AssertionError):
+                exec(tail, {"llama_cpp": fake})
+
+
+def test_a_held_kvferry_runs_under_the_cap_and_vllm_is_refused(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    setup = replace(peers_setup(tmp_path), isa_cap=IsaCap.AVX2)
+    held = ["env", "ATEN_CPU_CAPABILITY=avx2", "KVFERRY_MAX_ISA=avx2", "ONEDNN_MAX_CPU_ISA=AVX2"]
+    cmd, _ = offline.driver_command("kvferry", tmp_path / "w.json", tmp_path / "o.json", setup)
+    assert cmd[:4] == held and cmd[4] == sys.executable
+    assert serving.server_command("kvferry", setup, 8125)[:4] == held
+    plain, _ = offline.driver_command(
+        "kvferry", tmp_path / "w.json", tmp_path / "o.json", peers_setup(tmp_path)
+    )
+    assert plain[0] == sys.executable
+    args = peers_args("--max-isa", "avx2", "--engines", "kvferry,vllm")
+    with pytest.raises(KVFerryError, match="vLLM"):
+        run.run_peers(args)
 
 
 class FakeLlama:

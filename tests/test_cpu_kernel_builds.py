@@ -153,3 +153,46 @@ def test_build_ahead_skips_a_kernel_with_a_prebuilt_library(
         pytest.skip("this CPU runs none of the prebuilt levels")
     (tmp_path / cpu_kernels.prebuilt_name(DECODE, best)).write_bytes(b"")
     assert cpu_kernels.build_ahead([DECODE]) == []
+
+
+def test_under_a_cap_the_level_loaded_and_the_build_flags_follow_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """$KVFERRY_MAX_ISA=avx2: the AVX2 library is chosen among every level's, and a build
+    here gets AVX2's explicit flags, not -march=native (which would use all of this CPU)."""
+    from kvferry.cpu_features import MAX_ISA_ENV
+
+    if not AVX2.runs_on(read_cpu_features()):
+        pytest.skip("this CPU lacks AVX2")
+    _place_every_level(tmp_path)
+    monkeypatch.setenv(cpu_kernels.KERNELS_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(MAX_ISA_ENV, "avx2")
+    found = cpu_kernels.find_prebuilt(DECODE, read_cpu_features())
+    assert found is not None and found.isa == AVX2
+    assert cpu_kernels.native_flags() == AVX2.compile_flags
+    monkeypatch.delenv(MAX_ISA_ENV)
+    assert cpu_kernels.native_flags() == ("-march=native",)
+
+
+@pytest.mark.slow  # one real compile
+def test_a_kernel_built_under_an_avx2_cap_has_no_avx512_instruction(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The library built here under $KVFERRY_MAX_ISA=avx2 uses no zmm register; on a CPU
+    with AVX-512 the uncapped build does (so the check can fail)."""
+    from kvferry.cpu_features import MAX_ISA_ENV, host_cpu_features
+
+    if shutil.which("objdump") is None:
+        pytest.skip("no objdump")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv(cpu_kernels.KERNELS_DIR_ENV, raising=False)
+    monkeypatch.setenv(MAX_ISA_ENV, "avx2")
+
+    def uses_zmm(library: Path) -> bool:
+        listing = subprocess.run(["objdump", "-d", str(library)], capture_output=True, text=True, check=True)
+        return "%zmm" in listing.stdout
+
+    assert not uses_zmm(cpu_kernels.built_library(DECODE))
+    if AVX512.runs_on(host_cpu_features()):
+        monkeypatch.delenv(MAX_ISA_ENV)
+        assert uses_zmm(cpu_kernels.built_library(DECODE))

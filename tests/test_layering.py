@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent / "kvferry"
 LAYERS: tuple[frozenset[str], ...] = tuple(
     frozenset(layer.split())
     for layer in (
-        "errors cpu_features ports cache_dir process_name process_exit",
+        "errors",  # the typed errors every layer raises
+        "cpu_features ports cache_dir process_name process_exit",
         "json_flags",  # options given as JSON objects, with errors naming the flag
         "kv",  # KV specs, layouts, allocators: the vocabulary both halves share
         # request options sampling_params holds (limits, grammars); speculative decoding's config and rules

@@ -29,6 +29,7 @@ import argparse
 import logging
 import shlex
 
+from kvferry.cpu_features import IsaCap
 from kvferry_bench import serve as bench_serve
 from kvferry_bench.peers import llamacpp_install
 from kvferry_bench.peers.convert import DEFAULT_CACHE
@@ -81,8 +82,18 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--llamacpp-venv",
-        default=str(llamacpp_install.DEFAULT_VENV),
-        help="llama.cpp's own venv (llama-cpp-python, built from source on first use)",
+        default=None,
+        help="llama.cpp's own venv (llama-cpp-python, built from source on first use; default "
+        f"{llamacpp_install.DEFAULT_VENV}, or {llamacpp_install.DEFAULT_VENV}-LEVEL with --max-isa)",
+    )
+    parser.add_argument(
+        "--max-isa",
+        type=IsaCap,
+        choices=list(IsaCap),
+        default=None,
+        help="hold kvferry ($KVFERRY_MAX_ISA, with torch's and oneDNN's dispatch) and llama.cpp "
+        "(built for the level, in a venv of its own) to this instruction-set level: on an "
+        "AVX-512 host, avx2 runs the code paths of an AVX2-only CPU; vLLM cannot be held",
     )
     parser.add_argument("--model-cache", default=str(DEFAULT_CACHE), help="where converted models are kept")
     _add_offline_args(parser)

@@ -116,7 +116,8 @@ def driver_command(
             raise DriverError(f"llama.cpp runs a GGUF file, and {setup.model_dir} is not a GGUF model")
         return [setup.llamacpp_python(), str(LLAMACPP_DRIVER), str(spec), str(out)], None
     module = "kvferry_bench.peers.kvferry_driver"
-    return [sys.executable, "-m", module, str(spec), str(out), *setup.kvferry_engine_args()], None
+    driver = [sys.executable, "-m", module, str(spec), str(out), *setup.kvferry_engine_args()]
+    return [*setup.kvferry_env_argv(), *driver], None
 
 
 def run_offline(engine: str, spec: Path, setup: Setup) -> dict:

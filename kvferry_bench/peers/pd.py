@@ -107,7 +107,8 @@ def disagg_child(setup: Setup) -> Child:
     cmd += ["--max-num-seqs", str(setup.max_num_seqs), "--seed", str(setup.seed)]
     cmd += setup.kvferry_engine_args()
     url = f"http://127.0.0.1:{port}"
-    return Child("kvferry-disagg", [*setup.pin, *cmd], url, setup.work_dir / "pd-kvferry.log")
+    held = setup.kvferry_env_argv()
+    return Child("kvferry-disagg", [*held, *setup.pin, *cmd], url, setup.work_dir / "pd-kvferry.log")
 
 
 # ---- pinning ----------------------------------------------------------------------------

@@ -8,7 +8,8 @@ import subprocess
 from pathlib import Path
 
 from kvferry.entrypoints.disagg import LaunchError
-from kvferry_bench.peers import command, offline, pd, report, serving
+from kvferry.errors import KVFerryError
+from kvferry_bench.peers import command, llamacpp_install, offline, pd, report, serving
 from kvferry_bench.peers.convert import gguf_path, hf_model_dir
 from kvferry_bench.peers.install import ensure_nixl, ensure_vllm
 from kvferry_bench.peers.llamacpp_install import ensure_llamacpp
@@ -47,6 +48,7 @@ def make_setup(
         kvferry_args=command.extra_args(args.kvferry_args),
         vllm_serve_args=command.extra_args(args.vllm_serve_args),
         timeout=args.timeout,
+        isa_cap=args.max_isa,
     )
 
 
@@ -119,6 +121,10 @@ def pd_part(setup: Setup, engines: list[str], load: serving.Load) -> dict:
 
 def run_peers(args: argparse.Namespace) -> dict:
     parts, engines = args.parts, args.engines
+    if args.max_isa is not None and "vllm" in engines:
+        raise KVFerryError(
+            "--max-isa holds kvferry and llama.cpp; vLLM's CPU build cannot be held: leave it out"
+        )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the health polls
     # vLLM's venv runs its engine, and also the serving client every engine is measured with
     needs_vllm = "vllm" in engines or "serve" in parts or "pd" in parts
@@ -127,13 +133,15 @@ def run_peers(args: argparse.Namespace) -> dict:
         ensure_nixl(venv)  # vLLM's NixlConnector
     llamacpp_venv = None
     if "llamacpp" in engines and set(parts) & {"offline", "serve"}:  # it has no P/D
-        llamacpp_venv = ensure_llamacpp(Path(args.llamacpp_venv)).parent.parent
+        venv_dir = Path(args.llamacpp_venv or llamacpp_install.default_venv(args.max_isa))
+        llamacpp_venv = ensure_llamacpp(venv_dir, args.max_isa).parent.parent
     model_dir = hf_model_dir(args.model, args.dtype, Path(args.model_cache))
     setup = make_setup(args, model_dir, venv, llamacpp_venv, gguf_path(args.model))
     doc: dict = {"bench": "peers", "model": args.model, "model_dir": str(model_dir), "dtype": args.dtype}
     doc |= {"engines": engines, "parts": parts, "cores": setup.cores, "max_model_len": setup.max_model_len}
     doc |= {"max_num_seqs": setup.max_num_seqs, "kv_cache_gib": setup.kv_cache_gib}
     doc |= {**host_facts(), "work_dir": str(setup.work_dir)}
+    doc["isa_cap"] = args.max_isa.value if args.max_isa else None  # the engines', not this process's
     if "offline" in parts:
         doc["offline"] = offline_part(setup, engines, command.offline_shape(args))
     if "serve" in parts:

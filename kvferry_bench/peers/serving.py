@@ -85,7 +85,7 @@ def server_command(engine: str, setup: Setup, port: int) -> list[str]:
         return [*setup.vllm_env_argv(), *setup.pin, *serve]
     kvferry_model = str(setup.kvferry_model().absolute())
     serve = [sys.executable, "-m", "kvferry.entrypoints.cli", "serve", kvferry_model, *common]
-    return [*setup.pin, *serve, *setup.kvferry_engine_args()]
+    return [*setup.kvferry_env_argv(), *setup.pin, *serve, *setup.kvferry_engine_args()]
 
 
 def client_command(setup: Setup, url: str, load: Load, rate_index: int, out: Path) -> list[str]:

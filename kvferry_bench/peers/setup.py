@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvferry.config import WeightQuantization
+from kvferry.cpu_features import MAX_ISA_ENV, IsaCap
 from kvferry_bench.peers.install import vllm_env
 
 
@@ -27,6 +28,7 @@ class Setup:
     kvferry_args: list[str] = field(default_factory=list)  # more `kvferry serve` / LLM options
     vllm_serve_args: list[str] = field(default_factory=list)  # more `vllm serve` options
     timeout: float = 1800.0
+    isa_cap: IsaCap | None = None  # kvferry and llama.cpp held to this level (--max-isa)
 
     @property
     def pin(self) -> list[str]:
@@ -68,6 +70,14 @@ class Setup:
         if known.quantization is WeightQuantization.GGUF and self.gguf_file is not None:
             return self.gguf_file
         return self.model_dir
+
+    def kvferry_env_argv(self) -> list[str]:
+        """`env K=V ...` holding a kvferry process to the setup's level (torch's and oneDNN's
+        operators too); nothing without one."""
+        if self.isa_cap is None:
+            return []
+        held = {MAX_ISA_ENV: self.isa_cap.value, **self.isa_cap.torch_dispatch()}
+        return ["env", *(f"{k}={v}" for k, v in sorted(held.items()))]
 
     def kvferry_engine_args(self) -> list[str]:
         return ["--kv-cache-memory", f"{self.kv_cache_gib:g}", *self.kvferry_args]

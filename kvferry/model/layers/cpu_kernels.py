@@ -10,7 +10,8 @@ Two ways to a library, tried in this order for each kernel:
   library is there is loaded, without a compiler; a library for an ISA the CPU lacks is
   never loaded. Names carry a key of the sources and torch's version, so a stale build is
   not picked up.
-- built here on first use for this CPU (-march=native, with the host's C++ compiler `CXX`,
+- built here on first use for this CPU (-march=native, or $KVFERRY_MAX_ISA's level's
+  flags (kvferry.cpu_features), with the host's C++ compiler `CXX`,
   default g++) and cached under `$XDG_CACHE_HOME/kvferry/kernels` (default ~/.cache) by a
   key of the sources, torch's version, the compiler and the CPU's flags. `build_ahead`
   starts the builds a model will need side by side (one compiler process each), so a cold
@@ -34,7 +35,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvferry.cpu_features import CPUFeatures, read_cpu_features
+from kvferry.cpu_features import CPUFeatures, isa_cap, read_cpu_features
 
 logger = logging.getLogger(__name__)
 
@@ -178,8 +179,17 @@ def built_library(source: Path) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not library.exists():
             logger.info("building %s for this CPU (once; cached in %s)", source.name, library.parent)
-            _compile(source, compiler, library, ("-march=native",), BUILD_TIMEOUT_S)
+            _compile(source, compiler, library, native_flags(), BUILD_TIMEOUT_S)
     return library
+
+
+def native_flags() -> tuple[str, ...]:
+    """How a build here targets this CPU: -march=native, or under $KVFERRY_MAX_ISA the
+    capped level's explicit flags (the compiler sees the whole CPU)."""
+    cap = isa_cap()
+    if cap is None:
+        return ("-march=native",)
+    return next(isa.compile_flags for isa in ISA_LEVELS if isa.name == cap.value)
 
 
 def cache_dir() -> Path:
