@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvferry.cpu_features import isa_cap, torch_dispatch_caps
+from kvferry.cpu_features import MAX_ISA_ENV, torch_dispatch_caps
 from kvferry.entrypoints.edge_options import add_edge_args
 from kvferry.entrypoints.engine_args import DEFAULT_MODEL, add_engine_args, engine_config_from_args
 from kvferry.errors import ConfigError, KVFerryError
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
         resolve_args_api_key(args)
         capped = torch_dispatch_caps()  # before torch is imported
         if capped:
-            logging.getLogger(__name__).info("held to %s: %s", isa_cap(), capped)
+            logging.getLogger(__name__).info("held to %s: %s", os.environ.get(MAX_ISA_ENV), capped)
         args.func(args)
     except KVFerryError as exc:
         print(f"kvferry: error: {exc}", file=sys.stderr)
