@@ -131,7 +131,9 @@ class ProxyMetrics:
         self._paths = Counter(
             "kvferry_proxy:prefill_path",
             "legs by where their prompt was computed: on a prefill instance (remote; streamed: "
-            "its KV read layer by layer) or on the decoder itself (local: --local-prefill-tokens)",
+            "its KV read layer by layer), on the decoder itself (local: --local-prefill-tokens, "
+            "--idle-decoder-prefills) or, answered whole, on a prefill instance "
+            "(local_on_prefiller: --local-on-prefillers)",
             ["path"],
             registry=self.registry,
         )
