@@ -60,7 +60,7 @@ from kvferry.entrypoints.proxy.early_calls import (
     skip_sent,
     strip_calls,
 )
-from kvferry.entrypoints.proxy.errors import exception_event_body
+from kvferry.entrypoints.proxy.errors import InstanceLostError, exception_event_body
 from kvferry.entrypoints.proxy.failover import DECODER_LOST, SentChoices, is_role_chunk
 from kvferry.entrypoints.proxy.pd import (
     CHAT,
@@ -175,14 +175,35 @@ class StreamLeg:
         body = decode_body(self.body, prefilled.response)
         if self.can_fail_over:
             body["return_token_ids"] = True
-        return await self._open(body, prefilled.route, prefilled.answering_pool(self.ctx))
+        pool = prefilled.answering_pool(self.ctx)
+        try:
+            return await self._open(body, prefilled.route, pool, move_when_lost=not self.can_fail_over)
+        except InstanceLostError as exc:
+            return await self._start_over(exc)
+
+    async def _start_over(self, exc: InstanceLostError) -> UpstreamStream:
+        """The decoder died holding the leg's request, before answering. It may have read the
+        prefill's KV, which the prefiller then frees: another decoder handed the same params
+        could not load it. The whole answer on another decoder, which computes the prompt."""
+        logger.warning("decoder lost before answering (%s); the whole answer on another decoder", exc)
+        self.ctx.metrics.failover(streamed=True)
+        release_abandoned(self.ctx, self._prefilled(), self.headers)
+        body = decode_body(self.body, {})
+        body["return_token_ids"] = True
+        return await self._open(body, self._prefilled().route)
 
     async def _open(
-        self, body: dict[str, Any], route: RouteKey | None = None, pool: InstancePool | None = None
+        self,
+        body: dict[str, Any],
+        route: RouteKey | None = None,
+        pool: InstancePool | None = None,
+        move_when_lost: bool = True,
     ) -> UpstreamStream:
-        """A stream from ``pool`` (default: the decoders, which continue lost answers)."""
+        """A stream from ``pool`` (default: the decoders, which continue lost answers); an
+        instance lost holding the request is left for another unless ``move_when_lost`` is
+        false (InstanceLostError)."""
         stream = await self.ctx.upstream.open_stream(
-            pool or self.ctx.decode, self.path, body, self.headers, route=route
+            pool or self.ctx.decode, self.path, body, self.headers, route=route, move_when_lost=move_when_lost
         )
         self.streams.append(stream)
         return stream

@@ -190,9 +190,13 @@ class Upstream:
         body: dict[str, Any],
         headers: dict[str, str],
         route: RouteKey | None = None,
+        move_when_lost: bool = True,
     ) -> UpstreamStream:
-        """POST ``body`` with stream=true; an open stream once the instance answered HTTP 200."""
-        inst, resp = await self._send(pool, "POST", path, body, headers, stream=True, route=route)
+        """POST ``body`` with stream=true; an open stream once the instance answered HTTP 200
+        (``move_when_lost``: as for ``_send``)."""
+        inst, resp = await self._send(
+            pool, "POST", path, body, headers, stream=True, move_when_lost=move_when_lost, route=route
+        )
         return UpstreamStream(pool, inst, resp)
 
     async def _send(
