@@ -72,6 +72,7 @@ def _engine_with_fraction(model_dir: Path, fraction: float, max_num_batched_toke
         max_num_batched_tokens=max_num_batched_tokens,
         kv_cache_memory_fraction=fraction,
         enforce_eager=True,
+        cache_dir=None,  # measured at every start: no peak recalled from an earlier one
     )
 
 

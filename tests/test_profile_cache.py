@@ -82,3 +82,26 @@ def test_an_unreadable_record_or_no_cache_directory_means_profiling(
     _answer_and_stop(_start(tiny_llama, None))
     _answer_and_stop(_start(tiny_llama, None))
     assert len(profiling_steps) == 4
+
+
+def test_tensor_parallel_ranks_report_their_free_memory_on_a_recalled_start(
+    tiny_llama: Path, tmp_path: Path, profiling_steps: list[int]
+) -> None:
+    """TP=2 (a rank process each): the second start asks every rank for its free memory
+    (a method the ranks must answer) instead of profiling, and answers the same."""
+
+    def start() -> LLM:
+        return LLM(
+            str(tiny_llama),
+            dtype="float32",
+            max_model_len=256,
+            max_num_batched_tokens=256,
+            kv_cache_bytes=2 << 20,
+            enforce_eager=True,
+            tensor_parallel_size=2,
+            cache_dir=str(tmp_path),
+        )
+
+    first = _answer_and_stop(start())
+    assert _answer_and_stop(start()) == first
+    assert len(profiling_steps) == 1

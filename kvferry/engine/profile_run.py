@@ -4,7 +4,8 @@ Every rank binds a provisional KV cache just large enough for the profiling step
 dummy prefill at the step's maximum token budget through `Executor.execute_model` (the path
 of real steps), and reports its activation peak and free memory (kvferry.worker.
 memory_profile). The budget follows (kvferry.kv.budget); the provisional cache is released
-before the real one is allocated. The profiling step runs before any connector exists: a
+before the real one is allocated. The peak is kept (kvferry.engine.profile_cache): a later
+start of the same model, options and machine reads free memory alone and skips the step. The profiling step runs before any connector exists: a
 connector registers the final KV tensors, so it is created with them.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 
 from kvferry.config import EngineConfig
+from kvferry.engine.profile_cache import profile_cache_for
 from kvferry.engine.warmup import dummy_block_tables
 from kvferry.executor.base import Executor
 from kvferry.kv.budget import KVBudget, plan_kv_budget
@@ -64,30 +66,48 @@ def profile_steps(lengths: list[int], kv_config: KVCacheConfig) -> list[Schedule
 
 
 def size_kv_cache(executor: Executor, config: EngineConfig) -> tuple[KVBudget, KVCacheConfig]:
-    """Run the profiling step, plan the budget, and return the scheduler's KV cache config."""
+    """Measure (or recall) the activation peak, plan the budget, and return the scheduler's
+    KV cache config."""
+    cache = profile_cache_for(config)
+    stored = cache.load() if cache is not None else None
+    if stored is None:
+        room, peak, source = run_profiling_step(executor, config)
+        if cache is not None:
+            cache.store(peak)
+    else:
+        peak = stored.activation_peak_bytes
+        room = max(0, min(executor.free_memory()) - peak)
+        source = f"activation peak of an earlier start's profiling step, {stored.path}"
+    budget = plan_kv_budget(
+        config.cache.kv_cache_bytes,
+        config.cache.kv_cache_memory_fraction,
+        available_bytes=room,
+        activation_peak_bytes=peak,
+        fixed_blocks=config.cache.num_gpu_blocks_override,
+    )
+    kv_config = executor.determine_kv_cache_config(budget.kv_bytes)
+    logger.info(
+        "KV cache: %s; %d blocks of %d tokens (%s)",
+        budget.describe(),
+        kv_config.num_blocks,
+        kv_config.block_size,
+        source,
+    )
+    _warn_if_short(kv_config, config.model.max_model_len)
+    return budget, kv_config
+
+
+def run_profiling_step(executor: Executor, config: EngineConfig) -> tuple[int, int, str]:
+    """One full-budget step on a provisional cache: the room every rank has for KV (the
+    least of the ranks'), the activation peak (the most), and what was run."""
     lengths = profile_prompt_lengths(config)
     provisional = executor.prepare_memory_profile(profile_num_blocks(lengths, config.cache.block_size))
     for step in profile_steps(lengths, provisional):
         executor.execute_model(step)
     profiles = executor.finish_memory_profile()
-    budget = plan_kv_budget(
-        config.cache.kv_cache_bytes,
-        config.cache.kv_cache_memory_fraction,
-        available_bytes=min(p.room_bytes for p in profiles),
-        activation_peak_bytes=max(p.activation_peak_bytes for p in profiles),
-        fixed_blocks=config.cache.num_gpu_blocks_override,
-    )
-    kv_config = executor.determine_kv_cache_config(budget.kv_bytes)
-    logger.info(
-        "KV cache: %s; %d blocks of %d tokens (profiling step: %d tokens, %d prompt(s))",
-        budget.describe(),
-        kv_config.num_blocks,
-        kv_config.block_size,
-        sum(lengths),
-        len(lengths),
-    )
-    _warn_if_short(kv_config, config.model.max_model_len)
-    return budget, kv_config
+    room = min(p.room_bytes for p in profiles)
+    peak = max(p.activation_peak_bytes for p in profiles)
+    return room, peak, f"profiling step: {sum(lengths)} tokens, {len(lengths)} prompt(s)"
 
 
 def _warn_if_short(kv_config: KVCacheConfig, max_model_len: int) -> None:

@@ -34,6 +34,11 @@ class Executor(ABC):
         """Each rank's measurement of the profiling step, rank 0 first; caches released."""
 
     @abstractmethod
+    def free_memory(self) -> list[int]:
+        """Each rank's share of the memory free now (bytes), rank 0 first: the room for KV
+        when the activation peak is known from an earlier start."""
+
+    @abstractmethod
     def determine_kv_cache_config(self, budget_bytes: int) -> KVCacheConfig:
         """The scheduler's KV cache: rank 0's specs, the fewest blocks `budget_bytes` buys
         on any rank (ranks may hold different numbers of KV heads)."""

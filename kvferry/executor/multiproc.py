@@ -91,6 +91,9 @@ class MultiprocExecutor(Executor):
     def finish_memory_profile(self) -> list[MemoryProfile]:
         return self.collective_rpc(Worker.finish_memory_profile)
 
+    def free_memory(self) -> list[int]:
+        return self.collective_rpc(Worker.free_memory)
+
     def determine_kv_cache_config(self, budget_bytes: int) -> KVCacheConfig:
         """Rank 0's specs (the scheduler's view) with the smallest block count of any rank.
 

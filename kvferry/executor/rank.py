@@ -25,6 +25,7 @@ WORKER_METHODS: frozenset[WorkerMethod] = frozenset(
     {
         Worker.prepare_memory_profile,
         Worker.finish_memory_profile,
+        Worker.free_memory,
         Worker.determine_kv_cache_config,
         Worker.initialize_kv_cache,
         Worker.execute_model,

@@ -83,6 +83,9 @@ class RayExecutor(Executor):
     def finish_memory_profile(self) -> list[MemoryProfile]:
         return self._all(Worker.finish_memory_profile)
 
+    def free_memory(self) -> list[int]:
+        return self._all(Worker.free_memory)
+
     def determine_kv_cache_config(self, budget_bytes: int) -> KVCacheConfig:
         configs = self._all(Worker.determine_kv_cache_config, budget_bytes)
         return with_num_blocks(configs[0], min(c.num_blocks for c in configs))

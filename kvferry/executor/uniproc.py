@@ -24,6 +24,9 @@ class UniprocExecutor(Executor):
     def finish_memory_profile(self) -> list[MemoryProfile]:
         return [self.worker.finish_memory_profile()]
 
+    def free_memory(self) -> list[int]:
+        return [self.worker.free_memory()]
+
     def determine_kv_cache_config(self, budget_bytes: int) -> KVCacheConfig:
         return self.worker.determine_kv_cache_config(budget_bytes)
 

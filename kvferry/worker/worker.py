@@ -66,6 +66,11 @@ class Worker:
         gc.collect()
         return profile
 
+    def free_memory(self) -> int:
+        """This rank's share of the memory free now (host memory is shared by the ranks on it)."""
+        probe = memory_probe(self.device, self.tp.size if self.device.type == "cpu" else 1)
+        return probe.free_bytes() // probe.ranks_sharing_memory
+
     def determine_kv_cache_config(self, budget_bytes: int) -> KVCacheConfig:
         """This rank's KV cache: its own specs (its KV heads) and the blocks `budget_bytes` holds."""
         return self._kv_cache_config(self.config.cache, budget_bytes)
