@@ -5,10 +5,13 @@ against load."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq.asyncio
@@ -27,7 +30,7 @@ from kvferry.scheduler.hashing import BlockHasher
 from kvferry.scheduler.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvferry.scheduler.request import Request
 from tests import plain_http
-from tests.proxy_fakes import free_port, start_cli
+from tests.proxy_fakes import FakeInstance, free_port, serve_in_thread, start_cli
 
 H = [bytes([i]) * 32 for i in range(8)]
 
@@ -172,40 +175,46 @@ def test_disagg_gives_each_instance_its_own_event_endpoints_and_the_proxy_them(t
 # ---- per-request disaggregation ----------------------------------------------------------
 
 
-def test_short_prompts_are_prefilled_by_the_decoder_and_long_ones_transferred(tiny_llama: Path):
-    """--local-prefill-tokens 8: a prompt of a few tokens goes straight to the decoder (no
-    prefill request, so no KV transfer), a long one through the prefiller; /metrics counts
-    both paths."""
-    from contextlib import ExitStack
-
+@contextlib.contextmanager
+def fake_pd(tiny_llama: Path, **options: Any) -> Iterator[tuple[FakeInstance, FakeInstance, str]]:
+    """A fake prefill and a fake decode instance behind a real proxy (--policy prefix,
+    --local-prefill-tokens 8 and `options`): the two instances and the proxy's URL."""
     from kvferry.entrypoints.proxy.app import build_app
     from kvferry.entrypoints.proxy.config import ProxyConfig
-    from tests.proxy_fakes import FakeInstance, serve_in_thread
 
     prefill, decode = FakeInstance("p"), FakeInstance("d")
-    with ExitStack() as stack:
-        p_url = stack.enter_context(serve_in_thread(prefill.app))
-        d_url = stack.enter_context(serve_in_thread(decode.app))
+    with contextlib.ExitStack() as stack:
+        urls = [stack.enter_context(serve_in_thread(inst.app)) for inst in (prefill, decode)]
         config = ProxyConfig(
-            (p_url,),
-            (d_url,),
+            (urls[0],),
+            (urls[1],),
             policy="prefix",
             tokenizer=str(tiny_llama),
             block_size=4,
             local_prefill_tokens=8,
+            **options,
         )
-        proxy = stack.enter_context(serve_in_thread(build_app(config)))
+        yield prefill, decode, stack.enter_context(serve_in_thread(build_app(config)))
 
-        def ask(prompt: str, stream: bool = False) -> None:
-            body = {"model": "m", "prompt": prompt, "max_tokens": 3, "stream": stream}
-            assert plain_http.post(proxy + "/v1/completions", json=body, timeout=30).status_code == 200
 
-        ask("the cat")
-        ask("a dog", stream=True)
+def ask(proxy: str, prompt: str, stream: bool = False) -> None:
+    """A short completion through the proxy, answered HTTP 200."""
+    body = {"model": "m", "prompt": prompt, "max_tokens": 3, "stream": stream}
+    resp = plain_http.post(proxy + "/v1/completions", json=body, timeout=30)
+    assert resp.status_code == 200 and ("data: [DONE]" in resp.text) == stream
+
+
+def test_short_prompts_are_prefilled_by_the_decoder_and_long_ones_transferred(tiny_llama: Path):
+    """--local-prefill-tokens 8: a prompt of a few tokens goes straight to the decoder (no
+    prefill request, so no KV transfer), a long one through the prefiller; /metrics counts
+    both paths."""
+    with fake_pd(tiny_llama) as (prefill, decode, proxy):
+        ask(proxy, "the cat")
+        ask(proxy, "a dog", stream=True)
         assert prefill.requests == []  # no prefill, no transfer
         assert [r["prompt"] for r in decode.requests] == ["the cat", "a dog"]
         assert all("kv_transfer_params" not in r for r in decode.requests)
-        ask(" ".join(["the old man reads a golden book by the sea"] * 3))
+        ask(proxy, " ".join(["the old man reads a golden book by the sea"] * 3))
         assert len(prefill.requests) == 1 and prefill.requests[0]["kv_transfer_params"]["do_remote_decode"]
         assert decode.requests[-1]["kv_transfer_params"]["remote_request_id"] == "p-0"  # transferred
         metrics = plain_http.get(proxy + "/metrics", timeout=10).text
@@ -326,7 +335,7 @@ def test_disagg_answers_short_prompts_whole_on_the_prefiller_too(tiny_llama: Pat
     from concurrent.futures import ThreadPoolExecutor
 
     from kvferry.engine.llm import LLM
-    from tests.test_disagg import _disagg_args, _metric, _wait_blocks_free
+    from tests.test_disagg import _disagg_args, _metric, _wait_blocks_free, _wait_ready
 
     extra = ("--policy", "prefix", "--local-prefill-tokens", "64", "--block-size", "4")
     args = _disagg_args(tiny_llama, free_port(), tmp_path / "logs", *extra, "--local-on-prefillers")
@@ -337,11 +346,7 @@ def test_disagg_answers_short_prompts_whole_on_the_prefiller_too(tiny_llama: Pat
         llm = LLM(str(tiny_llama), kv_cache_bytes=5 << 20, enforce_eager=True, block_size=4)
         outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0))
         expected = [o.outputs[0].text for o in outs]
-        deadline = time.monotonic() + 600
-        while (ready := READY.search(log.read_text(errors="replace"))) is None:
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
-            time.sleep(0.5)
-        proxy, prefill, decode = (url.strip() for url in ready.groups())
+        proxy, prefill, decode = _wait_ready(proc, log, 600).groups()
         with ThreadPoolExecutor(len(prompts)) as pool:
             answers = list(
                 pool.map(lambda i: answer(proxy, prompts[i], stream=i % 2 == 1), range(len(prompts)))
@@ -430,41 +435,17 @@ def test_short_prompts_go_whole_to_the_prefiller_while_the_decoder_is_busy(tiny_
     prompt, the next short ones (streamed or not) are answered whole by the prefiller: the
     client's request as is, no KV transfer asked; /metrics counts each path."""
     import threading
-    from contextlib import ExitStack
 
-    from kvferry.entrypoints.proxy.app import build_app
-    from kvferry.entrypoints.proxy.config import ProxyConfig
-    from tests.proxy_fakes import FakeInstance, serve_in_thread
-
-    prefill, decode = FakeInstance("p"), FakeInstance("d")
-    decode.delay = 2.0
-    with ExitStack() as stack:
-        p_url = stack.enter_context(serve_in_thread(prefill.app))
-        d_url = stack.enter_context(serve_in_thread(decode.app))
-        config = ProxyConfig(
-            (p_url,),
-            (d_url,),
-            policy="prefix",
-            tokenizer=str(tiny_llama),
-            block_size=4,
-            local_prefill_tokens=8,
-            local_on_prefillers=True,
-        )
-        proxy = stack.enter_context(serve_in_thread(build_app(config)))
-
-        def ask(prompt: str, stream: bool = False) -> None:
-            body = {"model": "m", "prompt": prompt, "max_tokens": 3, "stream": stream}
-            resp = plain_http.post(proxy + "/v1/completions", json=body, timeout=30)
-            assert resp.status_code == 200 and ("data: [DONE]" in resp.text) == stream
-
-        first = threading.Thread(target=ask, args=("the cat",))
+    with fake_pd(tiny_llama, local_on_prefillers=True) as (prefill, decode, proxy):
+        decode.delay = 2.0
+        first = threading.Thread(target=ask, args=(proxy, "the cat"))
         first.start()
         deadline = time.monotonic() + 10
         while not decode.requests:  # the decoder holds the first one
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        ask("a dog")
-        ask("a bird", stream=True)
+        ask(proxy, "a dog")
+        ask(proxy, "a bird", stream=True)
         first.join()
         assert [r["prompt"] for r in decode.requests] == ["the cat"]
         assert [r["prompt"] for r in prefill.requests] == ["a dog", "a bird"]

@@ -21,13 +21,13 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
 
 import torch
 
+from kvferry.cache_dir import write_json_atomically
 from kvferry.config import CaptureMode, EngineConfig
 from kvferry.cpu_features import read_cpu_features
 from kvferry.worker.capture import CaptureDecision, StepTiming
@@ -138,11 +138,7 @@ class CaptureCache:
             "timings": [asdict(t) for t in decision.timings],
         }
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".tmp-", suffix=".json")
-            with os.fdopen(fd, "w") as out:
-                json.dump(record, out, indent=1)
-            os.replace(tmp, self.path(key))
+            write_json_atomically(self.path(key), record)
         except OSError as err:
             logger.warning("could not keep the capture decision in %s: %s", self.dir, err)
 

@@ -18,11 +18,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvferry.cache_dir import write_json_atomically
 from kvferry.config import EngineConfig
 from kvferry.engine.capture_cache import KEY_DIGITS, capture_cache_key
 
@@ -61,11 +60,7 @@ class ProfileCache:
         """Keep a measured peak (atomically); a failure only costs the next start time."""
         record = {"format": RECORD_FORMAT, "activation_peak_bytes": activation_peak_bytes}
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".tmp-", suffix=".json")
-            with os.fdopen(fd, "w") as out:
-                json.dump(record, out)
-            os.replace(tmp, self.path)
+            write_json_atomically(self.path, record)
         except OSError as err:
             logger.warning("could not keep the memory profile in %s: %s", self.path.parent, err)
 

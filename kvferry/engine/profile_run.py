@@ -5,8 +5,9 @@ dummy prefill at the step's maximum token budget through `Executor.execute_model
 of real steps), and reports its activation peak and free memory (kvferry.worker.
 memory_profile). The budget follows (kvferry.kv.budget); the provisional cache is released
 before the real one is allocated. The peak is kept (kvferry.engine.profile_cache): a later
-start of the same model, options and machine reads free memory alone and skips the step. The profiling step runs before any connector exists: a
-connector registers the final KV tensors, so it is created with them.
+start of the same model, options and machine reads free memory alone and skips the step.
+The profiling step runs before any connector exists: a connector registers the final KV
+tensors, so it is created with them.
 """
 
 from __future__ import annotations

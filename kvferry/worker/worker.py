@@ -51,8 +51,7 @@ class Worker:
         )
         provisional = self._kv_cache_config(provisional_cache, budget_bytes=0)
         self.runner.bind_kv_caches(provisional, allocate_kv_caches(provisional, self.device))
-        ranks_on_host = self.tp.size if self.device.type == "cpu" else 1
-        self._memory_probe = memory_probe(self.device, ranks_on_host)
+        self._memory_probe = self._new_memory_probe()
         self._memory_probe.start(released_after_bytes=sum(t.size_bytes for t in provisional.tensors))
         return provisional
 
@@ -68,8 +67,12 @@ class Worker:
 
     def free_memory(self) -> int:
         """This rank's share of the memory free now (host memory is shared by the ranks on it)."""
-        probe = memory_probe(self.device, self.tp.size if self.device.type == "cpu" else 1)
+        probe = self._new_memory_probe()
         return probe.free_bytes() // probe.ranks_sharing_memory
+
+    def _new_memory_probe(self) -> MemoryProbe:
+        """A probe of this rank's memory: host memory is shared by the ranks on the host."""
+        return memory_probe(self.device, self.tp.size if self.device.type == "cpu" else 1)
 
     def determine_kv_cache_config(self, budget_bytes: int) -> KVCacheConfig:
         """This rank's KV cache: its own specs (its KV heads) and the blocks `budget_bytes` holds."""

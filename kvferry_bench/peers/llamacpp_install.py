@@ -44,10 +44,11 @@ CHECK = (
 # The GGML build options of each level (x86); every option named and not on is off.
 GGML_OPTIONS = ("AVX", "AVX2", "FMA", "F16C", "BMI2", "AVX_VNNI", "AVX512", "AVX512_VBMI", "AVX512_VNNI")
 GGML_OPTIONS += ("AVX512_BF16", "AMX_TILE", "AMX_INT8", "AMX_BF16")
+GGML_AVX2_ON = frozenset({"AVX", "AVX2", "FMA", "F16C", "BMI2"})
 GGML_ON = {
-    IsaCap.AVX2: {"AVX", "AVX2", "FMA", "F16C", "BMI2"},
-    IsaCap.AVX512: {"AVX", "AVX2", "FMA", "F16C", "BMI2", "AVX512"},
-    IsaCap.AVX512_BF16: {"AVX", "AVX2", "FMA", "F16C", "BMI2", "AVX512", "AVX512_BF16"},
+    IsaCap.AVX2: GGML_AVX2_ON,
+    IsaCap.AVX512: GGML_AVX2_ON | {"AVX512"},
+    IsaCap.AVX512_BF16: GGML_AVX2_ON | {"AVX512", "AVX512_BF16"},
 }
 # What the library's system info must not report at each level.
 ABOVE = {
