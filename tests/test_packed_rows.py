@@ -1,6 +1,7 @@
-"""oneDNN builds one GEMM primitive per row count and caches it (memory that stays): the
-packed linear pads rows to a short ladder of sizes, so a server seeing every batch size
-builds few primitives."""
+"""oneDNN builds one GEMM primitive per row count and caches it (memory that stays): a
+weight in oneDNN's packed form pads rows to a short ladder of sizes, so a server seeing
+every batch size builds few primitives. (float32 weights take kvferry's tiles where their
+kernel loads, tests/test_float32_kernel.py; these tests ask for oneDNN's form.)"""
 
 from __future__ import annotations
 
@@ -11,13 +12,13 @@ import sys
 import pytest
 import torch
 
-from kvferry.model.layers.packed import pack, packed_linear, row_bucket
+from kvferry.model.layers.packed import PackedForm, pack, packed_linear, row_bucket
 
 ROWS = range(16, 401)
 PROGRAM = f"""
 import torch
-from kvferry.model.layers.packed import pack, packed_linear
-weight = pack(torch.randn(64, 32))
+from kvferry.model.layers.packed import PackedForm, pack, packed_linear
+weight = pack(torch.randn(64, 32), PackedForm.ONEDNN)
 for rows in {ROWS!r}:
     packed_linear(torch.randn(rows, 32), weight)
 """
@@ -44,7 +45,7 @@ def test_onednn_builds_one_primitive_per_bucket_not_per_row_count() -> None:
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN is not available")
 def test_padded_rows_compute_what_unpadded_ones_do() -> None:
     weight, bias = torch.randn(40, 24), torch.randn(40)
-    packed = pack(weight)
+    packed = pack(weight, PackedForm.ONEDNN)
     for shape in ((17, 24), (3, 33, 24), (0, 24), (130, 24)):
         x = torch.randn(shape)
         out = packed_linear(x, packed, bias)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch._opaque_base import OpaqueBase
 
-from kvferry.model.layers.packed import PackedWeight, onednn_linear
+from kvferry.model.layers.packed import PackedWeight
 
 
 class KeyedByType(OpaqueBase):
@@ -30,7 +30,7 @@ class DenseFallbackWeight(KeyedByType):
 
     def dense_matmul(self, rows: torch.Tensor) -> torch.Tensor:
         if isinstance(self.dense, PackedWeight):
-            return onednn_linear(rows, self.dense.tensor, None)
+            return self.dense.multiply(rows, None)
         return F.linear(rows, self.dense)
 
 

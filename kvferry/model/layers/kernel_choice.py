@@ -10,18 +10,29 @@ import torch
 
 from kvferry.config import WeightQuantization
 from kvferry.cpu_features import read_cpu_features
-from kvferry.model.layers import decode_kernel, fused_decode, gguf_kernel, int4_kernel, prefill_kernel
+from kvferry.model.layers import (
+    decode_kernel,
+    float32_kernel,
+    fused_decode,
+    gguf_kernel,
+    int4_kernel,
+    prefill_kernel,
+)
 from kvferry.model.layers.decode_kernel import decode_kernel_available
+from kvferry.model.layers.float32_kernel import float32_kernel_available, float32_kernel_isa
 from kvferry.model.layers.gguf_kernel import gguf_kernel_available, gguf_kernel_path
 from kvferry.model.layers.int4_kernel import int4_kernel_available
 from kvferry.model.layers.prefill_kernel import fast_path, fp32_lanes, prefill_kernel_available
 
 
-def kernel_sources(quantization: WeightQuantization) -> list[Path]:
-    """The C++ sources a CPU model under `quantization` loads (cpu_kernels.build_ahead):
-    attention always, the int4 tiles where the CPU has AVX-512 BF16 (nothing else runs
-    them), the GGUF block kernel and the fused decode layer under gguf."""
+def kernel_sources(quantization: WeightQuantization, dtype: torch.dtype) -> list[Path]:
+    """The C++ sources a CPU model computing in `dtype` under `quantization` loads
+    (cpu_kernels.build_ahead): attention always, the float32 tiles for a float32 model's
+    linears, the int4 tiles where the CPU has AVX-512 BF16 (nothing else runs them), the
+    GGUF block kernel and the fused decode layer under gguf."""
     sources = [decode_kernel.SOURCE, prefill_kernel.SOURCE]
+    if dtype == torch.float32:
+        sources.append(float32_kernel.SOURCE)
     if quantization is WeightQuantization.INT4 and "avx512_bf16" in read_cpu_features().flags:
         sources.append(int4_kernel.SOURCE)
     if quantization is WeightQuantization.GGUF:
@@ -37,6 +48,8 @@ def describe_cpu_kernels(dtype: torch.dtype, head_dims: set[int], quantization: 
         f"decode attention: {_decode_kernel()}",
         f"prefill attention: {_prefill_kernel(dtype, head_dims)}",
     ]
+    if dtype == torch.float32:
+        parts.append(f"float32 linears: {_float32_kernel()}")
     if quantization is WeightQuantization.INT4:
         parts.append(f"int4 linears: {_int4_kernel()}")
     if quantization is WeightQuantization.GGUF:
@@ -64,6 +77,12 @@ def _prefill_kernel(dtype: torch.dtype, head_dims: set[int]) -> str:
 
 
 _DTYPE_WORDS = {torch.bfloat16: "bf16", torch.float32: "float32"}
+
+
+def _float32_kernel() -> str:
+    if not float32_kernel_available():
+        return "oneDNN's packed GEMM (kernel not built)"
+    return f"kvferry float32 tiles ({float32_kernel_isa()})"
 
 
 def _int4_kernel() -> str:

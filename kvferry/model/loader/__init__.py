@@ -54,10 +54,10 @@ def load_model(
         raise ConfigError(
             "--quantization gguf keeps a GGUF checkpoint's blocks: the model must be a .gguf file"
         )
-    if torch.device(device).type == "cpu":  # compiled while the weights load, side by side
-        cpu_kernels.build_ahead(kernel_sources(quantization))
-    cls = model_class(model_config.architecture)
     dtype = compute_dtype(model_config.dtype, device)
+    if torch.device(device).type == "cpu":  # compiled while the weights load, side by side
+        cpu_kernels.build_ahead(kernel_sources(quantization, dtype))
+    cls = model_class(model_config.architecture)
     with torch.device(device):
         model = cls(model_config.hf_config, tp=tp, dtype=dtype)
     if model_config.gguf_file is not None:
