@@ -145,7 +145,9 @@ def test_a_float32_engine_multiplies_every_linear_on_the_tiles(tiny_llama: Path)
     linears = [module for module in model.modules() if isinstance(module, PackableLinear)]
     assert linears and all(isinstance(m.packed, PackedWeight) and m.packed.tiles is not None for m in linears)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-        (out,) = llm.generate([{"prompt_token_ids": list(range(5, 25))}], SamplingParams(max_tokens=4, temperature=0))
+        (out,) = llm.generate(
+            [{"prompt_token_ids": list(range(5, 25))}], SamplingParams(max_tokens=4, temperature=0)
+        )
     assert len(out.outputs[0].token_ids) == 4
     calls = {event.key: event.count for event in profile.key_averages()}
     assert calls.get("kvferry_cpu::float32_matmul", 0) >= 4 * len(linears)
