@@ -171,17 +171,17 @@ def _make_win(monkeypatch: pytest.MonkeyPatch, compiled: bool) -> None:
 @pytest.mark.slow  # compiles a forward
 @pytest.mark.parametrize("compiled_wins", [True, False], ids=["compiled-wins", "eager-wins"])
 def test_auto_keeps_the_faster_forward_and_logs_both_numbers(
-    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, compiled_wins: bool
+    tiny_qwen3: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, compiled_wins: bool
 ) -> None:
     """The default (--capture auto) times dummy decode steps at batch 1 and min(max_num_seqs,
     32) and keeps the faster forward; either way the greedy tokens are eager's, batch of 1
     (padded when compiled) included."""
-    prompts = tokenize_all(tiny_llama, PROMPT_TEXTS[:3])
-    eager = [_tokens(make_llm(tiny_llama, enforce_eager=True), p) for p in (prompts[:1], prompts)]
+    prompts = tokenize_all(tiny_qwen3, PROMPT_TEXTS[:3])
+    eager = [_tokens(make_llm(tiny_qwen3, enforce_eager=True), p) for p in (prompts[:1], prompts)]
     _make_win(monkeypatch, compiled=compiled_wins)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger=capture_choice.__name__):
-        llm = make_llm(tiny_llama, max_num_seqs=8, capture=CaptureMode.AUTO)
+        llm = make_llm(tiny_qwen3, max_num_seqs=8, capture=CaptureMode.AUTO)
     decision = _stats(llm).decision
     assert decision == llm.engine.capture_decision and decision.mode is CaptureMode.AUTO
     assert decision.compiled is compiled_wins
@@ -218,9 +218,9 @@ def test_timed_batch_sizes_fit_the_limits_and_the_cache() -> None:
     assert not capture_choice.keeps_compiled(timings[:1])
 
 
-def test_capture_mode_flags_and_their_vllm_names(tiny_llama: Path) -> None:
+def test_capture_mode_flags_and_their_vllm_names(tiny_qwen3: Path) -> None:
     def mode(*flags: str) -> CaptureMode:
-        args = build_parser().parse_args(["serve", str(tiny_llama), *flags])
+        args = build_parser().parse_args(["serve", str(tiny_qwen3), *flags])
         return engine_config_from_args(args).compilation.capture
 
     assert mode() is CaptureMode.AUTO

@@ -1,9 +1,9 @@
-"""The fused GGUF decode layer (kvferry.model.layers.fused_decode): one operator call per
-Llama-family layer on an all-decode step under --quantization gguf.
+"""The fused decode layer (kvferry.model.layers.fused_decode): one operator call per
+Llama-family layer on an all-decode step, on float32 tiles and under --quantization gguf.
 
 Its matmuls and attention are the kernel library's own, so a decode step through it equals
 the operator-by-operator layer up to float32 rounding of the norms, rope and activation
-(amplified now and then by the int8 rounding of the matmuls' inputs); its rows do not depend
+(under gguf amplified now and then by the int8 rounding of the matmuls' inputs); its rows do not depend
 on each other (speculative decoding's verification needs that); steps it does not serve
 (a prefill in the step, connector hooks on the layer) take the unfused layer.
 """
@@ -21,7 +21,7 @@ import torch._dynamo.utils as dynamo_utils
 from kvferry.engine.llm import LLM
 from kvferry.kv.spec import Layout
 from kvferry.model.forward_context import HookPlacement
-from kvferry.model.layers.fused_decode import GGUFDecodeLayer, fused_decode_available
+from kvferry.model.layers.fused_decode import FusedDecodeLayer, fused_decode_available
 from kvferry.model.loader import load_model
 from kvferry.model.resolve import resolve_model_config
 from kvferry.sampling_params import SamplingParams
@@ -60,6 +60,12 @@ def model(tiny_gguf_path: Path) -> torch.nn.Module:
 
 
 @pytest.fixture(scope="module")
+def float32_model(tiny_llama: Path) -> torch.nn.Module:
+    """The tiny Llama in float32: its linears are float32 tiles."""
+    return load_model(resolve_model_config(str(tiny_llama), dtype="float32"))
+
+
+@pytest.fixture(scope="module")
 def qwen2_model(tiny_qwen2: Path, tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
     """q/k/v biases, which the fused operator adds."""
     return _gguf_model(
@@ -77,14 +83,14 @@ class FusedCalls:
 @pytest.fixture
 def fused_calls(monkeypatch: pytest.MonkeyPatch) -> FusedCalls:
     calls = FusedCalls()
-    run = GGUFDecodeLayer.run
+    run = FusedDecodeLayer.run
 
     def counted(self, *args):  # type: ignore[no-untyped-def]
         out = run(self, *args)
         calls.count += out is not None
         return out
 
-    monkeypatch.setattr(GGUFDecodeLayer, "run", counted)
+    monkeypatch.setattr(FusedDecodeLayer, "run", counted)
     return calls
 
 
@@ -116,10 +122,16 @@ def _greedy_decode(model: torch.nn.Module, layout: Layout, names: list[str]) -> 
 
 @torch.inference_mode()
 @pytest.mark.parametrize(
-    ("arch", "layout"), [("llama", Layout.NHD), ("llama", Layout.HND), ("qwen2", Layout.NHD)]
+    ("fixture", "layout"),
+    [
+        ("model", Layout.NHD),
+        ("model", Layout.HND),
+        ("qwen2_model", Layout.NHD),
+        ("float32_model", Layout.NHD),
+    ],
 )
-def test_decode_steps_take_the_fused_layer_and_equal_the_unfused(request, fused_calls, arch, layout):
-    model = request.getfixturevalue("model" if arch == "llama" else "qwen2_model")
+def test_decode_steps_take_the_fused_layer_and_equal_the_unfused(request, fused_calls, fixture, layout):
+    model = request.getfixturevalue(fixture)
     layers = len(model.model.layers)
     assert all(layer.fused_decode is not None for layer in model.model.layers)
     fused = _greedy_decode(model, layout, ["a", "b", "c"])
@@ -160,7 +172,9 @@ def test_a_sliding_window_clips_the_fused_attention_as_the_unfused(model, fused_
 
 
 @torch.inference_mode()
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(model, fused_calls):
+@pytest.mark.parametrize("fixture", ["model", "float32_model"])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(request, fused_calls, fixture):
+    model = request.getfixturevalue(fixture)
     alone = _greedy_decode(model, Layout.NHD, ["a"])
     batched = _greedy_decode(model, Layout.NHD, ["b", "a", "c"])
     assert fused_calls.count == 2 * DECODE_STEPS * len(model.model.layers)
@@ -215,11 +229,12 @@ def test_an_engine_decodes_through_it_as_the_gguf_reference_does(smollm2_gguf, f
     assert_pool_full(llm)
 
 
-def test_capture_auto_compiles_nothing_when_every_layer_decodes_fused(smollm2_gguf, tmp_path):
+@pytest.mark.parametrize("quantization", ["gguf", "none"], ids=["gguf", "float32"])
+def test_capture_auto_compiles_nothing_when_every_layer_decodes_fused(smollm2_gguf, tmp_path, quantization):
     """The compiled program would run the layers operator by operator: --capture auto keeps
     decode steps eager without compiling one (torch's counter of compiled graphs)."""
     before = int(dynamo_utils.counters["stats"]["unique_graphs"])
-    llm = LLM(str(smollm2_gguf), quantization="gguf", capture="auto", cache_dir=str(tmp_path),
+    llm = LLM(str(smollm2_gguf), quantization=quantization, capture="auto", cache_dir=str(tmp_path),
               kv_cache_bytes=64 << 20, max_model_len=256)  # fmt: skip
     decision = llm.engine.capture_decision
     assert not decision.compiled and decision.not_compiled == FUSED_LAYERS_STAY_EAGER
@@ -233,12 +248,15 @@ def test_capture_auto_compiles_nothing_when_every_layer_decodes_fused(smollm2_gg
 
 
 @torch.inference_mode()  # the 135M SmolLM2 (~3 s): on the tiny models torch's results coincide
-def test_a_decode_sharing_a_step_with_a_prefill_gets_the_bits_of_a_decode_step(smollm2_gguf, fused_calls):
+@pytest.mark.parametrize("quantization", ["gguf", "none"], ids=["gguf", "float32"])
+def test_a_decode_sharing_a_step_with_a_prefill_gets_the_bits_of_a_decode_step(
+    smollm2_gguf, fused_calls, quantization
+):
     """A step the one-call path does not take (a decode beside a prefill) runs the same code
     in parts, so the decode row's logits are, bit for bit, those of a step of decodes only:
     a P/D decoder's steps and a colocated engine's mixed ones answer alike. (With torch's
     operators in the mixed step this equality failed.)"""
-    model = _gguf_model(smollm2_gguf)
+    model = load_model(resolve_model_config(str(smollm2_gguf), dtype="float32", quantization=quantization))
     layers = len(model.model.layers)
 
     def decoded(driver: PagedDriver, token: int, beside: list[Chunk]) -> torch.Tensor:

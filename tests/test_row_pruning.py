@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvferry.model.causal_lm import CausalLM, rows_within
+from kvferry.model.layers.fused_decode import FusedDecodeLayer
 from kvferry.model.loader import load_model
 from kvferry.model.microbatch import MicroBatcher
 from kvferry.model.resolve import resolve_model_config
@@ -23,8 +24,9 @@ from tests.fixtures.paged import Chunk, PagedDriver
 
 @contextmanager
 def mlp_rows(model: CausalLM) -> Iterator[list[int]]:
-    """Rows given to each layer's MLP (index: layer), summed over the calls made while open
-    (micro-batch parts included)."""
+    """Rows each layer (index) runs its MLP for, summed over the calls made while open
+    (micro-batch parts included): given to the MLP module, or, for a layer that decodes
+    fused (float32 tiles), to the fused layer's code after its attention."""
     layers = model.model.layers
     seen = [0] * len(layers)
 
@@ -35,16 +37,39 @@ def mlp_rows(model: CausalLM) -> Iterator[list[int]]:
         return hook
 
     handles = [layer.mlp.register_forward_pre_hook(record(i)) for i, layer in enumerate(layers)]
+    fused = [layer.fused_decode for layer in layers]
+    for index, layer in enumerate(layers):
+        if layer.fused_decode is not None:
+            layer.fused_decode = TailRows(layer.fused_decode, seen, index)
     try:
         yield seen
     finally:
         for handle in handles:
             handle.remove()
+        for layer, original in zip(layers, fused, strict=True):
+            layer.fused_decode = original
+
+
+class TailRows:
+    """A fused layer that counts the rows its code after the attention runs for."""
+
+    def __init__(self, layer: FusedDecodeLayer, seen: list[int], index: int):
+        self.layer, self.seen, self.index = layer, seen, index
+
+    def run(self, rope, hidden, residual, ctx):  # type: ignore[no-untyped-def]
+        out = self.layer.run(rope, hidden, residual, ctx)
+        self.seen[self.index] += 0 if out is None else hidden.shape[0]
+        return out
+
+    def run_in_parts(self, rope, hidden, residual, ctx, keep_rows=None):  # type: ignore[no-untyped-def]
+        out = self.layer.run_in_parts(rope, hidden, residual, ctx, keep_rows)
+        self.seen[self.index] += hidden.shape[0] if keep_rows is None else keep_rows.numel()
+        return out
 
 
 def _step() -> list[Chunk]:
     gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(4, 900, (n,), generator=gen).tolist() for n in (11, 30, 7)]
+    prompts = [torch.randint(4, 800, (n,), generator=gen).tolist() for n in (11, 30, 7)]
     return [Chunk(str(i), p) for i, p in enumerate(prompts)]
 
 
@@ -56,11 +81,15 @@ def test_rows_within_counts_from_the_part_start() -> None:
 
 
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"], ids=["fused-layers", "module-layers"])
 @torch.inference_mode()
 def test_kept_rows_equal_the_whole_forward_and_every_row_writes_its_kv(
-    tiny_llama: Path, threads: int
+    request: pytest.FixtureRequest, arch: str, threads: int
 ) -> None:
-    model = load_model(resolve_model_config(str(tiny_llama)))
+    """The tiny Llama's layers run fused (float32 tiles), the tiny Qwen3's (q/k norms) as
+    modules: both prune."""
+    model = load_model(resolve_model_config(str(request.getfixturevalue(f"tiny_{arch}"))))
+    assert all((layer.fused_decode is not None) is (arch == "llama") for layer in model.model.layers)
     model.microbatcher = MicroBatcher(threads) if threads > 1 else None
     keep = torch.tensor([10, 40, 47])  # each prompt's last token
     whole_driver, kept_driver = PagedDriver(model, seed=1), PagedDriver(model, seed=1)

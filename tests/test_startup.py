@@ -64,16 +64,21 @@ def test_the_key_changes_with_the_model_and_the_options(
     assert len(set(digests.values())) == len(digests), digests
 
 
-def test_a_cached_eager_decision_compiles_nothing(tiny_llama: Path, tmp_path: Path) -> None:
+# The tests of --capture auto's decision use the tiny Qwen3: its layers (per-head q/k norms)
+# take no fused decode layer, so auto measures a compiled program (a model whose every layer
+# decodes fused compiles nothing: tests/test_fused_decode.py).
+
+
+def test_a_cached_eager_decision_compiles_nothing(tiny_qwen3: Path, tmp_path: Path) -> None:
     """An earlier start measured eager faster: this start follows it before warm-up, so no
     graph is compiled (warm-up, decision, and the decode steps of real requests alike), no
     step is timed, and the tokens are eager's."""
-    prompts = tokenize_all(tiny_llama, PROMPT_TEXTS[:3])
-    expected = _tokens(make_llm(tiny_llama, enforce_eager=True), prompts)
+    prompts = tokenize_all(tiny_qwen3, PROMPT_TEXTS[:3])
+    expected = _tokens(make_llm(tiny_qwen3, enforce_eager=True), prompts)
     measured = CaptureDecision(CaptureMode.AUTO, False, (StepTiming(1, 0.02, 0.01),))
-    store_for_tiny_llama(tiny_llama, tmp_path, measured)
+    store_decision_for(tiny_qwen3, tmp_path, measured)
     before = _graphs_compiled()
-    llm = make_llm(tiny_llama, capture=CaptureMode.AUTO, cache_dir=tmp_path)
+    llm = make_llm(tiny_qwen3, capture=CaptureMode.AUTO, cache_dir=tmp_path)
     assert llm.engine.capture_decision == CaptureDecision(
         CaptureMode.AUTO, False, measured.timings, cached=True
     )
@@ -91,7 +96,7 @@ def test_a_cached_eager_decision_compiles_nothing(tiny_llama: Path, tmp_path: Pa
     )
 
 
-def store_for_tiny_llama(model: Path, cache_dir: Path, decision: CaptureDecision) -> None:
+def store_decision_for(model: Path, cache_dir: Path, decision: CaptureDecision) -> None:
     """Store `decision` under the key of make_llm(model, capture=AUTO, cache_dir=cache_dir)."""
     key = capture_cache_key(engine_config_of(model, capture=CaptureMode.AUTO, cache_dir=cache_dir))
     CaptureCache(cache_dir).store(key, decision)
@@ -99,9 +104,9 @@ def store_for_tiny_llama(model: Path, cache_dir: Path, decision: CaptureDecision
 
 @pytest.mark.slow  # compiles a forward
 def test_the_first_start_measures_and_the_next_follows_its_decision(
-    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_qwen3: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    first = make_llm(tiny_llama, capture=CaptureMode.AUTO, cache_dir=tmp_path)
+    first = make_llm(tiny_qwen3, capture=CaptureMode.AUTO, cache_dir=tmp_path)
     decision = first.engine.capture_decision
     assert decision.timings and not decision.cached
     (stored,) = (tmp_path / "capture").glob("*.json")
@@ -113,12 +118,12 @@ def test_the_first_start_measures_and_the_next_follows_its_decision(
 
     monkeypatch.setattr(capture_choice, "measure", no_measuring)
     before = _graphs_compiled()
-    second = make_llm(tiny_llama, capture=CaptureMode.AUTO, cache_dir=tmp_path)
+    second = make_llm(tiny_qwen3, capture=CaptureMode.AUTO, cache_dir=tmp_path)
     assert second.engine.capture_decision == CaptureDecision(
         CaptureMode.AUTO, decision.compiled, decision.timings, cached=True
     )
-    prompts = tokenize_all(tiny_llama, PROMPT_TEXTS[:2])
-    assert _tokens(second, prompts) == _tokens(make_llm(tiny_llama, enforce_eager=True), prompts)
+    prompts = tokenize_all(tiny_qwen3, PROMPT_TEXTS[:2])
+    assert _tokens(second, prompts) == _tokens(make_llm(tiny_qwen3, enforce_eager=True), prompts)
     compiled_graphs = _graphs_compiled() - before
     assert (compiled_graphs > 0) is decision.compiled
     assert (_stats(second).compiled_steps > 0) is decision.compiled

@@ -20,7 +20,7 @@ from kvferry.model.forward_context import ForwardContext
 from kvferry.model.layers.activation import SiluAndMul
 from kvferry.model.layers.attention import PagedAttention
 from kvferry.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from kvferry.model.layers.fused_decode import DecodeLayerParts, GGUFDecodeLayer
+from kvferry.model.layers.fused_decode import DecodeLayerParts, FusedDecodeLayer
 from kvferry.model.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -137,11 +137,12 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, f"{prefix}.self_attn", tp, dtype, flags, sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = mlp if mlp is not None else LlamaMLP(config, tp, dtype)
-        self.fused_decode: GGUFDecodeLayer | None = None  # see fuse_for_decode
+        self.fused_decode: FusedDecodeLayer | None = None  # see fuse_for_decode
 
     def fuse_for_decode(self) -> bool:
         """Take the one-call decode path (layers.fused_decode) where this layer's weights
-        allow it (GGUF blocks kept; a dense MLP; no per-head q/k norms); whether it does."""
+        allow it (float32 tiles or GGUF blocks kept; a dense MLP; no per-head q/k norms);
+        whether it does."""
         attn = self.self_attn
         if attn.q_norm is not None or not isinstance(self.mlp, LlamaMLP):
             return False
@@ -154,7 +155,7 @@ class LlamaDecoderLayer(nn.Module):
             down_proj=self.mlp.down_proj,
             attention=attn.attn,
         )
-        self.fused_decode = GGUFDecodeLayer.of(parts)
+        self.fused_decode = FusedDecodeLayer.of(parts)
         return self.fused_decode is not None
 
     def forward(

@@ -1,12 +1,14 @@
 """A Llama-family decoder layer's decode step in one operator call (csrc/decode_layer.cpp)
-under --quantization gguf: residual add and RMSNorm, q/k/v, rope, KV write, paged decode
-attention, output projection, residual add and RMSNorm, gated SiLU MLP.
+on float32 tiles (layers.float32_kernel) or under --quantization gguf: residual add and
+RMSNorm, q/k/v, rope, KV write, paged decode attention, output projection, residual add
+and RMSNorm, gated SiLU MLP.
 
 At batch 1 a small model's ~20 operators per layer, each dispatched from Python, cost as
 much as its matmuls (SmolLM2's 30 layers: ~6 ms of a 13 ms eager step). The fused layer
-runs them as plain loops around the kernel library's own gguf matmul, KV write and paged
-decode attention: the same arithmetic for the matmuls and the attention (the elementwise
-ops round as float32 loops do, within float32 rounding of torch's).
+runs them as plain loops around the kernel library's own matmul (float32 tiles or GGUF
+blocks), KV write and paged decode attention: the same arithmetic for the matmuls and the
+attention (the elementwise ops round as float32 loops do, within float32 rounding of
+torch's).
 
 A layer takes the fused path on an eager step (never while a forward is being compiled:
 the compiled program keeps the operator-by-operator layer) whose rows are all decodes
@@ -15,9 +17,9 @@ decode batches it was measured on), float32, with no connector hooks on the laye
 hook's place is between the layer's operators), a float32 KV cache of the layer's own
 head size, and a single rank. Other eager float32 steps (prefills, decodes beside them,
 hooks, larger batches) run the same code in parts: the operator's code before its
-attention (`gguf_layer_head`), the layer's attention module, and its code after
-(`gguf_layer_tail`). A decode row thus gets the same bits in any step, and P/D under
---quantization gguf answers as colocated serving does.
+attention (`layer_head`), the layer's attention module, and its code after
+(`layer_tail`). A decode row thus gets the same bits in any step, and P/D answers as
+colocated serving does.
 """
 
 from __future__ import annotations
@@ -33,10 +35,10 @@ from kvferry.model.forward_context import ForwardContext, HookPlacement
 from kvferry.model.layers import cpu_kernels
 from kvferry.model.layers.attention import PagedAttention
 from kvferry.model.layers.decode_kernel import decode_kernel_available
-from kvferry.model.layers.gguf_kernel import gguf_kernel_available
 from kvferry.model.layers.gguf_linear import GGUFWeight
 from kvferry.model.layers.linear import PackableLinear, RowParallelLinear
 from kvferry.model.layers.norm import RMSNorm
+from kvferry.model.layers.packed import PackedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +48,37 @@ MAX_FUSED_ROWS = 64  # decode rows a step may have for the fused path
 CosSin = tuple[torch.Tensor, torch.Tensor]
 
 
+FLOAT32_TILES = 0  # the type the operator gives float32 tiles (GGML's id of F32; GGUF blocks: theirs)
+
+
 @functools.cache
 def fused_decode_available() -> bool:
-    """The fused layer's library and the kernels it calls are loaded (built once per machine)."""
-    if not (gguf_kernel_available() and decode_kernel_available()):
+    """The fused layer's library and the attention kernels it calls are loaded (built once
+    per machine); a layer's matmul kernel is loaded once its weights were packed for it."""
+    if not decode_kernel_available():
         return False
     return cpu_kernels.loaded(SOURCE, logger, "decode layers run operator by operator")
+
+
+@dataclass(frozen=True)
+class KernelWeight:
+    """A projection as the fused operator takes it: a kernel's tiles, the `type` naming
+    them (FLOAT32_TILES, or a GGUF block type), and its outputs."""
+
+    tiles: torch.Tensor
+    type: int
+    out_features: int
+
+    @classmethod
+    def of(cls, linear: PackableLinear) -> KernelWeight | None:
+        """`linear`'s weight if it kept GGUF blocks or float32 tiles; None otherwise."""
+        packed = linear.packed
+        if isinstance(packed, GGUFWeight):
+            blocks = packed.blocks
+            return cls(blocks.tiles, int(blocks.block_type), blocks.out_features)
+        if isinstance(packed, PackedWeight) and packed.tiles is not None:
+            return cls(packed.tiles, FLOAT32_TILES, packed.out_features)
+        return None
 
 
 @dataclass(frozen=True)
@@ -68,29 +95,30 @@ class DecodeLayerParts:
 
 
 @dataclass(frozen=True)
-class GGUFDecodeLayer:
+class FusedDecodeLayer:
     """One layer's weights as the fused operator takes them; `run` is its decode step."""
 
     attention: PagedAttention
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     eps: float
-    qkv: GGUFWeight
+    qkv: KernelWeight
     qkv_bias: torch.Tensor | None
-    o: GGUFWeight
+    o: KernelWeight
     o_bias: torch.Tensor | None
-    gate_up: GGUFWeight
-    down: GGUFWeight
+    gate_up: KernelWeight
+    down: KernelWeight
 
     @classmethod
-    def of(cls, parts: DecodeLayerParts) -> GGUFDecodeLayer | None:
-        """The fused form of a layer whose projections all kept their GGUF blocks, whose norms
-        are float32 and whose attention owns its KV cache; None for any other layer."""
+    def of(cls, parts: DecodeLayerParts) -> FusedDecodeLayer | None:
+        """The fused form of a layer whose projections all kept GGUF blocks or float32 tiles,
+        whose norms are float32 and whose attention owns its KV cache; None for any other
+        layer."""
         linears = (parts.qkv_proj, parts.o_proj, parts.gate_up_proj, parts.down_proj)
-        weights = [linear.packed for linear in linears]
-        gguf = [weight for weight in weights if isinstance(weight, GGUFWeight)]
+        weights = [KernelWeight.of(linear) for linear in linears]
+        kept = [weight for weight in weights if weight is not None]
         norms = (parts.input_norm.weight, parts.post_norm.weight)
-        if len(gguf) != len(linears) or any(norm.dtype != torch.float32 for norm in norms):
+        if len(kept) != len(linears) or any(norm.dtype != torch.float32 for norm in norms):
             return None
         if not parts.attention.owns_kv or parts.input_norm.eps != parts.post_norm.eps:
             return None
@@ -100,7 +128,7 @@ class GGUFDecodeLayer:
             return None
         if not fused_decode_available():
             return None
-        qkv, o, gate_up, down = gguf
+        qkv, o, gate_up, down = kept
         return cls(
             attention=parts.attention,
             input_norm=parts.input_norm.weight.detach(),
@@ -113,6 +141,11 @@ class GGUFDecodeLayer:
             gate_up=gate_up,
             down=down,
         )
+
+    @property
+    def intermediate(self) -> int:
+        """The MLP's width (the gate and up projections are stacked)."""
+        return self.gate_up.out_features // 2
 
     def run(
         self, rope: CosSin, hidden: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
@@ -135,22 +168,22 @@ class GGUFDecodeLayer:
         ):
             return None
         cos, sin = rope
-        out, carried = torch.ops.kvferry_cpu.gguf_decode_layer(
+        out, carried = torch.ops.kvferry_cpu.decode_layer(
             hidden,
             residual,
             self.input_norm,
             self.post_norm,
             self.eps,
-            self.qkv.blocks.tiles,
-            int(self.qkv.blocks.block_type),
+            self.qkv.tiles,
+            self.qkv.type,
             self.qkv_bias,
-            self.o.blocks.tiles,
-            int(self.o.blocks.block_type),
+            self.o.tiles,
+            self.o.type,
             self.o_bias,
-            self.gate_up.blocks.tiles,
-            int(self.gate_up.blocks.block_type),
-            self.down.blocks.tiles,
-            int(self.down.blocks.block_type),
+            self.gate_up.tiles,
+            self.gate_up.type,
+            self.down.tiles,
+            self.down.type,
             cos,
             sin,
             cache,
@@ -162,7 +195,7 @@ class GGUFDecodeLayer:
             attention.num_heads,
             attention.num_kv_heads,
             attention.head_dim,
-            self.down.blocks.in_features,
+            self.intermediate,
             attention.sliding_window or 0,
             attention.scale,
         )
@@ -178,7 +211,7 @@ class GGUFDecodeLayer:
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(MLP output, residual) of this layer over any step `run` does not take (prefills,
         mixed steps, hooks, larger batches): the fused operator's own code before and after
-        its attention (`gguf_layer_head`, `gguf_layer_tail`), and the layer's attention
+        its attention (`layer_head`, `layer_tail`), and the layer's attention
         module between them. A decode row therefore gets the bits `run` gives it, whatever
         step it is in (a P/D decoder's pure decode steps and a colocated engine's mixed
         ones: the tail is row-independent); with `keep_rows`, the tail runs for those rows
@@ -188,13 +221,13 @@ class GGUFDecodeLayer:
         attention = self.attention
         heads, kv_heads, head_dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
         cos, sin = rope
-        qkv, carried = torch.ops.kvferry_cpu.gguf_layer_head(
+        qkv, carried = torch.ops.kvferry_cpu.layer_head(
             hidden.contiguous(),
             residual,
             self.input_norm,
             self.eps,
-            self.qkv.blocks.tiles,
-            int(self.qkv.blocks.block_type),
+            self.qkv.tiles,
+            self.qkv.type,
             self.qkv_bias,
             cos,
             sin,
@@ -212,19 +245,19 @@ class GGUFDecodeLayer:
         ).reshape(rows, heads * head_dim)
         if keep_rows is not None:
             attended, carried = attended.index_select(0, keep_rows), carried.index_select(0, keep_rows)
-        out = torch.ops.kvferry_cpu.gguf_layer_tail(
+        out = torch.ops.kvferry_cpu.layer_tail(
             attended,
             carried,
             self.post_norm,
             self.eps,
-            self.o.blocks.tiles,
-            int(self.o.blocks.block_type),
+            self.o.tiles,
+            self.o.type,
             self.o_bias,
-            self.gate_up.blocks.tiles,
-            int(self.gate_up.blocks.block_type),
-            self.down.blocks.tiles,
-            int(self.down.blocks.block_type),
-            self.down.blocks.in_features,
+            self.gate_up.tiles,
+            self.gate_up.type,
+            self.down.tiles,
+            self.down.type,
+            self.intermediate,
         )
         return out, carried
 

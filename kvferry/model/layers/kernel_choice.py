@@ -27,16 +27,16 @@ from kvferry.model.layers.prefill_kernel import fast_path, fp32_lanes, prefill_k
 
 def kernel_sources(quantization: WeightQuantization, dtype: torch.dtype) -> list[Path]:
     """The C++ sources a CPU model computing in `dtype` under `quantization` loads
-    (cpu_kernels.build_ahead): attention always, the float32 tiles for a float32 model's
-    linears, the int4 tiles where the CPU has AVX-512 BF16 (nothing else runs them), the
-    GGUF block kernel and the fused decode layer under gguf."""
+    (cpu_kernels.build_ahead): attention always, the float32 tiles and the fused decode
+    layer for a float32 model (a GGUF one computes in float32 too), the int4 tiles where
+    the CPU has AVX-512 BF16 (nothing else runs them), the GGUF block kernel under gguf."""
     sources = [decode_kernel.SOURCE, prefill_kernel.SOURCE]
     if dtype == torch.float32:
-        sources.append(float32_kernel.SOURCE)
+        sources += [float32_kernel.SOURCE, fused_decode.SOURCE]
     if quantization is WeightQuantization.INT4 and "avx512_bf16" in read_cpu_features().flags:
         sources.append(int4_kernel.SOURCE)
     if quantization is WeightQuantization.GGUF:
-        sources += [gguf_kernel.SOURCE, fused_decode.SOURCE]
+        sources.append(gguf_kernel.SOURCE)
     return sources
 
 

@@ -78,9 +78,9 @@ def load_model(
     if quantization is WeightQuantization.GGUF and model_config.gguf_file is not None:
         kept = kept_gguf_blocks(model_config.gguf_file, model, tp.size)
     pack_linear_weights(model, quantization, kept)
-    if quantization is WeightQuantization.GGUF and torch.device(device).type == "cpu":
+    if torch.device(device).type == "cpu":
         fused = model.fuse_decode_layers()
-        logger.info("%d decoder layers decode in one operator call (fused GGUF layer)", fused)
+        logger.info("%d decoder layers decode in one operator call (fused layer)", fused)
     set_mla_forms(model, model_config.mla_forms)
     threads = torch.get_num_threads()
     if (

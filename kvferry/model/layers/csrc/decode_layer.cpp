@@ -1,13 +1,15 @@
 // One Llama-family decoder layer for a decode step, in one operator call: the residual add
 // and RMSNorm, the fused q/k/v projection, rotate-half rope, the KV write, paged decode
 // attention, the output projection, the second residual add and RMSNorm, the gated SiLU MLP.
-// Built and loaded at run time by kvferry/model/layers/fused_decode.py (--quantization gguf).
+// Built and loaded at run time by kvferry/model/layers/fused_decode.py (float32 models, and
+// --quantization gguf).
 //
 // A batch-1 decode step of a small model spends as long between its matmuls as in them when
 // each of a layer's ~20 operators is dispatched from Python one after another; here the
 // elementwise work is plain loops over a few rows, and the projections and the attention are
-// the kernel library's own operators (kvferry_cpu::gguf_matmul, write_kv, paged_decode),
-// called through the dispatcher: their arithmetic is the one the unfused layer runs.
+// the kernel library's own operators (kvferry_cpu::float32_matmul or gguf_matmul, write_kv,
+// paged_decode), called through the dispatcher: their arithmetic is the one the unfused
+// layer runs.
 //
 // Every row is computed on its own (norms, rope and activation per row; the matmul and
 // attention kernels are batch-invariant), so a row's result does not depend on the rows
@@ -26,41 +28,59 @@
 namespace {
 
 using GGUFMatmul = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, bool);
+using Float32Matmul = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t, bool);
 using WriteKV = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
                      int64_t, int64_t, int64_t);
 using PagedDecode = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                          const at::Tensor&, at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                          int64_t, double);
 
-// The kernel library's operators this one calls (their libraries are loaded first, by
-// fused_decode.py); looked up on first use.
-struct KernelOps {
-  c10::TypedOperatorHandle<GGUFMatmul> gguf_matmul;
-  c10::TypedOperatorHandle<WriteKV> write_kv;
-  c10::TypedOperatorHandle<PagedDecode> paged_decode;
-};
+// The kernel library's operator `name`, looked up on first use (its library is loaded
+// first, by fused_decode.py: a float32 model's layers never load the GGUF kernel, nor a
+// GGUF model's the float32 one).
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> kernel_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
 
-const KernelOps& kernel_ops() {
-  static const KernelOps ops{
-      c10::Dispatcher::singleton().findSchemaOrThrow("kvferry_cpu::gguf_matmul", "").typed<GGUFMatmul>(),
-      c10::Dispatcher::singleton().findSchemaOrThrow("kvferry_cpu::write_kv", "").typed<WriteKV>(),
-      c10::Dispatcher::singleton().findSchemaOrThrow("kvferry_cpu::paged_decode", "").typed<PagedDecode>(),
-  };
-  return ops;
+const c10::TypedOperatorHandle<GGUFMatmul>& gguf_matmul_op() {
+  static const auto op = kernel_op<GGUFMatmul>("kvferry_cpu::gguf_matmul");
+  return op;
+}
+
+const c10::TypedOperatorHandle<Float32Matmul>& float32_matmul_op() {
+  static const auto op = kernel_op<Float32Matmul>("kvferry_cpu::float32_matmul");
+  return op;
+}
+
+const c10::TypedOperatorHandle<WriteKV>& write_kv_op() {
+  static const auto op = kernel_op<WriteKV>("kvferry_cpu::write_kv");
+  return op;
+}
+
+const c10::TypedOperatorHandle<PagedDecode>& paged_decode_op() {
+  static const auto op = kernel_op<PagedDecode>("kvferry_cpu::paged_decode");
+  return op;
 }
 
 // Rows a thread takes at least in the elementwise loops: a decode step's few rows stay on
 // one thread, a prefill chunk's are split. Each row is computed alike on any thread.
 constexpr int64_t kRowGrain = 16;
 
-// A weight as the kernel's tiles of GGUF blocks (gguf_pack), its block type and outputs.
+// The `type` of a weight held as float32 tiles (float32_kernel.tile): GGML's type id of F32.
+constexpr int64_t kFloat32Tiles = 0;
+
+// A weight as a kernel's tiles: float32 ones (type kFloat32Tiles), or GGUF blocks (gguf_pack,
+// type: the block type); and its outputs.
 struct Blocks {
   const at::Tensor& tiles;
   int64_t type, features;
 };
 
 at::Tensor project(const at::Tensor& rows, const Blocks& weight, const std::optional<at::Tensor>& bias) {
-  at::Tensor out = kernel_ops().gguf_matmul.call(rows, weight.tiles, weight.type, weight.features, false);
+  if (weight.type == kFloat32Tiles)  // the bias added as the unfused float32 linear adds it
+    return float32_matmul_op().call(rows, weight.tiles, bias, weight.features, false);
+  at::Tensor out = gguf_matmul_op().call(rows, weight.tiles, weight.type, weight.features, false);
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == out.size(1),
                 "decode_layer: a float32 bias per output");
@@ -156,12 +176,12 @@ at::Tensor attend(const at::Tensor& qkv, int64_t heads, int64_t kv_heads, int64_
               "decode_layer: a float32 cache of the layer's KV heads and head size");
   const at::Tensor k = qkv.narrow(1, heads * dim, kv_heads * dim).view({rows, kv_heads, dim});
   const at::Tensor v = qkv.narrow(1, (heads + kv_heads) * dim, kv_heads * dim).view({rows, kv_heads, dim});
-  kernel_ops().write_kv.call(cache, k, v, slots, g.block_size, g.block_stride, g.token_stride, g.head_stride,
+  write_kv_op().call(cache, k, v, slots, g.block_size, g.block_stride, g.token_stride, g.head_stride,
                              g.kv_stride);
   const at::Tensor q = qkv.narrow(1, 0, heads * dim).contiguous().view({rows, heads, dim});
   at::Tensor out = at::empty({rows, heads, dim}, qkv.options());
   const at::Tensor starts = start_pos.has_value() ? *start_pos : at::zeros_like(seq_lens);
-  kernel_ops().paged_decode.call(q, cache, table.contiguous(), seq_lens, starts, out, kv_heads, g.block_size, g.block_stride,
+  paged_decode_op().call(q, cache, table.contiguous(), seq_lens, starts, out, kv_heads, g.block_size, g.block_stride,
                                  g.token_stride, g.head_stride, g.kv_stride, window, scale);
   return out.view({rows, heads * dim});
 }
@@ -241,21 +261,21 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
 
 TORCH_LIBRARY_FRAGMENT(kvferry_cpu, m) {
   m.def(
-      "gguf_decode_layer(Tensor hidden, Tensor? residual, Tensor input_norm, Tensor post_norm, float eps, "
+      "decode_layer(Tensor hidden, Tensor? residual, Tensor input_norm, Tensor post_norm, float eps, "
       "Tensor qkv, int qkv_type, Tensor? qkv_bias, Tensor o, int o_type, Tensor? o_bias, Tensor gate_up, "
       "int gate_up_type, Tensor down, int down_type, Tensor cos, Tensor sin, Tensor(a!) cache, bool hnd, "
       "Tensor slots, Tensor table, Tensor seq_lens, Tensor? start_pos, int heads, int kv_heads, int head_dim, "
       "int intermediate, int window, float scale) -> (Tensor, Tensor)");
   m.def(
-      "gguf_layer_head(Tensor hidden, Tensor? residual, Tensor input_norm, float eps, Tensor qkv, int qkv_type, "
+      "layer_head(Tensor hidden, Tensor? residual, Tensor input_norm, float eps, Tensor qkv, int qkv_type, "
       "Tensor? qkv_bias, Tensor cos, Tensor sin, int heads, int kv_heads, int head_dim) -> (Tensor, Tensor)");
   m.def(
-      "gguf_layer_tail(Tensor attended, Tensor(a!) residual, Tensor post_norm, float eps, Tensor o, int o_type, "
+      "layer_tail(Tensor attended, Tensor(a!) residual, Tensor post_norm, float eps, Tensor o, int o_type, "
       "Tensor? o_bias, Tensor gate_up, int gate_up_type, Tensor down, int down_type, int intermediate) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvferry_cpu, CPU, m) {
-  m.impl("gguf_decode_layer", &decode_layer);
-  m.impl("gguf_layer_head", &layer_head);
-  m.impl("gguf_layer_tail", &layer_tail_op);
+  m.impl("decode_layer", &decode_layer);
+  m.impl("layer_head", &layer_head);
+  m.impl("layer_tail", &layer_tail_op);
 }
