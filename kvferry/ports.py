@@ -63,6 +63,11 @@ class PortPicker:
         self.issued.add(port)
         return port
 
+    def reserve(self, port: int) -> None:
+        """`port` is this process's to bind later (a port given on its command line): never
+        handed out, though it is bindable until then."""
+        self.issued.add(port)
+
     def start_anew_after_fork(self) -> None:
         """A forked child picks from a random sequence of its own (the parent's would give it
         the parent's next ports, and every sibling forked from the same point the same ones);
@@ -78,3 +83,8 @@ os.register_at_fork(after_in_child=PORTS.start_anew_after_fork)
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nothing listens on now, that no outgoing connection will take before it is bound."""
     return PORTS.pick(host)
+
+
+def reserve_port(port: int) -> None:
+    """Keep `free_port` from handing out `port`, which this process binds later."""
+    PORTS.reserve(port)

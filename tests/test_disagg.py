@@ -20,9 +20,11 @@ from pathlib import Path
 import openai
 import pytest
 
+from kvferry import ports
 from kvferry.engine.llm import LLM
 from kvferry.entrypoints import disagg
 from kvferry.errors import ConfigError
+from kvferry.ports import PortPicker
 from kvferry.sampling_params import SamplingParams
 from tests import plain_http
 from tests.proxy_fakes import free_port, start_cli
@@ -42,6 +44,19 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     disagg.add_args(parser)
     return parser.parse_args(argv)
+
+
+def test_the_proxys_port_is_never_an_instances(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The proxy binds --port only once the instances are up: the ports they are given are
+    chosen around it (a soak once had its decoder take the proxy's port)."""
+    picker = PortPicker(seed=3)
+    taken = PortPicker(seed=3).pick()  # the port the picker would hand out first
+    monkeypatch.setattr(ports, "PORTS", picker)
+    args = _parse(["m", "--port", str(taken), "--prefill", "2", "--decode", "2"])
+    disagg._check_args(args)
+    instances = disagg.plan_instances(args, {}, Path("/tmp"))
+    assert all(not child.url.endswith(f":{taken}") for child in instances)
+    assert all(child.side_channel_port != taken for child in instances)
 
 
 def test_engine_options_pass_through_and_roles_get_their_connector() -> None:

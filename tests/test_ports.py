@@ -25,6 +25,13 @@ def test_a_port_something_listens_on_is_skipped() -> None:
         assert PortPicker(seed=7).pick() != first
 
 
+def test_a_reserved_port_is_never_handed_out_though_it_is_bindable() -> None:
+    first = PortPicker(seed=7).pick()
+    picker = PortPicker(seed=7)
+    picker.reserve(first)
+    assert first not in [picker.pick() for _ in range(50)]
+
+
 def test_the_range_is_read_from_the_kernel(tmp_path: Path) -> None:
     range_file = tmp_path / "ip_local_port_range"
     range_file.write_text("20000\t60999\n")

@@ -49,7 +49,7 @@ from kvferry.entrypoints.proxy.config import DEFAULT_LOAD_TOKENS, POLICIES
 from kvferry.entrypoints.proxy_secret import PROXY_SECRET_ENV
 from kvferry.errors import ConfigError, KVFerryError
 from kvferry.json_flags import json_object, parse_json_flag
-from kvferry.ports import bindable, free_port
+from kvferry.ports import bindable, free_port, reserve_port
 from kvferry.worker.cpu_placement import available_cores, format_core_list
 
 logger = logging.getLogger(__name__)
@@ -524,6 +524,7 @@ def _check_args(args: argparse.Namespace) -> None:
     restart_policy(args)  # its ConfigError before anything starts
     if not bindable(args.host if args.host else "0.0.0.0", args.port):
         raise ConfigError(f"the proxy's port {args.port} on {args.host} is in use (--port)")
+    reserve_port(args.port)  # bound only once the instances are up: none of them may take it
 
 
 def _install_signal_handlers(stop: threading.Event) -> None:

@@ -90,6 +90,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--max-isa",
         type=IsaCap,
         choices=list(IsaCap),
+        metavar="{" + ",".join(cap.value for cap in IsaCap) + "}",
         default=None,
         help="hold kvferry ($KVFERRY_MAX_ISA, with torch's and oneDNN's dispatch) and llama.cpp "
         "(built for the level, in a venv of its own) to this instruction-set level: on an "
