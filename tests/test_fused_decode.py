@@ -21,12 +21,14 @@ import torch._dynamo.utils as dynamo_utils
 from kvferry.engine.llm import LLM
 from kvferry.kv.spec import Layout
 from kvferry.model.forward_context import HookPlacement
-from kvferry.model.layers.fused_decode import FusedDecodeLayer, fused_decode_available
+from kvferry.model.layers.float32_kernel import tile
+from kvferry.model.layers.fused_decode import SOURCE, FusedDecodeLayer, fused_decode_available
 from kvferry.model.loader import load_model
 from kvferry.model.resolve import resolve_model_config
 from kvferry.sampling_params import SamplingParams
 from kvferry.worker.capture import FUSED_LAYERS_STAY_EAGER
 from kvferry_bench.hf_reference import load_hf_reference
+from tests.avx2_build import outputs_of_the_avx2_build
 from tests.engine_helpers import assert_pool_full
 from tests.fixtures.paged import Chunk, PagedDriver
 from tests.fixtures.tiny_gguf import write_tiny_gguf
@@ -271,3 +273,43 @@ def test_a_decode_sharing_a_step_with_a_prefill_gets_the_bits_of_a_decode_step(
     beside_a_prefill = decoded(mixed, token, [Chunk("b", PROMPTS["b"])])
     assert fused_calls.count == layers  # the mixed step: in parts
     assert torch.equal(pure, beside_a_prefill)
+
+
+_AVX2_TAIL = """
+import sys, torch
+from kvferry.model.layers.float32_kernel import float32_kernel_available
+assert float32_kernel_available()  # the matmul the layer calls (its builds agree: test_float32_kernel)
+torch.ops.load_library(sys.argv[1])
+cases = torch.load(sys.argv[2])
+outs = []
+for attended, residual, norm, o, gate_up, down, intermediate in cases:
+    outs.append(torch.ops.kvferry_cpu.layer_tail(attended, residual.clone(), norm, 1e-5, o, 0, None, gate_up, 0,
+                                                 down, 0, intermediate))
+torch.save(outs, sys.argv[3])
+"""
+
+
+@pytest.mark.slow  # builds the AVX2 library (~15 s)
+def test_the_avx2_build_of_the_layer_tail_computes_this_machines_bits(tmp_path: Path) -> None:
+    """The code after the attention (output projection, residual add and norm, SiLU x up,
+    down projection) of the AVX2 build equals this machine's, bit for bit: MLP widths of 40
+    (16-lane vectors and a scalar tail on AVX-512, 8-lane ones on AVX2) and 64, gates far
+    into both tails of the sigmoid."""
+    gen = torch.Generator().manual_seed(2)
+    cases, ours = [], []
+    for intermediate in (40, 64):
+        hidden = 32
+        weights = [torch.randn(rows, cols, generator=gen) * scale for rows, cols, scale in
+                   ((hidden, hidden, 0.2), (2 * intermediate, hidden, 3.0), (hidden, intermediate, 0.2))]  # fmt: skip
+        o, gate_up, down = (tile(weight) for weight in weights)
+        attended, residual = torch.randn(5, hidden, generator=gen), torch.randn(5, hidden, generator=gen)
+        norm = torch.rand(hidden, generator=gen) + 0.5
+        cases.append((attended, residual, norm, o, gate_up, down, intermediate))
+        ours.append(
+            torch.ops.kvferry_cpu.layer_tail(
+                attended, residual.clone(), norm, 1e-5, o, 0, None, gate_up, 0, down, 0, intermediate
+            )  # fmt: skip
+        )
+    theirs = outputs_of_the_avx2_build(SOURCE, _AVX2_TAIL, cases, tmp_path)
+    for mine, avx2 in zip(ours, theirs, strict=True):
+        assert torch.equal(mine, avx2)
