@@ -15,7 +15,10 @@
 // attention kernels are batch-invariant), so a row's result does not depend on the rows
 // beside it (speculative decoding's verification rows, kvferry/spec_decode). The norms sum
 // their squares in double: the same result whatever vector width a build uses.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros_like.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>

@@ -15,7 +15,8 @@
 //
 // Layout (made by float32_kernel.tile): `tiles` float [t, in, 16] with t a multiple of 2;
 // element (i, k, r) is W[16 i + r][k], zero for features past the weight's last.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

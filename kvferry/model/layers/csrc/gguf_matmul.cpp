@@ -33,7 +33,9 @@
 // rows are taken in turns of up to kMaxRows per tile. A row's result does not depend on the
 // rows beside it: batch-invariant, as speculative decoding's exactness needs
 // (kvferry/spec_decode).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>

@@ -16,7 +16,8 @@
 //
 // Without AVX-512 BF16 at build time the operator reports itself unsupported and the
 // Python side keeps torch's own int4 kernel.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -18,7 +18,7 @@
 // an online-softmax update, then the tile's values weighted into fp32 sums. Where the
 // compiler targets AVX-512 the tiles use its intrinsics (bf16 dot products with
 // AVX512_BF16); elsewhere portable loops compute the same.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

@@ -19,7 +19,7 @@
 // context - 1 (cache: K at `cache`, V at + kv_stride, position p at table[p / block_size]
 // * block_stride + p % block_size * token_stride + head * head_stride), then its own k/v.
 // Several spans only without context (a batch of same-length fresh prompts).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
