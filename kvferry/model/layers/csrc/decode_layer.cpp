@@ -179,13 +179,12 @@ at::Tensor attend(const at::Tensor& qkv, int64_t heads, int64_t kv_heads, int64_
               "decode_layer: a float32 cache of the layer's KV heads and head size");
   const at::Tensor k = qkv.narrow(1, heads * dim, kv_heads * dim).view({rows, kv_heads, dim});
   const at::Tensor v = qkv.narrow(1, (heads + kv_heads) * dim, kv_heads * dim).view({rows, kv_heads, dim});
-  write_kv_op().call(cache, k, v, slots, g.block_size, g.block_stride, g.token_stride, g.head_stride,
-                             g.kv_stride);
+  write_kv_op().call(cache, k, v, slots, g.block_size, g.block_stride, g.token_stride, g.head_stride, g.kv_stride);
   const at::Tensor q = qkv.narrow(1, 0, heads * dim).contiguous().view({rows, heads, dim});
   at::Tensor out = at::empty({rows, heads, dim}, qkv.options());
   const at::Tensor starts = start_pos.has_value() ? *start_pos : at::zeros_like(seq_lens);
-  paged_decode_op().call(q, cache, table.contiguous(), seq_lens, starts, out, kv_heads, g.block_size, g.block_stride,
-                                 g.token_stride, g.head_stride, g.kv_stride, window, scale);
+  paged_decode_op().call(q, cache, table.contiguous(), seq_lens, starts, out, kv_heads, g.block_size,
+                         g.block_stride, g.token_stride, g.head_stride, g.kv_stride, window, scale);
   return out.view({rows, heads * dim});
 }
 
