@@ -14,7 +14,7 @@ from kvferry.config import CaptureMode, EngineOptions
 from kvferry.engine import capture_choice
 from kvferry.engine.capture_cache import CaptureCache, capture_cache_key
 from kvferry.engine.options import engine_config
-from kvferry.engine.startup_report import StartupPhase
+from kvferry.engine.startup_report import StartupClock, StartupPhase
 from kvferry.sampling_params import SamplingParams
 from kvferry.worker.capture import CaptureDecision, CaptureStats, StepTiming
 from tests.engine_helpers import PROMPT_TEXTS, assert_pool_full, engine_config_of, make_llm, tokenize_all
@@ -127,3 +127,17 @@ def test_the_first_start_measures_and_the_next_follows_its_decision(
     compiled_graphs = _graphs_compiled() - before
     assert (compiled_graphs > 0) is decision.compiled
     assert (_stats(second).compiled_steps > 0) is decision.compiled
+
+
+def test_the_answer_time_is_read_on_the_start_up_clock() -> None:
+    """An answer a few milliseconds after start-up is never timed before start-up ended: the
+    kernel's record of the process start counts whole ticks, so the answer time continues the
+    start-up total on the same clock instead of reading that record again."""
+    clock = StartupClock(before_engine_s=1.0)
+    for phase in list(StartupPhase)[1:]:
+        clock.lap(phase)
+    report = clock.report(compile_s=0.0, decision="eager")
+    first, second = report.process_age_s(), report.process_age_s()
+    assert first is not None and second is not None
+    assert report.total_s <= first <= second < report.total_s + 1.0
+    assert StartupClock(before_engine_s=None).report(0.0, "eager").process_age_s() is None

@@ -54,7 +54,7 @@ class StartupClock:
         self._last = now
 
     def report(self, compile_s: float, decision: str) -> StartupReport:
-        return StartupReport(self.before_engine_s, tuple(self.laps), compile_s, decision)
+        return StartupReport(self.before_engine_s, tuple(self.laps), compile_s, decision, self._last)
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,7 @@ class StartupReport:
     phases: tuple[tuple[StartupPhase, float], ...]
     compile_s: float  # of warm-up and the capture decision: compiling the decode program
     decision: str  # the captured forward's, as its log line says it
+    ended_at: float  # time.perf_counter() when the last phase ended
 
     @property
     def engine_s(self) -> float:
@@ -73,6 +74,14 @@ class StartupReport:
     @property
     def total_s(self) -> float:
         return self.engine_s + (self.before_engine_s or 0.0)
+
+    def process_age_s(self) -> float | None:
+        """Seconds since the process began, now: the start-up total plus the time since it
+        ended, on one clock (the kernel's record counts whole ticks, too coarse to tell a
+        short answer from the end of start-up); None where the process start is unknown."""
+        if self.before_engine_s is None:
+            return None
+        return self.total_s + time.perf_counter() - self.ended_at
 
     def seconds(self) -> dict[str, float]:
         """Each phase's seconds by name (the compile apart), for benchmark results."""

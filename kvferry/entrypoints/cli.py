@@ -91,13 +91,11 @@ def refuse_a_model_read_as_the_prompt(args: argparse.Namespace) -> None:
 def write_startup_json(llm: LLM, path: str) -> None:
     """Where the start-up went and when the answer came, in seconds since the process began
     (kvferry bench startup reads it)."""
-    from kvferry.engine.startup_report import process_age_s
-
     report = llm.engine.startup
     doc = {
         "phases_s": report.seconds(),
         "startup_s": report.total_s,
-        "first_answer_s": process_age_s(),
+        "first_answer_s": report.process_age_s(),
         "capture": report.decision,
     }
     Path(path).write_text(json.dumps(doc, indent=1))
