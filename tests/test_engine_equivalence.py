@@ -1,6 +1,7 @@
 """Greedy outputs identical to HF transformers: batching, chunked prefill, prefix caching, preemption."""
 
 import pytest
+import torch
 
 from kvferry.sampling_params import SamplingParams
 from tests.engine_helpers import PROMPT_TEXTS, assert_pool_full, hf_greedy_each, make_llm, tokenize_all
@@ -81,4 +82,26 @@ def test_seeded_sampling_is_reproducible_across_runs_and_batches(tiny_llama):
         for _ in range(3)
     ]
     assert len({tuple(u) for u in unseeded}) > 1  # it really samples
+    assert_pool_full(llm)
+
+
+@pytest.mark.parametrize("tiny_model", LLAMA_FAST, indirect=True)
+def test_a_prompts_last_token_alone_after_a_cache_hit_gets_the_whole_prompts_bits(tiny_model):
+    """A prompt of whole blocks plus one token: its second pass finds every full block cached
+    and computes the last token alone (as a P/D decoder recomputes it). That token is still a
+    prompt token, computed by the prefill kernel as in the first pass, so its KV and its
+    logprobs keep their bits; computed as a decode row, they differed in the last bits (and
+    under GGUF's int8 activations, in the tokens that followed)."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(5, 200, (4 * blocks + 1,), generator=gen).tolist() for blocks in (2, 5, 9, 14)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
+    llm = make_llm(tiny_model, block_size=4)
+    for prompt in prompts:
+        first, second = (llm.generate([prompt], params)[0] for _ in range(2))
+        assert (first.num_cached_tokens, second.num_cached_tokens) == (0, len(prompt) - 1)
+        whole, cached = first.outputs[0], second.outputs[0]
+        assert cached.token_ids == whole.token_ids
+        assert [(lp.sampled, lp.top) for lp in cached.logprobs] == [
+            (lp.sampled, lp.top) for lp in whole.logprobs
+        ]
     assert_pool_full(llm)

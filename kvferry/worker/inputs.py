@@ -34,9 +34,16 @@ class _Span:
 
     @property
     def decodes(self) -> bool:
-        """Whether each row attends as a decode: one query token, or a token and its drafts
-        (each draft row sees the cache up to itself, as plain decoding's step would)."""
-        return self.length == 1 or bool(self.drafts)
+        """Whether each row attends as a decode: one generated token, or a token and its
+        drafts (each draft row sees the cache up to itself, as plain decoding's step would).
+
+        A prompt token attends as a prefill row even alone (the last one after a prefix-cache
+        hit of every full block before it, a P/D decoder's recompute of the prompt's last
+        token, a chunk of one): the decode and prefill kernels sum in different orders, and
+        a prompt token's KV must get the bits a whole-prompt prefill gives it, or the tokens
+        after it drift from a colocated engine's (under GGUF's int8 activations, visibly)."""
+        generated = self.start >= self.state.num_prompt_tokens
+        return bool(self.drafts) or (self.length == 1 and generated)
 
 
 def build_step_inputs(

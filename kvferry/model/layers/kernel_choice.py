@@ -69,10 +69,14 @@ def _prefill_kernel(dtype: torch.dtype, head_dims: set[int]) -> str:
     lanes = "AVX-512 BF16" if dtype == torch.bfloat16 else fp32_lanes()
     tiles = f"kvferry {_DTYPE_WORDS[dtype]} tiles ({lanes})"
     slow = sorted(dim for dim in head_dims if not fast_path(dtype, dim))
+    # head sizes without a microkernel: float32 keeps the kernel's portable tiles (prefill_kernel.takes_prefill)
+    other = "kvferry portable float32 tiles" if dtype == torch.float32 else "torch SDPA"
     if len(slow) == len(head_dims):
-        return f"torch SDPA (no {_DTYPE_WORDS[dtype]} microkernel in this build, or head sizes not multiples of 32)"
+        return (
+            f"{other} (no {_DTYPE_WORDS[dtype]} microkernel in this build, or head sizes not multiples of 32)"
+        )
     if slow:
-        return f"{tiles}, torch SDPA for head size {slow}"
+        return f"{tiles}, {other} for head size {slow}"
     return tiles
 
 

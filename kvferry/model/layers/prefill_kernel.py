@@ -97,15 +97,19 @@ def fresh_prefill(
 
 
 def takes_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the kernel serves this prefill: bf16 or fp32 on CPU where a microkernel of
-    this dtype and head width was built (elsewhere torch's SDPA is as fast as the portable
-    tiles). A span with cached context also needs a cache of q's dtype."""
+    """Whether the kernel serves this prefill: float32 on CPU always (its microkernel, else
+    its portable tiles), bf16 where a bf16 microkernel of this head width was built
+    (elsewhere torch's SDPA is as fast as the portable tiles). float32 stays on the kernel
+    for what it guarantees: a query row's bits do not depend on how its prompt was split
+    into chunks or cached (each row folds the same key tiles in the same order), which
+    SDPA's shape-dependent kernels do not promise. A span with cached context also needs a
+    cache of q's dtype."""
     return (
         q.device.type == "cpu"
         and q.dtype == k.dtype == v.dtype
         and q.dtype in (torch.bfloat16, torch.float32)
         and prefill_kernel_available()
-        and fast_path(q.dtype, q.shape[-1])
+        and (q.dtype == torch.float32 or fast_path(q.dtype, q.shape[-1]))
     )
 
 
