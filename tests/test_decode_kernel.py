@@ -84,12 +84,11 @@ def test_the_kernel_equals_the_sdpa_path(layout, dtype, tolerance, window, store
     _assert_kernel_equals_sdpa(q, cache, attn, layout, window, tolerance)
 
 
-# The kernel's work plan (csrc/paged_decode.cpp): with 2 threads and fewer than 16
-# (sequence, KV head) pairs, each sequence's keys are split into spans of 128 or more keys
-# whose partial softmaxes are merged; with 1 thread, 16 sequences or more per thread, or
-# under 1,024 key rows (keys x KV heads) in all, one item per sequence covers all its KV
-# heads.
-LONG = [1100]  # one long decode: 3 KV heads on 2 threads, its keys split into 6 spans
+# The kernel's work plan (csrc/paged_decode.cpp): every sequence's keys in spans of 256
+# (the last shorter) whose partial softmaxes are merged, whatever the batch and threads;
+# a sequence of one span is one item covering all its KV heads with 1 thread or 16
+# sequences or more per thread, else one item per KV head.
+LONG = [1100]  # one long decode: its keys in 5 spans, 3 KV heads on 2 threads
 MIXED = [1, 130, 300, 1029]  # short ones unsplit, long ones split unevenly (tiles of 64 and a tail)
 
 
@@ -120,6 +119,30 @@ def test_group_shapes_and_few_work_items(threads, kv_heads, heads, dim) -> None:
         Layout.NHD, torch.float32, 0, dim, seq_lens=[700], kv_heads=kv_heads, heads=heads, dim=dim
     )
     _assert_kernel_equals_sdpa(q, cache, attn, Layout.NHD, 0, 2e-6)
+
+
+@pytest.mark.parametrize("threads", [2], indirect=True)
+@pytest.mark.parametrize("layout", [Layout.NHD, Layout.HND])
+@pytest.mark.parametrize("window", [0, 333])
+def test_a_decode_gets_the_same_bits_alone_and_in_any_batch(threads, layout, window) -> None:
+    """Batch invariance: a decode's output does not depend on the decodes beside it nor on
+    the threads (the work plan once split long sequences by the batch's size: a long decode
+    alone got other bits than in a batch of 40)."""
+    lens = [1100, 257, 300, 40] + [(37 * i) % 900 + 1 for i in range(36)]
+    q, cache, attn = _case(layout, torch.float32, window, 32, seq_lens=lens)
+    scale = 0.17
+
+    def decode(rows: list[int]) -> torch.Tensor:
+        table, seq_lens = attn.decode_block_table[rows], attn.decode_seq_lens[rows]
+        start = None if attn.decode_start_pos is None else attn.decode_start_pos[rows]
+        return decode_kernel.paged_decode(q[rows], cache, layout, table, seq_lens, start, window, scale)
+
+    batch = decode(list(range(len(lens))))
+    for row in range(4):
+        assert torch.equal(decode([row]), batch[row : row + 1])
+        assert torch.equal(decode([row, 5, 6]), batch[[row, 5, 6]])
+    torch.set_num_threads(1)
+    assert torch.equal(decode(list(range(len(lens)))), batch)
 
 
 @pytest.mark.parametrize("threads", [2], indirect=True)

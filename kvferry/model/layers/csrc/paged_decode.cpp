@@ -8,12 +8,15 @@
 // start_pos int64 [B] (position of each table's first key); window 0: full attention,
 // else a key at most window - 1 positions before the query. out [B, heads, D].
 //
-// Work is shared out as items that threads take one after another as they finish: one per
-// sequence (all its KV heads: each tile of its blocks read in one sweep) when there are
-// sequences enough for every thread, else one per (sequence, KV head); when even those are
-// too few to keep every thread busy (small batches), each sequence's keys are split into
-// spans computed in parallel, whose partial softmaxes (max, sum, weighted values) are
-// merged at the end (flash-decoding). A call with little work stays on the calling thread.
+// A sequence's keys are cut into spans of kSpanKeys (the last shorter), computed apart,
+// whose partial softmaxes (max, sum, weighted values) are merged at the end in span order
+// (flash-decoding). The cut depends on the number of keys alone, never on the batch or the
+// threads, so a decode row gets the same bits alone and beside any others (batch
+// invariance: P/D's byte identity and speculative decoding's exactness rest on it). Work
+// is shared out as items that threads take one after another as they finish: a span of
+// one (sequence, KV head); a sequence of a single span is one item with all its KV heads
+// (each tile of its blocks read in one sweep) when there are sequences enough for every
+// thread, else one per KV head. A call with little work stays on the calling thread.
 // An item visits its keys in tiles: the scores of all its group's query heads over a tile,
 // an online-softmax update, then the tile's values weighted into fp32 sums. Where the
 // compiler targets AVX-512 the tiles use its intrinsics (bf16 dot products with
@@ -39,8 +42,8 @@ using kvferry_vec::max_of;
 
 constexpr int64_t kTileKeys = 64;           // keys scored, then summed, together: their rows stay in L1
 constexpr int kMaxPassHeads = 8;            // query heads one pass over the keys serves (kept in registers)
-constexpr int64_t kItemsPerThread = 8;      // fewer (sequence, KV head) pairs per thread: split the keys
-constexpr int64_t kMinSpanKeys = 128;       // ... but into spans of at least this many keys
+constexpr int64_t kItemsPerThread = 8;      // sequences per thread for an item to take all KV heads
+constexpr int64_t kSpanKeys = 256;          // a sequence's keys in spans of this many, whatever the batch
 constexpr int64_t kMinParallelWork = 1024;  // fewer key rows (keys x KV heads) in a call: one thread
 constexpr int64_t kRowPad = 32;             // scratch rows padded to whole vectors (32 bf16, 2 x 16 fp32)
 
@@ -435,12 +438,8 @@ KeySpan visible_keys(int64_t seq_len, int64_t first_pos, int64_t width, const Ge
   return KeySpan{low - first_pos, query_pos - low + 1};
 }
 
-// How many spans to cut each sequence's keys into: 1 when the (sequence, KV head) pairs
-// already give every thread several items, else enough for kItemsPerThread per thread.
-int64_t wanted_spans(int64_t pairs, int64_t threads) {
-  if (pairs >= kItemsPerThread * threads) return 1;
-  return (kItemsPerThread * threads + pairs - 1) / pairs;
-}
+// How many spans a sequence's keys are cut into: fixed by their count alone.
+int64_t spans_of(const KeySpan& keys) { return (keys.count + kSpanKeys - 1) / kSpanKeys; }
 
 // A (sequence, KV head) whose keys were split: its `spans` partials from `first_slot` on.
 struct SplitPair {
@@ -453,28 +452,28 @@ struct Plan {
   int64_t slots = 0;
 };
 
-// One item per sequence when there are sequences enough for every thread (or one thread);
-// else one per (sequence, KV head), its keys split into spans when even those are few.
+// Each sequence's spans as items (see the top of the file); one item per sequence of one
+// span when there are sequences enough for every thread (or one thread).
 Plan plan_items(const std::vector<KeySpan>& visible, int64_t kv_heads, int64_t threads) {
   const int64_t batch = static_cast<int64_t>(visible.size());
+  const bool whole_sequences = threads <= 1 || batch >= kItemsPerThread * threads;
   Plan plan;
-  if (threads <= 1 || batch >= kItemsPerThread * threads) {
-    for (int64_t b = 0; b < batch; ++b) plan.items.push_back({b, 0, kv_heads, visible[b], -1});
-  } else {
-    const int64_t wanted = wanted_spans(batch * kv_heads, threads);
-    for (int64_t b = 0; b < batch; ++b) {
-      const KeySpan keys = visible[b];
-      const int64_t spans = std::max<int64_t>(1, std::min(wanted, keys.count / kMinSpanKeys));
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        if (spans == 1) {
-          plan.items.push_back({b, h, 1, keys, -1});
-          continue;
-        }
-        plan.splits.push_back({b, h, plan.slots, spans});
-        for (int64_t s = 0; s < spans; ++s) {
-          const int64_t begin = keys.count * s / spans, end = keys.count * (s + 1) / spans;
-          plan.items.push_back({b, h, 1, KeySpan{keys.first + begin, end - begin}, plan.slots++});
-        }
+  for (int64_t b = 0; b < batch; ++b) {
+    const KeySpan keys = visible[b];
+    const int64_t spans = spans_of(keys);
+    if (spans == 1 && whole_sequences) {
+      plan.items.push_back({b, 0, kv_heads, keys, -1});
+      continue;
+    }
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      if (spans == 1) {
+        plan.items.push_back({b, h, 1, keys, -1});
+        continue;
+      }
+      plan.splits.push_back({b, h, plan.slots, spans});
+      for (int64_t s = 0; s < spans; ++s) {
+        const int64_t begin = s * kSpanKeys, end = std::min(keys.count, begin + kSpanKeys);
+        plan.items.push_back({b, h, 1, KeySpan{keys.first + begin, end - begin}, plan.slots++});
       }
     }
   }
