@@ -293,7 +293,8 @@ torch.save(outs, sys.argv[3])
 def test_the_avx2_build_of_the_layer_tail_computes_this_machines_bits(tmp_path: Path) -> None:
     """The code after the attention (output projection, residual add and norm, SiLU x up,
     down projection) of the AVX2 build equals this machine's, bit for bit: MLP widths of 40
-    and 64, gates far into both tails of the sigmoid."""
+    (16-lane vectors and a scalar tail on AVX-512, 8-lane ones on AVX2) and 64, gates far
+    into both tails of the sigmoid."""
     gen = torch.Generator().manual_seed(2)
     cases, ours = [], []
     for intermediate in (40, 64):

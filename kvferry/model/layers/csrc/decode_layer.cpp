@@ -23,10 +23,13 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <optional>
 #include <tuple>
+
+#include "cpu_vec.h"
 
 namespace {
 
@@ -141,6 +144,69 @@ void rotate(at::Tensor& x, int64_t first, int64_t heads, int64_t dim, const at::
   });
 }
 
+// silu(g) * up = g * sigmoid(g) * up, with sigmoid from e = e^-|g| (never overflows):
+// 1 / (1 + e) for g >= 0, e / (1 + e) below. e^x for x in [-87, 0]: 2^n e^r, n = round(x /
+// ln 2), r = x - n ln 2 (ln 2 in two parts), e^r by its Taylor series to r^7 (within 1e-8),
+// 2^n exact (the results stay normal: x is held at -87). The AVX-512, AVX2 and scalar
+// forms below do these operations alike, so every build gives every lane the same bits.
+constexpr float kLog2E = 1.44269504f, kLn2High = 0.693147182f, kLn2Low = -1.90465430e-9f, kExpFloor = -87.0f;
+constexpr float kExpTaylor[8] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+
+inline float silu_times(float g, float up) {
+  const float x = std::max(-std::fabs(g), kExpFloor);
+  const float n = std::nearbyint(x * kLog2E);
+  float r = std::fma(-n, kLn2High, x);
+  r = std::fma(-n, kLn2Low, r);
+  float p = kExpTaylor[0];
+  for (int i = 1; i < 8; ++i) p = std::fma(p, r, kExpTaylor[i]);
+  const float e = p * std::ldexp(1.0f, static_cast<int>(n));
+  const float sigmoid = (g >= 0.0f ? 1.0f : e) / (1.0f + e);
+  return g * sigmoid * up;
+}
+
+#if defined(KVFERRY_AVX512)
+inline __m512 silu_times(__m512 g, __m512 up) {
+  const __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)), _mm512_set1_ps(kExpFloor));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2E)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Low), r);
+  __m512 p = _mm512_set1_ps(kExpTaylor[0]);
+  for (int i = 1; i < 8; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpTaylor[i]));
+  const __m512 e = _mm512_scalef_ps(p, n);
+  const __mmask16 nonnegative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ);
+  const __m512 numerator = _mm512_mask_blend_ps(nonnegative, e, _mm512_set1_ps(1.0f));
+  const __m512 sigmoid = _mm512_div_ps(numerator, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+  return _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), up);
+}
+constexpr int64_t kSiluLanes = 16;
+using SiluVector = __m512;
+inline SiluVector silu_load(const float* at) { return _mm512_loadu_ps(at); }
+inline void silu_store(float* at, SiluVector v) { _mm512_storeu_ps(at, v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+inline __m256 silu_times(__m256 g, __m256 up) {
+  const __m256 magnitude = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), g);
+  const __m256 x = _mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), magnitude), _mm256_set1_ps(kExpFloor));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2High), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Low), r);
+  __m256 p = _mm256_set1_ps(kExpTaylor[0]);
+  for (int i = 1; i < 8; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpTaylor[i]));
+  const __m256i biased = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+  const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23)));
+  const __m256 nonnegative = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_GE_OQ);
+  const __m256 numerator = _mm256_blendv_ps(e, _mm256_set1_ps(1.0f), nonnegative);
+  const __m256 sigmoid = _mm256_div_ps(numerator, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+  return _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), up);
+}
+constexpr int64_t kSiluLanes = 8;
+using SiluVector = __m256;
+inline SiluVector silu_load(const float* at) { return _mm256_loadu_ps(at); }
+inline void silu_store(float* at, SiluVector v) { _mm256_storeu_ps(at, v); }
+#else
+constexpr int64_t kSiluLanes = 0;  // scalar only
+#endif
+
 // silu(gate) * up of a merged [rows, 2 * width] projection: [rows, width].
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
@@ -150,7 +216,13 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* gate = in + r * 2 * width;
-      for (int64_t i = 0; i < width; ++i) o[r * width + i] = gate[i] / (1.f + std::exp(-gate[i])) * gate[width + i];
+      float* row = o + r * width;
+      int64_t i = 0;
+#if defined(KVFERRY_AVX512) || (defined(__AVX2__) && defined(__FMA__))
+      for (; i + kSiluLanes <= width; i += kSiluLanes)
+        silu_store(row + i, silu_times(silu_load(gate + i), silu_load(gate + width + i)));
+#endif
+      for (; i < width; ++i) row[i] = silu_times(gate[i], gate[width + i]);
     }
   });
   return out;
