@@ -5,7 +5,7 @@ import torch
 
 from kvferry.sampling_params import SamplingParams
 from tests.engine_helpers import PROMPT_TEXTS, assert_pool_full, hf_greedy_each, make_llm, tokenize_all
-from tests.tiers import LLAMA_FAST
+from tests.tiers import LLAMA_FAST, first_fast
 
 MAX_NEW = 12
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
@@ -92,10 +92,23 @@ def test_a_prompts_last_token_alone_after_a_cache_hit_gets_the_whole_prompts_bit
     prompt token, computed by the prefill kernel as in the first pass, so its KV and its
     logprobs keep their bits; computed as a decode row, they differed in the last bits (and
     under GGUF's int8 activations, in the tokens that followed)."""
+    _assert_cache_hits_keep_the_bits(tiny_model, block_counts=(2, 5, 9, 14))
+
+
+@pytest.mark.parametrize("arch", first_fast(["mistral", "gemma3"]))
+def test_sliding_window_last_tokens_after_a_cache_hit_keep_their_bits(tiny_hybrid, arch):
+    """The same under sliding windows, where a chunk over cached context starts reading at
+    the first block its window sees: the prefill kernel's key tiles sit at absolute
+    positions, so the last token folds the tiles the whole prompt's row folds (tiles counted
+    from the chunk's first visible key differed: a 37-token prompt's last token changed)."""
+    _assert_cache_hits_keep_the_bits(tiny_hybrid(arch), block_counts=(2, 5, 9, 14, 30))
+
+
+def _assert_cache_hits_keep_the_bits(model_dir, block_counts: tuple[int, ...]) -> None:
     gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(5, 200, (4 * blocks + 1,), generator=gen).tolist() for blocks in (2, 5, 9, 14)]
+    prompts = [torch.randint(5, 200, (4 * blocks + 1,), generator=gen).tolist() for blocks in block_counts]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
-    llm = make_llm(tiny_model, block_size=4)
+    llm = make_llm(model_dir, block_size=4)
     for prompt in prompts:
         first, second = (llm.generate([prompt], params)[0] for _ in range(2))
         assert (first.num_cached_tokens, second.num_cached_tokens) == (0, len(prompt) - 1)

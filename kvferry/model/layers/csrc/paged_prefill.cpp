@@ -46,7 +46,12 @@ struct Problem {
   int64_t spans, length, context, start, window;
   int64_t heads, kv_heads, dim;
   float scale;
-  int64_t keys() const { return context - start + length; }  // per span, from `start`
+  // Key tiles start at absolute positions, multiples of kKeyTile (`origin`: the one at or
+  // before `start`; keys before `start` are never read, packed as zeros and masked): a
+  // query row then folds the same tiles whatever the span it is in (a whole prompt, a
+  // chunk over cached context, its last token alone), so it gets the same bits.
+  int64_t origin() const { return start - start % kKeyTile; }
+  int64_t keys() const { return context - origin() + length; }  // per span, from `origin()`
   int64_t key_tiles() const { return (keys() + kKeyTile - 1) / kKeyTile; }
   int64_t query_tiles() const { return (length + kQueryTile - 1) / kQueryTile; }
 };
@@ -61,7 +66,7 @@ struct KeyRows {
   int64_t fresh_token_stride[2], fresh_head_stride[2];  // of k and of v
 
   const scalar_t* row(const Problem& p, int64_t span, int which, int64_t j, int64_t head) const {
-    const int64_t pos = p.start + j;
+    const int64_t pos = p.origin() + j;
     if (pos >= p.context) {
       const int64_t token = span * p.length + pos - p.context;
       return fresh[which] + token * fresh_token_stride[which] + head * fresh_head_stride[which];
@@ -540,7 +545,9 @@ void pack_all(const Problem& p, const KeyRows<scalar_t>& source, typename Kernel
       const int64_t first = item % tiles * kKeyTile;
       for (int which = 0; which < 2; ++which) {
         for (int64_t c = 0; c < kKeyTile; ++c)
-          rows[c] = first + c < p.keys() ? source.row(p, span, which, first + c, head) : nullptr;
+          rows[c] = first + c < p.keys() && p.origin() + first + c >= p.start
+                        ? source.row(p, span, which, first + c, head)
+                        : nullptr;
         if (which == 0) Kernel::pack_keys(rows, p.dim, keys + item * size);
         else Kernel::pack_values(rows, p.dim, values + item * size);
       }
@@ -552,14 +559,14 @@ void pack_all(const Problem& p, const KeyRows<scalar_t>& source, typename Kernel
 std::pair<int64_t, int64_t> visible_tiles(const Problem& p, int64_t first_query) {
   const int64_t low_pos = p.context + first_query;
   const int64_t high_pos = p.context + std::min(first_query + kQueryTile, p.length) - 1;
-  const int64_t low_key = p.window > 0 ? std::max<int64_t>(0, low_pos - p.window + 1 - p.start) : 0;
-  return {low_key / kKeyTile, (high_pos - p.start) / kKeyTile};
+  const int64_t low_key = p.window > 0 ? std::max<int64_t>(0, low_pos - p.window + 1 - p.origin()) : 0;
+  return {low_key / kKeyTile, (high_pos - p.origin()) / kKeyTile};
 }
 
 // Whether every query row of the tile sees every key of the key tile.
 bool fully_visible(const Problem& p, int64_t first_query, int64_t first_key) {
   const int64_t low_pos = p.context + first_query, high_pos = low_pos + kQueryTile - 1;
-  const int64_t low_key = p.start + first_key, high_key = low_key + kKeyTile - 1;
+  const int64_t low_key = p.origin() + first_key, high_key = low_key + kKeyTile - 1;
   return high_key <= low_pos && (p.window == 0 || high_pos - low_key < p.window);
 }
 
@@ -580,7 +587,7 @@ void attend_tile(const Problem& p, const QueryRows<scalar_t>& q, const typename 
   const auto [first, last] = visible_tiles(p, first_query);
   for (int64_t t = first; t <= last; ++t) {
     const TileMask mask{!fully_visible(p, first_query, t * kKeyTile), p.context + first_query,
-                        p.start + t * kKeyTile, p.window};
+                        p.origin() + t * kKeyTile, p.window};
     Kernel::score_fold(queries, p.dim, keys + (packed_base + t) * size, mask, p.scale * kLog2e, state);
     Kernel::accumulate(state, p.dim, values + (packed_base + t) * size);
   }
