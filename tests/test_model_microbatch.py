@@ -43,6 +43,14 @@ def test_split_batch_cuts_at_request_boundaries() -> None:
     assert len(parts[1].ctx.attn) == 2
 
 
+def test_a_batch_holding_a_recomputed_request_stays_whole() -> None:
+    """A preempted request recomputed as decode rows and a prefill span (its generated rows
+    read the KV its prompt rows write this step): never cut, whatever the boundaries."""
+    attn = _metadata(10, [6, 20, 3])
+    attn.split_requests = True
+    assert [(p.start, p.stop) for p in MicroBatcher(2).split_batch(_ctx(attn), 39)] == [(0, 39)]
+
+
 def test_decodes_split_evenly_and_small_batches_stay_whole() -> None:
     parts = MicroBatcher(2).split_batch(_ctx(_metadata(64, [])), 64)
     assert [(p.start, p.stop, p.ctx.attn[0].num_decodes) for p in parts] == [(0, 32, 32), (32, 64, 32)]

@@ -49,6 +49,10 @@ class AttentionMetadata:
     # its drafts, kvferry.spec_decode: a later row reads the KV an earlier one writes, so a
     # batch is never cut between them); None: one row per request.
     decode_request_starts: tuple[int, ...] | None = None
+    # Whether a request's rows are both decode rows and a prefill span (a preempted request
+    # recomputed: its generated rows read the KV its prompt rows write this step), so the
+    # batch is never cut into parts (kvferry.model.microbatch).
+    split_requests: bool = False
     # The decode mask per (window, keys): built by the step's first layer of that window,
     # read by the others (kvferry.model.layers.attention). Lives and dies with the step.
     decode_masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)

@@ -94,7 +94,7 @@ class MicroBatcher:
         """Parts cut at request boundaries, each with its own attention metadata; one part
         (the whole batch) when it cannot or should not be split."""
         whole = [Part(0, num_tokens, ctx)]
-        if num_tokens < 2 * MIN_TOKENS_PER_PART:
+        if num_tokens < 2 * MIN_TOKENS_PER_PART or any(group.split_requests for group in ctx.attn):
             return whole
         cuts = _cuts(ctx.attn[0], num_tokens, self.num_threads)
         if len(cuts) < 3:

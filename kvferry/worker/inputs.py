@@ -12,12 +12,24 @@ from kvferry.model.forward_context import AttentionMetadata, PrefillSpan
 from kvferry.worker.request_state import RequestState
 
 
+@dataclass(frozen=True)
+class RowSpan:
+    """Rows [first_row, first_row + length) of a step hold a request's positions start ..
+    start + length - 1 (a request's scheduled tokens take one span, or two: see _split)."""
+
+    state: RequestState
+    first_row: int
+    start: int
+    length: int
+
+
 @dataclass
 class StepInputs:
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
     attn: tuple[AttentionMetadata, ...]  # per KV cache group
-    ordered: list[RequestState]  # requests in batch order (decodes first)
+    ordered: list[RequestState]  # requests in batch order (decodes first), each once
+    spans: list[RowSpan]  # where each request's rows are, in row order
     sample_rows: list[int]  # token index of each row sampled: a request's last token, its drafts
     sample_states: list[RequestState]  # per sampled row: its request
     # per sampled row: its position past the request's known tokens (j for a request's
@@ -34,16 +46,31 @@ class _Span:
 
     @property
     def decodes(self) -> bool:
-        """Whether each row attends as a decode: one generated token, or a token and its
-        drafts (each draft row sees the cache up to itself, as plain decoding's step would).
+        """Whether each row attends as a decode: generated tokens (one, or several recomputed
+        after a preemption), or a token and its drafts (each row sees the cache up to itself,
+        as plain decoding's step would).
 
-        A prompt token attends as a prefill row even alone (the last one after a prefix-cache
-        hit of every full block before it, a P/D decoder's recompute of the prompt's last
-        token, a chunk of one): the decode and prefill kernels sum in different orders, and
-        a prompt token's KV must get the bits a whole-prompt prefill gives it, or the tokens
-        after it drift from a colocated engine's (under GGUF's int8 activations, visibly)."""
-        generated = self.start >= self.state.num_prompt_tokens
-        return bool(self.drafts) or (self.length == 1 and generated)
+        A token is computed as it was first: a prompt token as a prefill row even alone (the
+        last one after a prefix-cache hit of every full block before it, a P/D decoder's
+        recompute of the prompt's last token, a chunk of one), a generated token as a decode
+        row even when recomputed. The decode and prefill kernels sum in different orders, and
+        a token's KV must keep its bits, or the tokens after it drift from an undisturbed
+        run's (under GGUF's int8 activations, visibly)."""
+        return bool(self.drafts) or self.start >= self.state.num_prompt_tokens
+
+
+def _split(span: _Span) -> list[_Span]:
+    """A span of prompt and generated tokens (a preempted request recomputed) as its prompt
+    rows and its generated rows (_Span.decodes). Kept whole where the request asks for
+    prompt logprobs (they read its rows in one run)."""
+    prompt_len = span.state.num_prompt_tokens
+    end = span.start + span.length
+    if span.drafts or not span.start < prompt_len < end or span.state.params.prompt_logprobs is not None:
+        return [span]
+    return [
+        _Span(span.state, span.start, prompt_len - span.start, []),
+        _Span(span.state, prompt_len, end - prompt_len, []),
+    ]
 
 
 def build_step_inputs(
@@ -56,9 +83,12 @@ def build_step_inputs(
     """`drafts`: per request, the draft tokens it verifies this step (kvferry.spec_decode)."""
     drafts = drafts or {}
     spans = [
-        _Span(s, s.num_computed_tokens, num_scheduled[s.req_id], drafts.get(s.req_id, [])) for s in states
+        part
+        for s in states
+        for part in _split(_Span(s, s.num_computed_tokens, num_scheduled[s.req_id], drafts.get(s.req_id, [])))
     ]
     spans.sort(key=lambda span: not span.decodes)  # decode rows first; stable
+    row_spans: list[RowSpan] = []
     token_ids: list[int] = []
     positions: list[np.ndarray] = []
     sample_rows: list[int] = []
@@ -66,6 +96,7 @@ def build_step_inputs(
     sample_offsets: list[int] = []
     for span in spans:
         end = span.start + span.length
+        row_spans.append(RowSpan(span.state, len(token_ids), span.start, span.length))
         token_ids.extend(span.state.token_ids[span.start : end])
         token_ids.extend(span.drafts)  # a drafted span: the request's last token, then these
         positions.append(np.arange(span.start, end, dtype=np.int64))
@@ -75,14 +106,17 @@ def build_step_inputs(
             sample_states.extend([span.state] * num_rows)
             sample_offsets.extend(range(num_rows))
     flat_positions = np.concatenate(positions) if positions else np.zeros(0, dtype=np.int64)
+    split = len(spans) > len(states)
     attn = tuple(
-        _group_metadata(spans, flat_positions, gid, kv_config, device) for gid in range(len(kv_config.groups))
+        _group_metadata(spans, flat_positions, gid, kv_config, device, split)
+        for gid in range(len(kv_config.groups))
     )
     return StepInputs(
         input_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
         positions=torch.from_numpy(flat_positions).to(device),
         attn=attn,
-        ordered=[span.state for span in spans],
+        ordered=list({id(span.state): span.state for span in spans}.values()),
+        spans=row_spans,
         sample_rows=sample_rows,
         sample_states=sample_states,
         sample_offsets=sample_offsets,
@@ -90,7 +124,12 @@ def build_step_inputs(
 
 
 def _group_metadata(
-    spans: list[_Span], positions: np.ndarray, gid: int, kv_config: KVCacheConfig, device: torch.device
+    spans: list[_Span],
+    positions: np.ndarray,
+    gid: int,
+    kv_config: KVCacheConfig,
+    device: torch.device,
+    split_requests: bool,
 ) -> AttentionMetadata:
     spec = kv_config.groups[gid].spec
     block_size = spec.block_size
@@ -130,4 +169,5 @@ def _group_metadata(
         block_size=block_size,
         decode_start_pos=torch.tensor(decode_starts, dtype=torch.int64, device=device) if window else None,
         decode_request_starts=None if len(request_starts) == len(decode_lens) else tuple(request_starts),
+        split_requests=split_requests,
     )

@@ -141,9 +141,7 @@ class ModelRunner:
         hidden = self._forward(inputs, hooks, every_row)
         output = ModelRunnerOutput(req_ids=[s.req_id for s in inputs.ordered])
         if every_row:
-            output.prompt_logprobs = compute_prompt_logprobs(
-                hidden, inputs.ordered, scheduler_output.num_scheduled_tokens, self.model.compute_logits
-            )
+            output.prompt_logprobs = compute_prompt_logprobs(hidden, inputs.spans, self.model.compute_logits)
             hidden = hidden.index_select(0, self._sample_rows(inputs))
         sampled = self._sample(hidden, inputs, masks, drafts)
         for state in inputs.ordered:

@@ -11,32 +11,29 @@ from collections.abc import Callable
 import torch
 
 from kvferry.messages.model_runner import PromptLogprob, PromptLogprobs
-from kvferry.worker.request_state import RequestState
+from kvferry.worker.inputs import RowSpan
 
 logger = logging.getLogger(__name__)
 
 
 def compute_prompt_logprobs(
     hidden: torch.Tensor,
-    ordered: list[RequestState],
-    num_scheduled: dict[str, int],
+    spans: list[RowSpan],
     compute_logits: Callable[[torch.Tensor], torch.Tensor],
 ) -> dict[str, PromptLogprobs]:
-    """Per asking request, the prompt logprobs of this step's rows (``hidden`` holds the
-    rows of ``ordered``, each request's scheduled tokens in turn; states not yet advanced)."""
+    """Per asking request, the prompt logprobs of this step's rows (``hidden`` holds every
+    row of the step; ``spans`` say whose they are; states not yet advanced). An asking
+    request's rows are one span."""
     result: dict[str, PromptLogprobs] = {}
-    offset = 0
-    for state in ordered:
-        count = num_scheduled[state.req_id]
-        start = state.num_computed_tokens
+    for span in spans:
+        state, start = span.state, span.start
         k = state.params.prompt_logprobs
         # rows whose next token is a prompt token: positions start .. last
-        last = min(start + count, state.num_prompt_tokens - 1)
+        last = min(start + span.length, state.num_prompt_tokens - 1)
         if k is not None and last > start:
-            rows = hidden[offset : offset + last - start]
+            rows = hidden[span.first_row : span.first_row + last - start]
             targets = state.token_ids[start + 1 : last + 1]
             result[state.req_id] = PromptLogprobs(start, _entries(compute_logits(rows), targets, k))
-        offset += count
     return result
 
 
