@@ -118,8 +118,12 @@ def hook_placement(connector: KVConnectorBase | None) -> HookPlacement:
     return HookPlacement.IN_GRAPH if connector.graph_safe else HookPlacement.SPLIT
 
 
-def is_decode_only(ctx: ForwardContext) -> bool:
-    return all(not group.prefills for group in ctx.attn)
+def one_row_per_span(ctx: ForwardContext) -> bool:
+    """Whether the compiled program takes the step: decode rows, and prefill spans of one
+    row only (a prompt's lone last token: after a prefix-cache hit of every block before it,
+    a P/D decoder's first step). Such a token is a prefill row for its bits
+    (worker/inputs.py) and runs in the program as decodes do; longer prefills run eagerly."""
+    return all(span.query_len == 1 for group in ctx.attn for span in group.prefills)
 
 
 def pad_batch(
@@ -269,7 +273,7 @@ class CapturedForward:
     ) -> torch.Tensor:
         """The step's final hidden states; with `keep_rows`, those rows only (CausalLM.forward)."""
         num_tokens = input_ids.numel()
-        if self.enabled and num_tokens and is_decode_only(ctx):
+        if self.enabled and num_tokens and one_row_per_span(ctx):
             padded = cuda_graph_size(num_tokens) if self.cuda_graphs else MIN_CAPTURED_TOKENS
             hidden = self._run_compiled(*pad_batch(input_ids, positions, padded), ctx)
             if hidden is not None:
