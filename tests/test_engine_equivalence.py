@@ -68,14 +68,18 @@ def test_preemption_with_tiny_kv_budget_gives_same_outputs(tiny_llama, reference
     assert_pool_full(llm)
 
 
-def test_a_preempted_request_continues_with_an_undisturbed_runs_bits(tiny_llama):
+@pytest.mark.parametrize("prompt_logprobs", [None, 2])
+def test_a_preempted_request_continues_with_an_undisturbed_runs_bits(tiny_llama, prompt_logprobs):
     """A preempted request is recomputed as its prompt rows (prefill) and its generated rows
     (decode rows, as they were first computed), in a batch never cut between them: its
-    logprobs equal those of a run with room for every request, bit for bit. (Recomputed
-    as one prefill, they differed in the last bits; cut into micro-batch parts between the
-    two, the generated rows read KV not yet written and the tokens changed.)"""
+    logprobs (and prompt logprobs, read by row span) equal those of a run with room for
+    every request, bit for bit. (Recomputed as one prefill, they differed in the last bits;
+    cut into micro-batch parts between the two, the generated rows read KV not yet written
+    and the tokens changed.)"""
     prompts = tokenize_all(tiny_llama, PROMPT_TEXTS)
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2)
+    params = SamplingParams(
+        max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=prompt_logprobs
+    )
     roomy = make_llm(tiny_llama, block_size=4, prefix_caching=False)
     tight = make_llm(tiny_llama, block_size=4, num_blocks=24, prefix_caching=False)
     undisturbed, preempted = roomy.generate(prompts, params), tight.generate(prompts, params)
@@ -84,6 +88,7 @@ def test_a_preempted_request_continues_with_an_undisturbed_runs_bits(tiny_llama)
         assert again.outputs[0].token_ids == alone.outputs[0].token_ids
         bits = [[(lp.sampled, lp.top) for lp in out.outputs[0].logprobs] for out in (alone, again)]
         assert bits[1] == bits[0]
+        assert again.prompt_logprobs == alone.prompt_logprobs
     assert_pool_full(tight)
 
 

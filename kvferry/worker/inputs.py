@@ -61,11 +61,10 @@ class _Span:
 
 def _split(span: _Span) -> list[_Span]:
     """A span of prompt and generated tokens (a preempted request recomputed) as its prompt
-    rows and its generated rows (_Span.decodes). Kept whole where the request asks for
-    prompt logprobs (they read its rows in one run)."""
+    rows and its generated rows (_Span.decodes)."""
     prompt_len = span.state.num_prompt_tokens
     end = span.start + span.length
-    if span.drafts or not span.start < prompt_len < end or span.state.params.prompt_logprobs is not None:
+    if span.drafts or not span.start < prompt_len < end:
         return [span]
     return [
         _Span(span.state, span.start, prompt_len - span.start, []),

@@ -22,8 +22,8 @@ def compute_prompt_logprobs(
     compute_logits: Callable[[torch.Tensor], torch.Tensor],
 ) -> dict[str, PromptLogprobs]:
     """Per asking request, the prompt logprobs of this step's rows (``hidden`` holds every
-    row of the step; ``spans`` say whose they are; states not yet advanced). An asking
-    request's rows are one span."""
+    row of the step; ``spans`` say whose they are; states not yet advanced). A request's
+    prompt rows are one span (a recomputed request's generated rows, another, have none)."""
     result: dict[str, PromptLogprobs] = {}
     for span in spans:
         state, start = span.state, span.start
