@@ -86,6 +86,25 @@ def test_a_row_gets_the_same_bits_alone_among_others_and_on_one_thread() -> None
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize(("out", "inputs"), [(100, 72), (576, 1544)], ids=["rows-shared", "panels-shared"])
+def test_both_ways_of_sharing_the_work_give_the_portable_loops_bits(out: int, inputs: int) -> None:
+    """A weight of few panels and many rows splits the rows among threads; otherwise the
+    panels are split. Either way, and on one thread, every row has the reference's bits
+    (inputs not a multiple of the packing's 16-input chunks included)."""
+    gen = torch.Generator().manual_seed(out)
+    weight, bias = _weight(out, inputs, gen)
+    tiles = tile(weight)
+    x = torch.randn(437, inputs, generator=gen)
+    reference = float32_matmul(x, tiles, bias, out, portable=True)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            assert torch.equal(float32_matmul(x, tiles, bias, out), reference), count
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_a_float32_weight_is_packed_as_tiles_and_multiplied_by_them() -> None:
     """The fast path is taken: the packed weight holds tiles, no oneDNN tensor, and the
     operator's answer is the kernel's bits (oneDNN's differ in the last bits)."""

@@ -23,7 +23,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
+#include <vector>
 
 #include "cpu_vec.h"
 
@@ -31,6 +33,7 @@ namespace {
 
 constexpr int64_t kTile = 16;        // output features per tile
 constexpr int64_t kRowBlock = 96;    // rows whose inputs stay in cache while every panel passes
+constexpr int64_t kChunk = 16;       // inputs per row side by side in a packed block
 
 // Where one call's operands are.
 struct Operands {
@@ -64,18 +67,22 @@ constexpr int64_t kPanelTiles = 2;
 constexpr int kMaxRows = 12;  // 24 accumulators + 2 weights + 1 input of 32 registers
 
 template <int ROWS>
-void panel(const Operands& op, int64_t first, int64_t tile) {
+void panel(const Operands& op, const float* inputs, int64_t first, int64_t tile) {
   const float* w0 = op.tiles + tile * op.in * kTile;
   const float* w1 = w0 + op.in * kTile;
-  const float* x = op.x + first * op.in;
   __m512 low[ROWS], high[ROWS];
   for (int m = 0; m < ROWS; ++m) low[m] = high[m] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < op.in; ++k) {
-    const __m512 a = _mm512_loadu_ps(w0 + k * kTile), b = _mm512_loadu_ps(w1 + k * kTile);
-    for (int m = 0; m < ROWS; ++m) {
-      const __m512 input = _mm512_set1_ps(x[m * op.in + k]);
-      low[m] = _mm512_fmadd_ps(input, a, low[m]);
-      high[m] = _mm512_fmadd_ps(input, b, high[m]);
+  for (int64_t chunk = 0; chunk < op.in; chunk += kChunk) {
+    const float* chunk_inputs = inputs + chunk * ROWS;
+    const int64_t end = std::min(kChunk, op.in - chunk);
+    for (int64_t j = 0; j < end; ++j) {
+      const int64_t k = chunk + j;
+      const __m512 a = _mm512_loadu_ps(w0 + k * kTile), b = _mm512_loadu_ps(w1 + k * kTile);
+      for (int m = 0; m < ROWS; ++m) {
+        const __m512 input = _mm512_set1_ps(chunk_inputs[m * kChunk + j]);
+        low[m] = _mm512_fmadd_ps(input, a, low[m]);
+        high[m] = _mm512_fmadd_ps(input, b, high[m]);
+      }
     }
   }
   const int64_t feature = tile * kTile;
@@ -100,17 +107,21 @@ constexpr int64_t kPanelTiles = 1;
 constexpr int kMaxRows = 6;  // 12 accumulators + 2 weights + 1 input of 16 registers
 
 template <int ROWS>
-void panel(const Operands& op, int64_t first, int64_t tile) {
+void panel(const Operands& op, const float* inputs, int64_t first, int64_t tile) {
   const float* w = op.tiles + tile * op.in * kTile;
-  const float* x = op.x + first * op.in;
   __m256 low[ROWS], high[ROWS];
   for (int m = 0; m < ROWS; ++m) low[m] = high[m] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < op.in; ++k) {
-    const __m256 a = _mm256_loadu_ps(w + k * kTile), b = _mm256_loadu_ps(w + k * kTile + 8);
-    for (int m = 0; m < ROWS; ++m) {
-      const __m256 input = _mm256_set1_ps(x[m * op.in + k]);
-      low[m] = _mm256_fmadd_ps(input, a, low[m]);
-      high[m] = _mm256_fmadd_ps(input, b, high[m]);
+  for (int64_t chunk = 0; chunk < op.in; chunk += kChunk) {
+    const float* chunk_inputs = inputs + chunk * ROWS;
+    const int64_t end = std::min(kChunk, op.in - chunk);
+    for (int64_t j = 0; j < end; ++j) {
+      const int64_t k = chunk + j;
+      const __m256 a = _mm256_loadu_ps(w + k * kTile), b = _mm256_loadu_ps(w + k * kTile + 8);
+      for (int m = 0; m < ROWS; ++m) {
+        const __m256 input = _mm256_set1_ps(chunk_inputs[m * kChunk + j]);
+        low[m] = _mm256_fmadd_ps(input, a, low[m]);
+        high[m] = _mm256_fmadd_ps(input, b, high[m]);
+      }
     }
   }
   const int64_t feature = tile * kTile, valid = std::min(kTile, op.features - feature);
@@ -129,22 +140,54 @@ constexpr int64_t kPanelTiles = 1;
 #endif
 
 #ifndef KVFERRY_FLOAT32_PORTABLE_ONLY
+constexpr int64_t kGroupRows = kMaxRows;  // rows a panel call holds in registers
+#else
+constexpr int64_t kGroupRows = 1;
+#endif
+
+#ifndef KVFERRY_FLOAT32_PORTABLE_ONLY
 template <int... ROWS>
-void panel_rows(const Operands& op, int64_t first, int64_t rows, int64_t tile, std::integer_sequence<int, ROWS...>) {
+void panel_rows(const Operands& op, const float* inputs, int64_t first, int64_t rows, int64_t tile,
+                std::integer_sequence<int, ROWS...>) {
   // panel<rows>: one template per row count up to kMaxRows
-  ((rows == ROWS + 1 ? (panel<ROWS + 1>(op, first, tile), true) : false) || ...);
+  ((rows == ROWS + 1 ? (panel<ROWS + 1>(op, inputs, first, tile), true) : false) || ...);
+}
+
+// A row block's inputs as the vector paths read them. Rows come in groups of up to kMaxRows,
+// and a group's inputs in chunks of kChunk k: chunk c holds each row's x[., c .. c + 15]
+// in turn ([rows of the group, kChunk]), so a panel finds every input it broadcasts at a
+// fixed distance from one pointer instead of in rows far apart, and packing is a copy of
+// 64-byte runs. Group g starts at g * padded_in(in). Where the inputs lie changes no sum:
+// each output keeps its order over k. A block of one row is its own layout, read in place.
+int64_t padded_in(int64_t in) { return (in + kChunk - 1) / kChunk * kChunk; }
+
+const float* pack_rows(const Operands& op, int64_t first, int64_t rows, std::vector<float>& packed) {
+  if (rows == 1) return op.x + first * op.in;
+  packed.resize(rows * padded_in(op.in));
+  for (int64_t group = 0; group < rows; group += kMaxRows) {
+    const int64_t count = std::min<int64_t>(kMaxRows, rows - group);
+    float* out = packed.data() + group * padded_in(op.in);
+    for (int64_t chunk = 0; chunk < op.in; chunk += kChunk) {
+      const int64_t width = std::min(kChunk, op.in - chunk);
+      for (int64_t m = 0; m < count; ++m)
+        std::memcpy(out + chunk * count + m * kChunk, op.x + (first + group + m) * op.in + chunk, width * sizeof(float));
+    }
+  }
+  return packed.data();
 }
 #endif
 
 // Rows [first, first + rows) against panel `p` (kPanelTiles tiles), in groups the
-// registers hold.
-void rows_against_panel(const Operands& op, int64_t first, int64_t rows, int64_t p, bool portable) {
+// registers hold; `inputs` is the block as pack_rows lays it out.
+void rows_against_panel(const Operands& op, const float* inputs, int64_t first, int64_t rows, int64_t p,
+                        bool portable) {
   const int64_t tile = p * kPanelTiles;
 #ifndef KVFERRY_FLOAT32_PORTABLE_ONLY
   if (!portable) {
-    for (int64_t group = first; group < first + rows; group += kMaxRows) {
-      const int64_t count = std::min<int64_t>(kMaxRows, first + rows - group);
-      panel_rows(op, group, count, tile, std::make_integer_sequence<int, kMaxRows>{});
+    for (int64_t group = 0; group < rows; group += kMaxRows) {
+      const int64_t count = std::min<int64_t>(kMaxRows, rows - group);
+      panel_rows(op, inputs + group * padded_in(op.in), first + group, count, tile,
+                 std::make_integer_sequence<int, kMaxRows>{});
     }
     return;
   }
@@ -153,15 +196,39 @@ void rows_against_panel(const Operands& op, int64_t first, int64_t rows, int64_t
   for (int64_t t = tile; t < std::min(tile + kPanelTiles, tiles); ++t) portable_rows(op, first, rows, t);
 }
 
+// Rows [first, first + rows) against panels [begin, end), a row block at a time; each block
+// packed first (a copy of [block rows, in], small beside its multiply-adds).
+void rows_against_panels(const Operands& op, int64_t first, int64_t rows, int64_t begin, int64_t end,
+                         bool portable) {
+  std::vector<float> packed;
+  for (int64_t block = first; block < first + rows; block += kRowBlock) {
+    const int64_t count = std::min(kRowBlock, first + rows - block);
+#ifndef KVFERRY_FLOAT32_PORTABLE_ONLY
+    const float* inputs = portable ? nullptr : pack_rows(op, block, count, packed);
+#else
+    const float* inputs = nullptr;
+#endif
+    for (int64_t p = begin; p < end; ++p) rows_against_panel(op, inputs, block, count, p, portable);
+  }
+}
+
+// One parallel region per call. Threads share the panels (each packs every row block for
+// itself), or, for a weight of few panels and many rows, the rows (in whole register
+// groups), so that no thread packs a block for only a few panels.
 void matmul(const Operands& op, int64_t rows, bool portable) {
   const int64_t tiles = (op.features + kTile - 1) / kTile;
   const int64_t panels = (tiles + kPanelTiles - 1) / kPanelTiles;
-  for (int64_t first = 0; first < rows; first += kRowBlock) {
-    const int64_t count = std::min(kRowBlock, rows - first);
-    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) rows_against_panel(op, first, count, p, portable);
+  const int64_t threads = at::get_num_threads(), groups = (rows + kGroupRows - 1) / kGroupRows;
+  if (panels < 4 * threads && groups >= 8 * threads) {
+    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+      const int64_t first = begin * kGroupRows;
+      rows_against_panels(op, first, std::min(rows, end * kGroupRows) - first, 0, panels, portable);
     });
+    return;
   }
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    rows_against_panels(op, 0, rows, begin, end, portable);
+  });
 }
 
 // x float [rows, in] times the tiled weight, + bias: float [rows, out_features].
