@@ -24,8 +24,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
-#include <vector>
 
 #include "cpu_vec.h"
 
@@ -34,6 +34,9 @@ namespace {
 constexpr int64_t kTile = 16;        // output features per tile
 constexpr int64_t kRowBlock = 96;    // rows whose inputs stay in cache while every panel passes
 constexpr int64_t kChunk = 16;       // inputs per row side by side in a packed block
+
+// A packed row's length: its inputs rounded up to whole chunks.
+int64_t padded_in(int64_t in) { return (in + kChunk - 1) / kChunk * kChunk; }
 
 // Where one call's operands are.
 struct Operands {
@@ -137,12 +140,13 @@ void panel(const Operands& op, const float* inputs, int64_t first, int64_t tile)
 #else
 #define KVFERRY_FLOAT32_PORTABLE_ONLY 1
 constexpr int64_t kPanelTiles = 1;
+constexpr int kMaxRows = 1;
 #endif
 
 #ifndef KVFERRY_FLOAT32_PORTABLE_ONLY
-constexpr int64_t kGroupRows = kMaxRows;  // rows a panel call holds in registers
+constexpr bool kVectorPath = true;
 #else
-constexpr int64_t kGroupRows = 1;
+constexpr bool kVectorPath = false;  // the portable loop reads the rows in place
 #endif
 
 #ifndef KVFERRY_FLOAT32_PORTABLE_ONLY
@@ -152,6 +156,7 @@ void panel_rows(const Operands& op, const float* inputs, int64_t first, int64_t 
   // panel<rows>: one template per row count up to kMaxRows
   ((rows == ROWS + 1 ? (panel<ROWS + 1>(op, inputs, first, tile), true) : false) || ...);
 }
+#endif
 
 // A row block's inputs as the vector paths read them. Rows come in groups of up to kMaxRows,
 // and a group's inputs in chunks of kChunk k: chunk c holds each row's x[., c .. c + 15]
@@ -159,23 +164,19 @@ void panel_rows(const Operands& op, const float* inputs, int64_t first, int64_t 
 // fixed distance from one pointer instead of in rows far apart, and packing is a copy of
 // 64-byte runs. Group g starts at g * padded_in(in). Where the inputs lie changes no sum:
 // each output keeps its order over k. A block of one row is its own layout, read in place.
-int64_t padded_in(int64_t in) { return (in + kChunk - 1) / kChunk * kChunk; }
-
-const float* pack_rows(const Operands& op, int64_t first, int64_t rows, std::vector<float>& packed) {
+const float* pack_rows(const Operands& op, int64_t first, int64_t rows, float* packed) {
   if (rows == 1) return op.x + first * op.in;
-  packed.resize(rows * padded_in(op.in));
   for (int64_t group = 0; group < rows; group += kMaxRows) {
     const int64_t count = std::min<int64_t>(kMaxRows, rows - group);
-    float* out = packed.data() + group * padded_in(op.in);
+    float* out = packed + group * padded_in(op.in);
     for (int64_t chunk = 0; chunk < op.in; chunk += kChunk) {
       const int64_t width = std::min(kChunk, op.in - chunk);
       for (int64_t m = 0; m < count; ++m)
         std::memcpy(out + chunk * count + m * kChunk, op.x + (first + group + m) * op.in + chunk, width * sizeof(float));
     }
   }
-  return packed.data();
+  return packed;
 }
-#endif
 
 // Rows [first, first + rows) against panel `p` (kPanelTiles tiles), in groups the
 // registers hold; `inputs` is the block as pack_rows lays it out.
@@ -200,14 +201,13 @@ void rows_against_panel(const Operands& op, const float* inputs, int64_t first, 
 // packed first (a copy of [block rows, in], small beside its multiply-adds).
 void rows_against_panels(const Operands& op, int64_t first, int64_t rows, int64_t begin, int64_t end,
                          bool portable) {
-  std::vector<float> packed;
+  // Uninitialised (no zeroing pass): pack_rows writes every value a panel reads.
+  const bool packs = kVectorPath && !portable;
+  const int64_t size = rows > 1 ? std::min(kRowBlock, rows) * padded_in(op.in) : 0;
+  const std::unique_ptr<float[]> packed(packs ? new float[size] : nullptr);
   for (int64_t block = first; block < first + rows; block += kRowBlock) {
     const int64_t count = std::min(kRowBlock, first + rows - block);
-#ifndef KVFERRY_FLOAT32_PORTABLE_ONLY
-    const float* inputs = portable ? nullptr : pack_rows(op, block, count, packed);
-#else
-    const float* inputs = nullptr;
-#endif
+    const float* inputs = packs ? pack_rows(op, block, count, packed.get()) : nullptr;
     for (int64_t p = begin; p < end; ++p) rows_against_panel(op, inputs, block, count, p, portable);
   }
 }
@@ -218,11 +218,11 @@ void rows_against_panels(const Operands& op, int64_t first, int64_t rows, int64_
 void matmul(const Operands& op, int64_t rows, bool portable) {
   const int64_t tiles = (op.features + kTile - 1) / kTile;
   const int64_t panels = (tiles + kPanelTiles - 1) / kPanelTiles;
-  const int64_t threads = at::get_num_threads(), groups = (rows + kGroupRows - 1) / kGroupRows;
+  const int64_t threads = at::get_num_threads(), groups = (rows + kMaxRows - 1) / kMaxRows;
   if (panels < 4 * threads && groups >= 8 * threads) {
     at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-      const int64_t first = begin * kGroupRows;
-      rows_against_panels(op, first, std::min(rows, end * kGroupRows) - first, 0, panels, portable);
+      const int64_t first = begin * kMaxRows;
+      rows_against_panels(op, first, std::min(rows, end * kMaxRows) - first, 0, panels, portable);
     });
     return;
   }
