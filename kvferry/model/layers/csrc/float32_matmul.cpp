@@ -68,6 +68,9 @@ void portable_rows(const Operands& op, int64_t first, int64_t rows, int64_t tile
 
 constexpr int64_t kPanelTiles = 2;
 constexpr int kMaxRows = 12;  // 24 accumulators + 2 weights + 1 input of 32 registers
+// 12 row pointers do not fit the general registers (the compiler spilled some): the rows
+// are packed (pack_rows) and every input is read from one pointer.
+constexpr bool kPacksRows = true;
 
 template <int ROWS>
 void panel(const Operands& op, const float* inputs, int64_t first, int64_t tile) {
@@ -109,22 +112,22 @@ void panel(const Operands& op, const float* inputs, int64_t first, int64_t tile)
 constexpr int64_t kPanelTiles = 1;
 constexpr int kMaxRows = 6;  // 12 accumulators + 2 weights + 1 input of 16 registers
 
+// Six row pointers fit the general registers: the rows are read in place (packing them
+// measured slower here, 3-15% by shape on an AVX-512 host held to AVX2).
+constexpr bool kPacksRows = false;
+
 template <int ROWS>
-void panel(const Operands& op, const float* inputs, int64_t first, int64_t tile) {
+void panel(const Operands& op, const float*, int64_t first, int64_t tile) {
   const float* w = op.tiles + tile * op.in * kTile;
+  const float* x = op.x + first * op.in;
   __m256 low[ROWS], high[ROWS];
   for (int m = 0; m < ROWS; ++m) low[m] = high[m] = _mm256_setzero_ps();
-  for (int64_t chunk = 0; chunk < op.in; chunk += kChunk) {
-    const float* chunk_inputs = inputs + chunk * ROWS;
-    const int64_t end = std::min(kChunk, op.in - chunk);
-    for (int64_t j = 0; j < end; ++j) {
-      const int64_t k = chunk + j;
-      const __m256 a = _mm256_loadu_ps(w + k * kTile), b = _mm256_loadu_ps(w + k * kTile + 8);
-      for (int m = 0; m < ROWS; ++m) {
-        const __m256 input = _mm256_set1_ps(chunk_inputs[m * kChunk + j]);
-        low[m] = _mm256_fmadd_ps(input, a, low[m]);
-        high[m] = _mm256_fmadd_ps(input, b, high[m]);
-      }
+  for (int64_t k = 0; k < op.in; ++k) {
+    const __m256 a = _mm256_loadu_ps(w + k * kTile), b = _mm256_loadu_ps(w + k * kTile + 8);
+    for (int m = 0; m < ROWS; ++m) {
+      const __m256 input = _mm256_set1_ps(x[m * op.in + k]);
+      low[m] = _mm256_fmadd_ps(input, a, low[m]);
+      high[m] = _mm256_fmadd_ps(input, b, high[m]);
     }
   }
   const int64_t feature = tile * kTile, valid = std::min(kTile, op.features - feature);
@@ -141,12 +144,7 @@ void panel(const Operands& op, const float* inputs, int64_t first, int64_t tile)
 #define KVFERRY_FLOAT32_PORTABLE_ONLY 1
 constexpr int64_t kPanelTiles = 1;
 constexpr int kMaxRows = 1;
-#endif
-
-#ifndef KVFERRY_FLOAT32_PORTABLE_ONLY
-constexpr bool kVectorPath = true;
-#else
-constexpr bool kVectorPath = false;  // the portable loop reads the rows in place
+constexpr bool kPacksRows = false;  // the portable loop reads the rows in place
 #endif
 
 #ifndef KVFERRY_FLOAT32_PORTABLE_ONLY
@@ -158,7 +156,7 @@ void panel_rows(const Operands& op, const float* inputs, int64_t first, int64_t 
 }
 #endif
 
-// A row block's inputs as the vector paths read them. Rows come in groups of up to kMaxRows,
+// A row block's inputs as the AVX-512 path reads them. Rows come in groups of up to kMaxRows,
 // and a group's inputs in chunks of kChunk k: chunk c holds each row's x[., c .. c + 15]
 // in turn ([rows of the group, kChunk]), so a panel finds every input it broadcasts at a
 // fixed distance from one pointer instead of in rows far apart, and packing is a copy of
@@ -179,7 +177,7 @@ const float* pack_rows(const Operands& op, int64_t first, int64_t rows, float* p
 }
 
 // Rows [first, first + rows) against panel `p` (kPanelTiles tiles), in groups the
-// registers hold; `inputs` is the block as pack_rows lays it out.
+// registers hold; `inputs` is the block as pack_rows lays it out (where this build packs).
 void rows_against_panel(const Operands& op, const float* inputs, int64_t first, int64_t rows, int64_t p,
                         bool portable) {
   const int64_t tile = p * kPanelTiles;
@@ -198,11 +196,12 @@ void rows_against_panel(const Operands& op, const float* inputs, int64_t first, 
 }
 
 // Rows [first, first + rows) against panels [begin, end), a row block at a time; each block
-// packed first (a copy of [block rows, in], small beside its multiply-adds).
+// packed first where this build packs (a copy of [block rows, in], small beside its
+// multiply-adds).
 void rows_against_panels(const Operands& op, int64_t first, int64_t rows, int64_t begin, int64_t end,
                          bool portable) {
   // Uninitialised (no zeroing pass): pack_rows writes every value a panel reads.
-  const bool packs = kVectorPath && !portable;
+  const bool packs = kPacksRows && !portable;
   const int64_t size = rows > 1 ? std::min(kRowBlock, rows) * padded_in(op.in) : 0;
   const std::unique_ptr<float[]> packed(packs ? new float[size] : nullptr);
   for (int64_t block = first; block < first + rows; block += kRowBlock) {
