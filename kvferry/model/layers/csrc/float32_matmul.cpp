@@ -23,8 +23,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
-#include <memory>
 #include <string>
 
 #include "cpu_vec.h"
@@ -33,10 +31,6 @@ namespace {
 
 constexpr int64_t kTile = 16;        // output features per tile
 constexpr int64_t kRowBlock = 96;    // rows whose inputs stay in cache while every panel passes
-constexpr int64_t kChunk = 16;       // inputs per row side by side in a packed block
-
-// A packed row's length: its inputs rounded up to whole chunks.
-int64_t padded_in(int64_t in) { return (in + kChunk - 1) / kChunk * kChunk; }
 
 // Where one call's operands are.
 struct Operands {
@@ -64,31 +58,26 @@ void portable_rows(const Operands& op, int64_t first, int64_t rows, int64_t tile
 }
 
 #if defined(KVFERRY_AVX512)
-// ---- AVX-512: a panel of two tiles (two zmm of features) for up to 12 rows --------------
+// ---- AVX-512: a panel of two tiles (two zmm of features) for up to 6 rows ---------------
 
 constexpr int64_t kPanelTiles = 2;
-constexpr int kMaxRows = 12;  // 24 accumulators + 2 weights + 1 input of 32 registers
-// 12 row pointers do not fit the general registers (the compiler spilled some): the rows
-// are packed (pack_rows) and every input is read from one pointer.
-constexpr bool kPacksRows = true;
+// 12 accumulators + 2 weights + 1 input; six rows' pointers also fit the general registers
+// (with 12 rows the compiler spilled some, and a step took 5-10% longer; 8 rows: 2-4%).
+constexpr int kMaxRows = 6;
 
 template <int ROWS>
-void panel(const Operands& op, const float* inputs, int64_t first, int64_t tile) {
+void panel(const Operands& op, int64_t first, int64_t tile) {
   const float* w0 = op.tiles + tile * op.in * kTile;
   const float* w1 = w0 + op.in * kTile;
+  const float* x = op.x + first * op.in;
   __m512 low[ROWS], high[ROWS];
   for (int m = 0; m < ROWS; ++m) low[m] = high[m] = _mm512_setzero_ps();
-  for (int64_t chunk = 0; chunk < op.in; chunk += kChunk) {
-    const float* chunk_inputs = inputs + chunk * ROWS;
-    const int64_t end = std::min(kChunk, op.in - chunk);
-    for (int64_t j = 0; j < end; ++j) {
-      const int64_t k = chunk + j;
-      const __m512 a = _mm512_loadu_ps(w0 + k * kTile), b = _mm512_loadu_ps(w1 + k * kTile);
-      for (int m = 0; m < ROWS; ++m) {
-        const __m512 input = _mm512_set1_ps(chunk_inputs[m * kChunk + j]);
-        low[m] = _mm512_fmadd_ps(input, a, low[m]);
-        high[m] = _mm512_fmadd_ps(input, b, high[m]);
-      }
+  for (int64_t k = 0; k < op.in; ++k) {
+    const __m512 a = _mm512_loadu_ps(w0 + k * kTile), b = _mm512_loadu_ps(w1 + k * kTile);
+    for (int m = 0; m < ROWS; ++m) {
+      const __m512 input = _mm512_set1_ps(x[m * op.in + k]);
+      low[m] = _mm512_fmadd_ps(input, a, low[m]);
+      high[m] = _mm512_fmadd_ps(input, b, high[m]);
     }
   }
   const int64_t feature = tile * kTile;
@@ -112,12 +101,8 @@ void panel(const Operands& op, const float* inputs, int64_t first, int64_t tile)
 constexpr int64_t kPanelTiles = 1;
 constexpr int kMaxRows = 6;  // 12 accumulators + 2 weights + 1 input of 16 registers
 
-// Six row pointers fit the general registers: the rows are read in place (packing them
-// measured slower here, 3-15% by shape on an AVX-512 host held to AVX2).
-constexpr bool kPacksRows = false;
-
 template <int ROWS>
-void panel(const Operands& op, const float*, int64_t first, int64_t tile) {
+void panel(const Operands& op, int64_t first, int64_t tile) {
   const float* w = op.tiles + tile * op.in * kTile;
   const float* x = op.x + first * op.in;
   __m256 low[ROWS], high[ROWS];
@@ -143,50 +128,26 @@ void panel(const Operands& op, const float*, int64_t first, int64_t tile) {
 #else
 #define KVFERRY_FLOAT32_PORTABLE_ONLY 1
 constexpr int64_t kPanelTiles = 1;
-constexpr int kMaxRows = 1;
-constexpr bool kPacksRows = false;  // the portable loop reads the rows in place
+constexpr int kMaxRows = 1;  // the work is shared among threads in groups of this many rows
 #endif
 
 #ifndef KVFERRY_FLOAT32_PORTABLE_ONLY
 template <int... ROWS>
-void panel_rows(const Operands& op, const float* inputs, int64_t first, int64_t rows, int64_t tile,
-                std::integer_sequence<int, ROWS...>) {
+void panel_rows(const Operands& op, int64_t first, int64_t rows, int64_t tile, std::integer_sequence<int, ROWS...>) {
   // panel<rows>: one template per row count up to kMaxRows
-  ((rows == ROWS + 1 ? (panel<ROWS + 1>(op, inputs, first, tile), true) : false) || ...);
+  ((rows == ROWS + 1 ? (panel<ROWS + 1>(op, first, tile), true) : false) || ...);
 }
 #endif
 
-// A row block's inputs as the AVX-512 path reads them. Rows come in groups of up to kMaxRows,
-// and a group's inputs in chunks of kChunk k: chunk c holds each row's x[., c .. c + 15]
-// in turn ([rows of the group, kChunk]), so a panel finds every input it broadcasts at a
-// fixed distance from one pointer instead of in rows far apart, and packing is a copy of
-// 64-byte runs. Group g starts at g * padded_in(in). Where the inputs lie changes no sum:
-// each output keeps its order over k. A block of one row is its own layout, read in place.
-const float* pack_rows(const Operands& op, int64_t first, int64_t rows, float* packed) {
-  if (rows == 1) return op.x + first * op.in;
-  for (int64_t group = 0; group < rows; group += kMaxRows) {
-    const int64_t count = std::min<int64_t>(kMaxRows, rows - group);
-    float* out = packed + group * padded_in(op.in);
-    for (int64_t chunk = 0; chunk < op.in; chunk += kChunk) {
-      const int64_t width = std::min(kChunk, op.in - chunk);
-      for (int64_t m = 0; m < count; ++m)
-        std::memcpy(out + chunk * count + m * kChunk, op.x + (first + group + m) * op.in + chunk, width * sizeof(float));
-    }
-  }
-  return packed;
-}
-
 // Rows [first, first + rows) against panel `p` (kPanelTiles tiles), in groups the
-// registers hold; `inputs` is the block as pack_rows lays it out (where this build packs).
-void rows_against_panel(const Operands& op, const float* inputs, int64_t first, int64_t rows, int64_t p,
-                        bool portable) {
+// registers hold.
+void rows_against_panel(const Operands& op, int64_t first, int64_t rows, int64_t p, bool portable) {
   const int64_t tile = p * kPanelTiles;
 #ifndef KVFERRY_FLOAT32_PORTABLE_ONLY
   if (!portable) {
-    for (int64_t group = 0; group < rows; group += kMaxRows) {
-      const int64_t count = std::min<int64_t>(kMaxRows, rows - group);
-      panel_rows(op, inputs + group * padded_in(op.in), first + group, count, tile,
-                 std::make_integer_sequence<int, kMaxRows>{});
+    for (int64_t group = first; group < first + rows; group += kMaxRows) {
+      const int64_t count = std::min<int64_t>(kMaxRows, first + rows - group);
+      panel_rows(op, group, count, tile, std::make_integer_sequence<int, kMaxRows>{});
     }
     return;
   }
@@ -195,25 +156,17 @@ void rows_against_panel(const Operands& op, const float* inputs, int64_t first, 
   for (int64_t t = tile; t < std::min(tile + kPanelTiles, tiles); ++t) portable_rows(op, first, rows, t);
 }
 
-// Rows [first, first + rows) against panels [begin, end), a row block at a time; each block
-// packed first where this build packs (a copy of [block rows, in], small beside its
-// multiply-adds).
+// Rows [first, first + rows) against panels [begin, end), a row block at a time.
 void rows_against_panels(const Operands& op, int64_t first, int64_t rows, int64_t begin, int64_t end,
                          bool portable) {
-  // Uninitialised (no zeroing pass): pack_rows writes every value a panel reads.
-  const bool packs = kPacksRows && !portable;
-  const int64_t size = rows > 1 ? std::min(kRowBlock, rows) * padded_in(op.in) : 0;
-  const std::unique_ptr<float[]> packed(packs ? new float[size] : nullptr);
   for (int64_t block = first; block < first + rows; block += kRowBlock) {
     const int64_t count = std::min(kRowBlock, first + rows - block);
-    const float* inputs = packs ? pack_rows(op, block, count, packed.get()) : nullptr;
-    for (int64_t p = begin; p < end; ++p) rows_against_panel(op, inputs, block, count, p, portable);
+    for (int64_t p = begin; p < end; ++p) rows_against_panel(op, block, count, p, portable);
   }
 }
 
-// One parallel region per call. Threads share the panels (each packs every row block for
-// itself), or, for a weight of few panels and many rows, the rows (in whole register
-// groups), so that no thread packs a block for only a few panels.
+// One parallel region per call. Threads share the panels, or, for a weight of fewer panels
+// than can keep every thread busy and many rows, the rows (in whole register groups).
 void matmul(const Operands& op, int64_t rows, bool portable) {
   const int64_t tiles = (op.features + kTile - 1) / kTile;
   const int64_t panels = (tiles + kPanelTiles - 1) / kPanelTiles;
