@@ -9,7 +9,7 @@ from pathlib import Path
 from kvferry_bench.cli import build_parser
 from tests.proxy_fakes import ANSWER_CHUNKS, FakeInstance, serve_in_thread
 
-METRICS = ("ttft_ms", "itl_ms", "tpot_ms", "e2el_ms")
+METRICS = ("ttft_ms", "itl_ms", "tpot_ms", "e2el_ms", "second_token_ms")
 
 
 def _bench(url: str, out: Path, label: str, *rates: str, more: tuple[str, ...] = ()) -> dict:
@@ -38,6 +38,7 @@ def test_bench_serve_writes_labelled_runs_and_a_plot(tmp_path: Path) -> None:
     for key in METRICS:
         assert set(result[key]) == {"mean", "p50", "p99"}
         assert 0 < result[key]["p50"] <= result[key]["p99"]
+    assert result["ttft_ms"]["p99"] < result["second_token_ms"]["p99"] <= result["e2el_ms"]["p99"]
     assert len(fake.requests) == 4 * (4 + 1)  # 4 rate runs: 4 prompts and a warm-up each
     body = fake.requests[-1]
     assert (

@@ -3,17 +3,20 @@
 The KV tensors come from the engine's own allocator; two layers share one tensor (KV
 sharing): it is one region, registered once. A prefill-side engine (TP=2, NHD) is read
 by a decode rank (TP=1, HND): both prefill ranks' head slices land in the right place,
-converted. The passive agent is progressed by hand (no progress threads).
+converted. Agents without a progress thread need the passive side progressed by hand; with
+NIXL's progress thread (asleep on UCX's events) they need nobody.
 """
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import torch
 
 from kvferry.config import CacheConfig
-from kvferry.connector.nixl.agent import Agent
+from kvferry.connector.nixl.agent import Agent, Transfer, TransferState
 from kvferry.connector.nixl.plan import RankView, plan_read
 from kvferry.connector.nixl.regions import describe_regions
 from kvferry.kv.allocate import allocate_kv_caches, build_kv_cache_config
@@ -103,7 +106,8 @@ def test_a_hanging_read_can_be_cancelled():
     """The passive side never progresses: the READ hangs; releasing it cancels it."""
     config = _config(Layout.NHD, HEADS)
     target_caches, local_caches = allocate_kv_caches(config, "cpu"), allocate_kv_caches(config, "cpu")
-    reader, target = Agent("test-hang-reader"), Agent("test-hang-target")
+    reader = Agent("test-hang-reader", progress_thread=False)
+    target = Agent("test-hang-target", progress_thread=False)
     local, regions = _views(config, local_caches, 0)
     reader.register(regions)
     remote, regions = _views(config, target_caches, 0)
@@ -155,3 +159,54 @@ def _latent_view(config: KVCacheConfig, caches: dict) -> tuple[RankView, list]:
     regions, layers = describe_regions(caches, config)
     head_size = config.groups[0].spec.head_size
     return RankView(config.layout, 1, 0, BS, head_size, 4, {r.name: r for r in layers}), regions
+
+
+def _pair(config: KVCacheConfig) -> tuple[Agent, Agent, Transfer, dict, dict]:
+    """A reader and a target over one config, and a READ of blocks 2, 3 into 0, 1 started."""
+    target_caches, local_caches = allocate_kv_caches(config, "cpu"), allocate_kv_caches(config, "cpu")
+    target_caches["l0"].copy_(torch.randn(target_caches["l0"].shape))
+    reader, target = Agent("test-pair-reader"), Agent("test-pair-target")
+    local, regions = _views(config, local_caches, 0)
+    reader.register(regions)
+    remote, regions = _views(config, target_caches, 0)
+    target.register(regions)
+    transfer = reader.read(
+        plan_read(local, remote, LAYERS, [0, 1], [2, 3]), reader.add_remote(target.metadata())
+    )
+    return reader, target, transfer, local_caches, target_caches
+
+
+def test_with_its_progress_thread_the_passive_side_serves_a_read_unattended():
+    """Nobody calls the target's progress(): its NIXL progress thread serves the READ (the
+    same READ hangs without the thread: test_a_hanging_read_can_be_cancelled)."""
+    config = _config(Layout.NHD, HEADS)
+    reader, target, transfer, local_caches, target_caches = _pair(config)
+    deadline = time.monotonic() + 20
+    while reader.poll(transfer) is TransferState.PROC:
+        assert time.monotonic() < deadline, "the READ was not served"
+        time.sleep(0.001)
+    assert transfer.state is TransferState.DONE and reader.release(transfer)
+    assert torch.equal(local_caches["l0"][:, :2], target_caches["l0"][:, 2:4])
+    reader.close()
+    target.close()
+
+
+def _thread_cpu_seconds(tids: set[int]) -> float:
+    ticks = 0
+    for tid in tids:
+        fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def test_the_progress_thread_sleeps_between_events():
+    """An idle agent's progress thread spends well under a tenth of a core (NIXL's wrapper
+    starts it with no delay: a busy loop, a whole core)."""
+    before = {int(t) for t in os.listdir("/proc/self/task")}
+    agent = Agent("test-idle")
+    threads = {int(t) for t in os.listdir("/proc/self/task")} - before
+    assert threads, "the agent started no progress thread"
+    start = _thread_cpu_seconds(threads)
+    time.sleep(1.0)
+    assert _thread_cpu_seconds(threads) - start < 0.1
+    agent.close()

@@ -119,7 +119,7 @@ class TransferThread(threading.Thread):
             return
         with self._lock:
             self._inbox.append(meta)
-        self._wake()
+        self.wake()
 
     def take(self) -> tuple[set[str], set[str], set[str], dict[str, float], dict[str, int]]:
         """(finished sending, finished receiving, failed receiving, stats, first tokens of
@@ -134,7 +134,8 @@ class TransferThread(threading.Thread):
             stats[key] = stats.get(key, 0.0) + value
         return sending, recving, failed, stats, tokens
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
+        """Wake the thread now (the step hooks' thread only: it owns the wake socket)."""
         try:
             self._wake_out.send(b"", zmq.NOBLOCK)
         except zmq.Again:
@@ -143,22 +144,27 @@ class TransferThread(threading.Thread):
     def stop(self, timeout_s: float = 5.0) -> bool:
         """Stop the thread; False if it did not end in time (its sockets stay open)."""
         self._halt.set()
-        self._wake()
+        self.wake()
         self.join(timeout_s)
         self._wake_out.close(linger=0)
         return not self.is_alive()
 
     def run(self) -> None:
         while not self._halt.is_set():
-            busy = (self.producer is not None and self.producer.busy) or (
-                self.consumer is not None and self.consumer.busy
-            )
-            self.poller.poll(POLL_BUSY_MS if busy else POLL_IDLE_MS)
+            self.poller.poll(POLL_BUSY_MS if self._must_poll() else POLL_IDLE_MS)
             try:
                 self._once()
             except Exception:
                 logger.exception("NIXL transfer thread: iteration failed")
         self._close()
+
+    def _must_poll(self) -> bool:
+        """Whether this thread must look every millisecond: READs of its own in flight (their
+        completion has no event to wake it), or leases held by an agent that only this
+        thread progresses. Everything else wakes it: side-channel messages, the step hooks."""
+        if self.consumer is not None and self.consumer.busy:
+            return True
+        return self.producer is not None and self.producer.busy and not self.agent.progress_thread
 
     def _once(self) -> None:
         while True:
@@ -178,8 +184,9 @@ class TransferThread(threading.Thread):
                 self._collect_producer(self.producer)
             if self.consumer is not None:
                 self.consumer.tick()
-        # Always: a decoder may read blocks whose lease just ended (its Done will be refused),
-        # and a passive side that never progresses leaves that READ hanging.
+        # Always (where no progress thread does it): a decoder may read blocks whose lease just
+        # ended (its Done will be refused), and a passive side that never progresses leaves
+        # that READ hanging.
         self.agent.progress()
 
     def _apply(self, meta: NixlConnectorMetadata) -> None:
@@ -239,7 +246,11 @@ class NixlWorker:
         heads = head_range(config, self.rank, self.tp_size, self.config.model.num_kv_heads)
         regions, layers = describe_regions(kv_caches, config)
         device_id = regions[0].device_id if regions else 0
-        agent = Agent(f"{self.settings.engine_id}-tp{self.rank}-{uuid.uuid4().hex[:8]}", self.config.device)
+        agent = Agent(
+            f"{self.settings.engine_id}-tp{self.rank}-{uuid.uuid4().hex[:8]}",
+            self.config.device,
+            self.settings.progress_thread,
+        )
         agent.register(regions)
         self.ctx = zmq.Context()
         poller = zmq.Poller()
@@ -294,6 +305,8 @@ class NixlWorker:
         """The forward wrote this layer's KV: for the step's streamed prefills it is final."""
         if meta.streams:
             self.progress.saved(meta.streams, layer_name)
+            if self.thread is not None:
+                self.thread.wake()  # a decoder's Progress waits for this layer
             if self.settings.fault_layer_delay_s:
                 time.sleep(self.settings.fault_layer_delay_s)  # a slow forward: reads overlap it
 
