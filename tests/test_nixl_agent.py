@@ -13,12 +13,16 @@ import os
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
-from kvferry.config import CacheConfig
+from kvferry.config import CacheConfig, KVRole
 from kvferry.connector.nixl.agent import Agent, Transfer, TransferState
+from kvferry.connector.nixl.metadata import NixlSettings
 from kvferry.connector.nixl.plan import RankView, plan_read
 from kvferry.connector.nixl.regions import describe_regions
+from kvferry.connector.nixl.worker_side import wants_progress_thread
+from kvferry.errors import ConfigError
 from kvferry.kv.allocate import allocate_kv_caches, build_kv_cache_config
 from kvferry.kv.spec import (
     AttentionLayerKV,
@@ -210,3 +214,23 @@ def test_the_progress_thread_sleeps_between_events():
     time.sleep(1.0)
     assert _thread_cpu_seconds(threads) - start < 0.1
     agent.close()
+
+
+@pytest.mark.parametrize(
+    ("setting", "role", "expected"),
+    [
+        (None, KVRole.PRODUCER, True),  # serves READs while its forward computes: woken by UCX
+        (None, KVRole.BOTH, True),
+        (None, KVRole.CONSUMER, False),  # its own READs: polled by its transfer thread
+        (False, KVRole.PRODUCER, False),
+        (True, KVRole.CONSUMER, True),
+    ],
+)
+def test_the_progress_thread_is_where_reads_are_served_unless_set(setting, role, expected):
+    settings = NixlSettings.from_extra({"engine_id": "e", "progress_thread": setting})
+    assert wants_progress_thread(settings.progress_thread, role) is expected
+
+
+def test_a_progress_thread_setting_must_be_a_boolean_or_null():
+    with pytest.raises(ConfigError, match="progress_thread"):
+        NixlSettings.from_extra({"engine_id": "e", "progress_thread": "yes"})

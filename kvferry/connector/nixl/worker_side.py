@@ -85,6 +85,15 @@ def local_views(
     ]
 
 
+def wants_progress_thread(setting: bool | None, role: KVRole) -> bool:
+    """NIXL's progress thread where a worker serves READs (unless set): it wakes on UCX's
+    events while the forward computes. A consumer's own READs finish sooner progressed by
+    its transfer thread, which polls them every millisecond anyway (docs/connector.md)."""
+    if setting is not None:
+        return setting
+    return role is not KVRole.CONSUMER
+
+
 class TransferThread(threading.Thread):
     """Owns the agent and sockets after registration; talks to the step hooks by queues."""
 
@@ -249,7 +258,7 @@ class NixlWorker:
         agent = Agent(
             f"{self.settings.engine_id}-tp{self.rank}-{uuid.uuid4().hex[:8]}",
             self.config.device,
-            self.settings.progress_thread,
+            wants_progress_thread(self.settings.progress_thread, self.role),
         )
         agent.register(regions)
         self.ctx = zmq.Context()
