@@ -219,18 +219,18 @@ def test_the_progress_thread_sleeps_between_events():
 @pytest.mark.parametrize(
     ("setting", "role", "expected"),
     [
-        (None, KVRole.PRODUCER, True),  # serves READs while its forward computes: woken by UCX
-        (None, KVRole.BOTH, True),
-        (None, KVRole.CONSUMER, False),  # its own READs: polled by its transfer thread
+        (True, KVRole.PRODUCER, True),  # serves READs while its forward computes: woken by UCX
         (False, KVRole.PRODUCER, False),
-        (True, KVRole.CONSUMER, True),
+        (True, KVRole.CONSUMER, False),  # reads KV itself: only its transfer thread progresses it
+        (True, KVRole.BOTH, False),
     ],
 )
-def test_the_progress_thread_is_where_reads_are_served_unless_set(setting, role, expected):
+def test_the_progress_thread_serves_reads_only_where_the_worker_reads_none(setting, role, expected):
     settings = NixlSettings.from_extra({"engine_id": "e", "progress_thread": setting})
     assert wants_progress_thread(settings.progress_thread, role) is expected
 
 
-def test_a_progress_thread_setting_must_be_a_boolean_or_null():
+def test_a_progress_thread_setting_must_be_a_boolean():
+    assert NixlSettings.from_extra({"engine_id": "e"}).progress_thread is True
     with pytest.raises(ConfigError, match="progress_thread"):
         NixlSettings.from_extra({"engine_id": "e", "progress_thread": "yes"})

@@ -65,8 +65,7 @@ _DEFAULTS: dict[str, object] = {
     "allowed_remotes": None,  # decoder: the only prefill side channels it may use ("host" or "host:port")
     "layerwise": False,  # prefiller: a streamed prefill's layers become readable as the forward saves them
     "stream_wait_s": 120.0,  # decoder: wait this long for a streamed prefill to be held
-    "progress_thread": None,  # NIXL's UCX progress thread, asleep on UCX's events (agent.py);
-    # None: where the instance serves KV (producer, both), not on a consumer (its READs poll)
+    "progress_thread": True,  # producer: NIXL's UCX progress thread, asleep on UCX's events (agent.py)
 }
 
 
@@ -87,7 +86,7 @@ class NixlSettings:
     allowed_remotes: tuple[str, ...] | None
     layerwise: bool
     stream_wait_s: float
-    progress_thread: bool | None
+    progress_thread: bool
 
     def allows(self, host: str, port: int) -> bool:
         """Whether the allow-list (if any) lets this decoder connect to host:port."""
@@ -104,10 +103,9 @@ class NixlSettings:
         port = values["side_channel_port"]
         if not isinstance(port, int) or not 0 <= port <= 65535:
             raise ConfigError("NixlConnector: side_channel_port must be an integer in [0, 65535]")
-        if not isinstance(values["layerwise"], bool):
-            raise ConfigError("NixlConnector: layerwise must be true or false")
-        if values["progress_thread"] is not None and not isinstance(values["progress_thread"], bool):
-            raise ConfigError("NixlConnector: progress_thread must be true, false or null")
+        for key in ("layerwise", "progress_thread"):
+            if not isinstance(values[key], bool):
+                raise ConfigError(f"NixlConnector: {key} must be true or false")
         for key in ("lease_s", "handshake_timeout_s", "ack_timeout_s", "transfer_timeout_s", "stream_wait_s"):
             if not isinstance(values[key], int | float) or values[key] <= 0:
                 raise ConfigError(f"NixlConnector: {key} must be a positive number")

@@ -85,13 +85,13 @@ def local_views(
     ]
 
 
-def wants_progress_thread(setting: bool | None, role: KVRole) -> bool:
-    """NIXL's progress thread where a worker serves READs (unless set): it wakes on UCX's
-    events while the forward computes. A consumer's own READs finish sooner progressed by
-    its transfer thread, which polls them every millisecond anyway (docs/connector.md)."""
-    if setting is not None:
-        return setting
-    return role is not KVRole.CONSUMER
+def wants_progress_thread(setting: bool, role: KVRole) -> bool:
+    """NIXL's progress thread on a worker that only serves READs (unless set off): it wakes
+    on UCX's events while the forward computes. Never where the worker reads KV itself
+    (consumer, both): a READ it cancels must not land later in blocks already freed, so its
+    own transfer thread's progress calls stay the only place data lands (loads.py), and
+    that thread polls its READs every millisecond anyway."""
+    return setting and role is KVRole.PRODUCER
 
 
 class TransferThread(threading.Thread):
