@@ -5,6 +5,7 @@ ignores the prefill's kv_transfer_params): answers equal the server's own."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -146,15 +147,32 @@ def test_client_disconnect_aborts_the_decoder(urls: dict[str, str]) -> None:
             assert _metric(urls["decode"], "kvferry:num_requests_running") == 1
     _wait_not_running(urls["decode"])
     assert _metric(urls["decode"], "kvferry:request_success_total", finished_reason="abort") == aborted + 1
-    with httpx.Client(headers={"Authorization": f"Bearer {KEY}"}) as http, pytest.raises(httpx.ReadTimeout):
-        # as long as the model allows, so the client surely leaves first (a compiled tiny
-        # model decodes 500 tokens within a second)
-        long = {**body, "stream": False, "max_tokens": 1000}
-        http.post(urls["proxy"] + "/v1/completions", json=long, timeout=0.5)
+    # a non-streamed client leaves once the decode leg runs (its prefill leg has finished)
+    asyncio.run(_leave_while_decoding(urls, {**body, "stream": False, "max_tokens": 1000}))
     _wait_not_running(urls["decode"])
     assert _metric(urls["decode"], "kvferry:request_success_total", finished_reason="abort") == aborted + 2
     health = plain_http.get(urls["proxy"] + "/health").json()
     assert [i["in_flight"] for role in ("prefill", "decode") for i in health["instances"][role]] == [0, 0]
+
+
+async def _leave_while_decoding(urls: dict[str, str], body: dict) -> None:
+    """POST through the proxy; drop the connection once the server finished the prefill leg
+    and runs the decode leg (the same server plays both), long before that leg can end."""
+    server = urls["decode"]
+    prefills = _metric(server, "kvferry:request_success_total", finished_reason="length")
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as http:
+        post = asyncio.create_task(http.post(urls["proxy"] + "/v1/completions", json=body))
+        deadline = time.monotonic() + 10
+        while not (
+            _metric(server, "kvferry:request_success_total", finished_reason="length") == prefills + 1
+            and _metric(server, "kvferry:num_requests_running") == 1
+        ):
+            assert not post.done(), "the request ended before the client could leave it"
+            assert time.monotonic() < deadline, "the decode leg did not start"
+            await asyncio.sleep(0.01)
+        post.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await post
 
 
 def _wait_not_running(url: str) -> None:
