@@ -78,20 +78,16 @@ class Agent:
         self._registered: list[object] = []
         self._remotes: dict[bytes, str] = {}  # metadata -> agent name
 
-    def _ok(self, status: object, what: str) -> None:
-        if status != self._nixl.NIXL_SUCCESS:
-            raise NixlError(f"NIXL could not {what}: {status}")
-
     def register(self, regions: list[Region]) -> None:
         """Register each region once (the caller deduplicated them by base address)."""
         descs = [(r.base, r.size, r.device_id, "") for r in regions]
         try:
             reg = self._nixl.nixlRegDList(self._mem, descs)
-            self._ok(self._agent.registerMem(reg, []), f"register {len(regions)} KV regions")
-        except NixlError:
-            raise
+            status = self._agent.registerMem(reg, [])
         except Exception as exc:
-            raise NixlError(f"NIXL could not register {len(regions)} KV regions: {exc}") from exc
+            status = exc
+        if status != self._nixl.NIXL_SUCCESS:
+            raise NixlError(f"NIXL could not register {len(regions)} KV regions: {status}")
         self._registered.append(reg)
 
     def metadata(self) -> bytes:
