@@ -141,6 +141,36 @@ def test_a_span_over_cached_context_equals_sdpa(
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("layout", [Layout.NHD, Layout.HND])
+@pytest.mark.parametrize("kernel", ["microkernel", "portable"])
+@pytest.mark.parametrize("window", [0, 50])
+def test_a_row_gets_the_same_bits_alone_in_a_short_chunk_or_in_the_whole_prompt(
+    layout, kernel, window, threads
+) -> None:
+    """A prompt's rows computed in one span, then again as the last rows over its cached
+    context: the prompt's last token alone (what a P/D decoder or a full prefix-cache hit
+    computes), a short chunk (one query tile: tiles packed as they are used) and a long one
+    (every tile packed first, a partial last query tile). Identical bits every way."""
+    length, dim, group = 300, 64, 3
+    gen = torch.Generator().manual_seed(window + 1)
+    q, k, v = _qkv(length, 3 * group, 3, dim, torch.float32, gen)
+    portable = kernel == "portable"
+    whole = prefill_kernel.fresh_prefill(q, k, v, 1, window, SCALE, portable=portable)
+    num_blocks = -(-length // BLOCK) + 1
+    shape = (2, num_blocks, BLOCK, 3, dim) if layout is Layout.NHD else (2, num_blocks, 3, BLOCK, dim)
+    cache = torch.zeros(shape)
+    table = torch.randperm(num_blocks, generator=gen)
+    positions = torch.arange(length)
+    attention.write_kv(cache, layout, k, v, table[positions // BLOCK] * BLOCK + positions % BLOCK)
+    for context in (length - 1, length - 20, length - 77):
+        start = attention._first_visible_block(context, window, BLOCK) * BLOCK
+        rows = slice(context, length)
+        chunk = prefill_kernel.paged_prefill(
+            q[rows], k[rows], v[rows], cache, layout, table, context, start, window, SCALE, portable=portable
+        )
+        assert torch.equal(chunk, whole[rows]), f"rows from {context}"
+
+
 def test_the_layer_takes_the_kernel_for_bf16() -> None:
     """bf16 of a 32-multiple head width on a CPU with AVX-512 BF16 goes to the kernel."""
     q, k, v, ctx, span = _cached_span(Layout.NHD, torch.bfloat16, 32, 40, 9, 3)

@@ -156,8 +156,8 @@ struct PortableKernel {
   }
 
   template <typename scalar_t>
-  static void score(const scalar_t* const* queries, int64_t dim, const float* keys, float* scores) {
-    for (int64_t r = 0; r < kQueryTile; ++r) {
+  static void score(const scalar_t* const* queries, int64_t dim, const float* keys, int64_t rows, float* scores) {
+    for (int64_t r = 0; r < rows; ++r) {
       float* row = scores + r * kKeyTile;
       std::fill(row, row + kKeyTile, 0.0f);
       for (int64_t d = 0; d < dim; ++d) {
@@ -171,18 +171,18 @@ struct PortableKernel {
 
   template <typename scalar_t>
   static void score_fold(const scalar_t* const* queries, int64_t dim, const float* keys, const TileMask& mask,
-                         float scale, TileState& state) {
-    score(queries, dim, keys, state.scores.data());
+                         float scale, int64_t rows, TileState& state) {
+    score(queries, dim, keys, rows, state.scores.data());
     if (mask.partial) {
-      for (int64_t r = 0; r < kQueryTile; ++r)
+      for (int64_t r = 0; r < rows; ++r)
         for (int64_t c = 0; c < kKeyTile; ++c)
           if (mask.hidden(r, c)) state.scores[r * kKeyTile + c] = kNegInf;
     }
-    fold(state, dim, scale);
+    fold(state, dim, scale, rows);
   }
 
-  static void fold(TileState& state, int64_t dim, float scale) {
-    for (int64_t r = 0; r < kQueryTile; ++r) {
+  static void fold(TileState& state, int64_t dim, float scale, int64_t rows) {
+    for (int64_t r = 0; r < rows; ++r) {
       const float factor = fold_row_portable(&state.scores[r * kKeyTile], scale, state.peak[r], state.total[r]);
       rescale_row(&state.out[r * dim], dim, factor);
     }
@@ -190,8 +190,8 @@ struct PortableKernel {
 
   static float row_total(const TileState& state, int64_t r) { return state.total[r]; }
 
-  static void accumulate(TileState& state, int64_t dim, const float* values) {
-    for (int64_t r = 0; r < kQueryTile; ++r) {
+  static void accumulate(TileState& state, int64_t dim, const float* values, int64_t rows) {
+    for (int64_t r = 0; r < rows; ++r) {
       float* out = &state.out[r * dim];
       for (int64_t c = 0; c < kKeyTile; ++c) {
         const float weight = state.scores[r * kKeyTile + c];
@@ -222,6 +222,29 @@ struct Avx512Lanes {
   static float max_lanes(reg a) { return _mm512_reduce_max_ps(a); }
   static float sum_lanes(reg a) { return _mm512_reduce_add_ps(a); }
   static reg exp2_nonpositive(reg x) { return kvferry_vec::exp2_nonpositive(x); }
+
+  // 16 rows of 16 into 16 columns: r[j] becomes (r[0][j], ..., r[15][j]).
+  static void transpose(reg r[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+      t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);      // per 128-bit lane: a0 b0 a1 b1
+      t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);  // a2 b2 a3 b3
+    }
+    for (int i = 0; i < 16; i += 4) {  // per lane: column 0, 1, 2, 3 of rows i .. i + 3
+      u[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+      u[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+      u[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+      u[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    }
+    for (int j = 0; j < 4; ++j) {  // lane k of u[j], u[4 + j], u[8 + j], u[12 + j]: column 4k + j
+      const __m512 low = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x44), low2 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x44);
+      const __m512 high = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xEE), high2 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xEE);
+      r[j] = _mm512_shuffle_f32x4(low, low2, 0x88);
+      r[4 + j] = _mm512_shuffle_f32x4(low, low2, 0xDD);
+      r[8 + j] = _mm512_shuffle_f32x4(high, high2, 0x88);
+      r[12 + j] = _mm512_shuffle_f32x4(high, high2, 0xDD);
+    }
+  }
 
   // `scores` of keys first_key .. + 15 with those hidden from the query at query_pos set to -inf.
   static reg hide(reg scores, int64_t first_key, int64_t query_pos, int64_t window) {
@@ -265,6 +288,25 @@ struct Avx2Lanes {
   }
 
   static reg exp2_nonpositive(reg x) { return kvferry_vec::exp2_nonpositive(x); }
+
+  // 8 rows of 8 into 8 columns: r[j] becomes (r[0][j], ..., r[7][j]).
+  static void transpose(reg r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+      t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);      // per 128-bit lane: a0 b0 a1 b1
+      t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);  // a2 b2 a3 b3
+    }
+    for (int i = 0; i < 8; i += 4) {  // per lane: column 0, 1, 2, 3 of rows i .. i + 3
+      u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+      u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+      u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+      u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int j = 0; j < 4; ++j) {
+      r[j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x20);
+      r[4 + j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x31);
+    }
+  }
 
   static reg hide(reg scores, int64_t first_key, int64_t query_pos, int64_t window) {
     const __m256i keys = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(first_key)),
@@ -318,9 +360,9 @@ struct Bf16Kernel {
   // Scores of 8 query rows at a time in registers, each row then folded (masked, scaled,
   // exponentiated, rounded to bf16 weights) without a trip through memory.
   static void score_fold(const c10::BFloat16* const* queries, int64_t dim, const uint16_t* keys, const TileMask& mask,
-                         float scale, TileState& state) {
+                         float scale, int64_t rows, TileState& state) {
     const uint16_t* second = keys + 16 * dim;
-    for (int64_t r0 = 0; r0 < kQueryTile; r0 += kRows) {
+    for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
       __m512 acc[kRows][2];
 #pragma GCC unroll 8
       for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -370,9 +412,9 @@ struct Bf16Kernel {
     return sum_lanes(_mm512_loadu_ps(&state.sums[r * 16]));
   }
 
-  static void accumulate(TileState& state, int64_t dim, const uint16_t* values) {
+  static void accumulate(TileState& state, int64_t dim, const uint16_t* values, int64_t rows) {
     for (int64_t d0 = 0; d0 < dim; d0 += 32) {
-      for (int64_t r0 = 0; r0 < kQueryTile; r0 += kRows) {
+      for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
         float* out = &state.out[r0 * dim + d0];
         __m512 acc[kRows][2];
 #pragma GCC unroll 8
@@ -415,17 +457,45 @@ struct Fp32Kernel : PortableKernel {
   using reg = typename L::reg;
   static constexpr int kKeyVecs = kKeyTile / L::kLanes;  // vectors a row of a key tile
   static constexpr int kSlice = L::kVecs * L::kLanes;    // keys or values a register block spans
-  static constexpr int kTailRows = kQueryTile % L::kRows;
 
+  // The portable tiles' packing (missing rows as zeros), in registers: keys transposed
+  // L::kLanes x L::kLanes at a time, values copied a vector at a time.
+  static void pack_keys(const float* const* rows, int64_t dim, float* tile) {
+    for (int64_t c0 = 0; c0 < kKeyTile; c0 += L::kLanes)
+      for (int64_t d0 = 0; d0 < dim; d0 += L::kLanes) {
+        reg block[L::kLanes];
+        for (int i = 0; i < L::kLanes; ++i) block[i] = rows[c0 + i] ? L::load(rows[c0 + i] + d0) : L::zero();
+        L::transpose(block);
+        for (int j = 0; j < L::kLanes; ++j) L::store(tile + (d0 + j) * kKeyTile + c0, block[j]);
+      }
+  }
+
+  static void pack_values(const float* const* rows, int64_t dim, float* tile) {
+    for (int64_t c = 0; c < kKeyTile; ++c)
+      for (int64_t d0 = 0; d0 < dim; d0 += L::kLanes)
+        L::store(tile + c * dim + d0, rows[c] ? L::load(rows[c] + d0) : L::zero());
+  }
+
+  // The live rows only (a row's bits do not depend on the rows beside it): blocks of
+  // L::kRows, then one block of the rest.
   static void score_fold(const float* const* queries, int64_t dim, const float* keys, const TileMask& mask,
-                         float scale, TileState& state) {
+                         float scale, int64_t rows, TileState& state) {
     for (int64_t c0 = 0; c0 < kKeyTile; c0 += kSlice) {
       int64_t r0 = 0;
-      for (; r0 + L::kRows <= kQueryTile; r0 += L::kRows)
+      for (; r0 + L::kRows <= rows; r0 += L::kRows)
         score_block<L::kRows>(queries + r0, dim, keys + c0, &state.scores[r0 * kKeyTile + c0]);
-      if constexpr (kTailRows > 0) score_block<kTailRows>(queries + r0, dim, keys + c0, &state.scores[r0 * kKeyTile + c0]);
+      if (r0 < rows) score_rest(rows - r0, queries + r0, dim, keys + c0, &state.scores[r0 * kKeyTile + c0]);
     }
-    for (int64_t r = 0; r < kQueryTile; ++r) fold_row(r, mask, scale, dim, state);
+    for (int64_t r = 0; r < rows; ++r) fold_row(r, mask, scale, dim, state);
+  }
+
+  // score_block of `rows` (fewer than L::kRows) rows.
+  template <int n = 1>
+  static void score_rest(int64_t rows, const float* const* queries, int64_t dim, const float* keys, float* scores) {
+    if constexpr (n < L::kRows) {
+      if (rows == n) return score_block<n>(queries, dim, keys, scores);
+      score_rest<n + 1>(rows, queries, dim, keys, scores);
+    }
   }
 
   // Scores of `rows` query rows against kSlice keys of the tile (at `keys`, row stride
@@ -494,13 +564,21 @@ struct Fp32Kernel : PortableKernel {
 
   static float row_total(const TileState& state, int64_t r) { return L::sum_lanes(L::load(&state.sums[r * L::kLanes])); }
 
-  static void accumulate(TileState& state, int64_t dim, const float* values) {
+  static void accumulate(TileState& state, int64_t dim, const float* values, int64_t rows) {
     for (int64_t d0 = 0; d0 < dim; d0 += kSlice) {
       int64_t r0 = 0;
-      for (; r0 + L::kRows <= kQueryTile; r0 += L::kRows)
+      for (; r0 + L::kRows <= rows; r0 += L::kRows)
         sum_block<L::kRows>(&state.scores[r0 * kKeyTile], values + d0, dim, &state.out[r0 * dim + d0]);
-      if constexpr (kTailRows > 0)
-        sum_block<kTailRows>(&state.scores[r0 * kKeyTile], values + d0, dim, &state.out[r0 * dim + d0]);
+      if (r0 < rows) sum_rest(rows - r0, &state.scores[r0 * kKeyTile], values + d0, dim, &state.out[r0 * dim + d0]);
+    }
+  }
+
+  // sum_block of `rows` (fewer than L::kRows) rows.
+  template <int n = 1>
+  static void sum_rest(int64_t rows, const float* weights, const float* values, int64_t dim, float* out) {
+    if constexpr (n < L::kRows) {
+      if (rows == n) return sum_block<n>(weights, values, dim, out);
+      sum_rest<n + 1>(rows, weights, values, dim, out);
     }
   }
 
@@ -533,24 +611,30 @@ struct Fp32Kernel : PortableKernel {
 };
 #endif
 
+// Packs key tile `tile` of a span's KV head: K into `keys`, V into `values`.
+template <typename Kernel, typename scalar_t>
+void pack_tile(const Problem& p, const KeyRows<scalar_t>& source, int64_t span, int64_t head, int64_t tile,
+               typename Kernel::packed_t* keys, typename Kernel::packed_t* values) {
+  const scalar_t* rows[kKeyTile];
+  const int64_t first = tile * kKeyTile;
+  for (int which = 0; which < 2; ++which) {
+    for (int64_t c = 0; c < kKeyTile; ++c)
+      rows[c] = first + c < p.keys() && p.origin() + first + c >= p.start ? source.row(p, span, which, first + c, head)
+                                                                          : nullptr;
+    if (which == 0) Kernel::pack_keys(rows, p.dim, keys);
+    else Kernel::pack_values(rows, p.dim, values);
+  }
+}
+
 // Packs every (span, KV head, key tile) of K and V: [spans][kv_heads][tiles][tile_elements].
 template <typename Kernel, typename scalar_t>
 void pack_all(const Problem& p, const KeyRows<scalar_t>& source, typename Kernel::packed_t* keys,
               typename Kernel::packed_t* values) {
   const int64_t tiles = p.key_tiles(), size = Kernel::tile_elements(p.dim);
   at::parallel_for(0, p.spans * p.kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
-    const scalar_t* rows[kKeyTile];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t span = item / (p.kv_heads * tiles), head = item / tiles % p.kv_heads;
-      const int64_t first = item % tiles * kKeyTile;
-      for (int which = 0; which < 2; ++which) {
-        for (int64_t c = 0; c < kKeyTile; ++c)
-          rows[c] = first + c < p.keys() && p.origin() + first + c >= p.start
-                        ? source.row(p, span, which, first + c, head)
-                        : nullptr;
-        if (which == 0) Kernel::pack_keys(rows, p.dim, keys + item * size);
-        else Kernel::pack_values(rows, p.dim, values + item * size);
-      }
+      pack_tile<Kernel>(p, source, span, head, item % tiles, keys + item * size, values + item * size);
     }
   });
 }
@@ -570,53 +654,99 @@ bool fully_visible(const Problem& p, int64_t first_query, int64_t first_key) {
   return high_key <= low_pos && (p.window == 0 || high_pos - low_key < p.window);
 }
 
-// One (span, query head, query tile): all its visible key tiles, then the normalised rows.
+// One (span, query head, query tile) being attended: its query rows (those past the span
+// read zeros, their output dropped), how many are live, and its running softmax. Only the
+// live rows are computed: a row's bits depend on neither the rows beside it nor their count.
 template <typename Kernel, typename scalar_t>
-void attend_tile(const Problem& p, const QueryRows<scalar_t>& q, const typename Kernel::packed_t* keys,
-                 const typename Kernel::packed_t* values, int64_t span, int64_t head, int64_t tile,
-                 const scalar_t* zeros, scalar_t* out, TileState& state) {
-  const int64_t first_query = tile * kQueryTile, size = Kernel::tile_elements(p.dim);
-  const int64_t kv = head / (p.heads / p.kv_heads);
-  const int64_t packed_base = (span * p.kv_heads + kv) * p.key_tiles();
+struct QueryTile {
   const scalar_t* queries[kQueryTile];
-  for (int64_t r = 0; r < kQueryTile; ++r) {
-    const int64_t i = first_query + r;  // rows past the span read zeros; their output is dropped
-    queries[r] = i < p.length ? q.row(p, span, i, head) : zeros;
+  int64_t span, head, first_query, rows;
+
+  QueryTile(const Problem& p, const QueryRows<scalar_t>& q, int64_t span_, int64_t head_, int64_t tile,
+            const scalar_t* zeros, TileState& state)
+      : span(span_), head(head_), first_query(tile * kQueryTile),
+        rows(std::min(kQueryTile, p.length - tile * kQueryTile)) {
+    for (int64_t r = 0; r < kQueryTile; ++r) queries[r] = r < rows ? q.row(p, span, first_query + r, head) : zeros;
+    state.reset(p.dim);
   }
-  state.reset(p.dim);
-  const auto [first, last] = visible_tiles(p, first_query);
-  for (int64_t t = first; t <= last; ++t) {
+
+  // Folds key tile `t` (packed K and V) into the rows' running sums.
+  void fold(const Problem& p, int64_t t, const typename Kernel::packed_t* keys, const typename Kernel::packed_t* values,
+            TileState& state) const {
     const TileMask mask{!fully_visible(p, first_query, t * kKeyTile), p.context + first_query,
                         p.origin() + t * kKeyTile, p.window};
-    Kernel::score_fold(queries, p.dim, keys + (packed_base + t) * size, mask, p.scale * kLog2e, state);
-    Kernel::accumulate(state, p.dim, values + (packed_base + t) * size);
+    Kernel::score_fold(queries, p.dim, keys, mask, p.scale * kLog2e, rows, state);
+    Kernel::accumulate(state, p.dim, values, rows);
   }
-  for (int64_t r = 0; r < kQueryTile && first_query + r < p.length; ++r) {
-    const float inverse = 1.0f / Kernel::row_total(state, r);
-    scalar_t* row = out + ((span * p.length + first_query + r) * p.heads + head) * p.dim;
-    for (int64_t d = 0; d < p.dim; ++d) row[d] = static_cast<scalar_t>(state.out[r * p.dim + d] * inverse);
+
+  // The normalised live rows into `out`.
+  void write(const Problem& p, const TileState& state, scalar_t* out) const {
+    for (int64_t r = 0; r < rows; ++r) {
+      const float inverse = 1.0f / Kernel::row_total(state, r);
+      scalar_t* row = out + ((span * p.length + first_query + r) * p.heads + head) * p.dim;
+      for (int64_t d = 0; d < p.dim; ++d) row[d] = static_cast<scalar_t>(state.out[r * p.dim + d] * inverse);
+    }
   }
-}
+};
 
 // Query tile k of a head's list, cheap and dear alternating (0, n-1, 1, n-2, ...): causal
 // tiles grow with their position, and each thread's contiguous share then costs the same.
 inline int64_t interleaved(int64_t k, int64_t n) { return k % 2 == 0 ? k / 2 : n - 1 - k / 2; }
 
+// Spans of several query tiles: every key tile packed once up front, then each (span, query
+// head, query tile) folds the tiles it sees.
 template <typename Kernel, typename scalar_t>
-void run(const Problem& p, const KeyRows<scalar_t>& source, const QueryRows<scalar_t>& q, scalar_t* out) {
-  const int64_t packed = p.spans * p.kv_heads * p.key_tiles() * Kernel::tile_elements(p.dim);
+void run_packed(const Problem& p, const KeyRows<scalar_t>& source, const QueryRows<scalar_t>& q, scalar_t* out) {
+  const int64_t size = Kernel::tile_elements(p.dim), key_tiles = p.key_tiles();
+  const int64_t packed = p.spans * p.kv_heads * key_tiles * size;
   std::vector<typename Kernel::packed_t> keys(packed), values(packed);
   pack_all<Kernel>(p, source, keys.data(), values.data());
   const std::vector<scalar_t> zeros(p.dim, static_cast<scalar_t>(0.0f));
-  const int64_t tiles = p.query_tiles();
+  const int64_t tiles = p.query_tiles(), group = p.heads / p.kv_heads;
   at::parallel_for(0, p.spans * p.heads * tiles, 1, [&](int64_t begin, int64_t end) {
     TileState state;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t span = item / (p.heads * tiles), head = item / tiles % p.heads;
-      attend_tile<Kernel>(p, q, keys.data(), values.data(), span, head, interleaved(item % tiles, tiles),
-                          zeros.data(), out, state);
+      const QueryTile<Kernel, scalar_t> tile(p, q, span, head, interleaved(item % tiles, tiles), zeros.data(), state);
+      const int64_t base = (span * p.kv_heads + head / group) * key_tiles;
+      const auto [first, last] = visible_tiles(p, tile.first_query);
+      for (int64_t t = first; t <= last; ++t)
+        tile.fold(p, t, keys.data() + (base + t) * size, values.data() + (base + t) * size, state);
+      tile.write(p, state, out);
     }
   });
+}
+
+// Spans of one query tile (a prompt's last token alone after a cache hit or a KV transfer,
+// a short chunk over a long context): packing the whole context first would cost more than
+// attending it. Each (span, KV head) packs its key tiles one at a time as its query heads
+// fold them: the same packed tiles in the same order, so the same bits as run_packed.
+template <typename Kernel, typename scalar_t>
+void run_streamed(const Problem& p, const KeyRows<scalar_t>& source, const QueryRows<scalar_t>& q, scalar_t* out) {
+  const int64_t size = Kernel::tile_elements(p.dim), group = p.heads / p.kv_heads;
+  const std::vector<scalar_t> zeros(p.dim, static_cast<scalar_t>(0.0f));
+  const auto [first, last] = visible_tiles(p, 0);
+  at::parallel_for(0, p.spans * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<typename Kernel::packed_t> keys(size), values(size);
+    std::vector<TileState> states(group);
+    std::vector<QueryTile<Kernel, scalar_t>> tiles;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t span = item / p.kv_heads, kv = item % p.kv_heads;
+      tiles.clear();
+      for (int64_t h = 0; h < group; ++h) tiles.emplace_back(p, q, span, kv * group + h, 0, zeros.data(), states[h]);
+      for (int64_t t = first; t <= last; ++t) {
+        pack_tile<Kernel>(p, source, span, kv, t, keys.data(), values.data());
+        for (int64_t h = 0; h < group; ++h) tiles[h].fold(p, t, keys.data(), values.data(), states[h]);
+      }
+      for (int64_t h = 0; h < group; ++h) tiles[h].write(p, states[h], out);
+    }
+  });
+}
+
+template <typename Kernel, typename scalar_t>
+void run(const Problem& p, const KeyRows<scalar_t>& source, const QueryRows<scalar_t>& q, scalar_t* out) {
+  if (p.query_tiles() == 1) return run_streamed<Kernel>(p, source, q, out);
+  run_packed<Kernel>(p, source, q, out);
 }
 
 // Whether `dtype` at head width `dim` takes a vector microkernel of this build.
