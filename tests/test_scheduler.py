@@ -23,6 +23,7 @@ from kvferry.sampling_params import SamplingParams
 from kvferry.scheduler import hashing
 from kvferry.scheduler.request import Request, RequestStatus
 from kvferry.scheduler.scheduler import Scheduler
+from kvferry.spec_decode.verify import accepted_tokens
 
 BLOCK = 4
 EOS = 2
@@ -112,26 +113,35 @@ class FakeRunner:
         out = ModelRunnerOutput()
         for req_id, num in so.num_scheduled_tokens.items():
             out.req_ids.append(req_id)
-            out.sampled_token_ids.append(self.compute(req_id, num))
+            out.sampled_token_ids.append(
+                self.compute(req_id, num, so.scheduled_spec_token_ids.get(req_id, []))
+            )
             out.logprobs.append(None)
         out.kv_connector_output, self.kv_output = self.kv_output, None
         assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
         return out
 
-    def compute(self, req_id: str, num: int) -> list[int]:
+    def compute(self, req_id: str, num: int, drafts: list[int]) -> list[int]:
+        """`num` tokens from the computed ones, the last len(drafts) of them `drafts`: their
+        KV written, then (at the end of what is known) the kept drafts and one more token."""
         state = self.states[req_id]
-        end = state.num_computed + num
-        assert end <= len(state.tokens) and end <= len(state.block_ids) * self.block_size
+        end, known = state.num_computed + num, len(state.tokens)
+        assert end - len(drafts) <= known and end <= len(state.block_ids) * self.block_size
         self.check_kv(req_id, state.num_computed)
+        state.tokens.extend(drafts)  # their rows' KV is written as if they were the request's
         for pos in range(state.num_computed, end):
             self.kv[self.slot(state, pos)] = state.digest(pos)
-        state.num_computed = end
-        if end < len(state.tokens):
+        if end < known:
+            state.num_computed = end
             return []  # a prompt chunk: no sample yet
-        token = self.token_fn(state.tokens) if state.forced is None else state.forced
-        state.forced = None
-        state.tokens.append(token)
-        return [token]
+        samples = [self.token_fn(state.tokens[: pos + 1]) for pos in range(known - 1, end)]
+        if state.forced is not None:
+            samples[0], state.forced = state.forced, None
+        kept = accepted_tokens(drafts, samples)
+        del state.tokens[known:], state.digests[known:]  # the drafts' KV counts only where kept
+        state.tokens.extend(kept)
+        state.num_computed = known + len(kept) - 1
+        return kept
 
 
 @dataclass
@@ -663,6 +673,40 @@ def test_forced_first_token_is_the_first_output_and_counts():
     assert new.forced_token_id == 7
     assert run.tokens("r") == [7, *expected_tokens([*prompt, 7], 3)]  # max_tokens counts it
     assert run.final("r").finish_reason == FinishReason.LENGTH
+    assert_all_free(sched)
+
+
+@pytest.mark.parametrize(
+    ("params", "drafted"),
+    [
+        ({}, True),
+        ({"frequency_penalty": 0.5}, False),  # the second token's sample needs the first's counts
+        ({"min_tokens": 2}, False),
+        ({"prompt_logprobs": 1}, False),
+        ({"max_tokens": 1}, False),
+    ],
+)
+def test_a_forced_first_token_is_a_draft_of_the_step_that_ends_the_prompt(params, drafted):
+    """The forced token's row is computed with the prompt's last one (a P/D decoder: after
+    the pulled KV), so that step outputs it and the next token: the request's own first
+    token one step sooner. Not where the next token's sample needs more than its logits."""
+    prompt = list(range(10))
+    sched = make_scheduler(connector=ForcingConnector(7, external=8, load_async=True))
+    add(sched, "r", prompt, **{"max_tokens": 4, **params})
+    runner, run = FakeRunner(), Run()
+    step(sched, runner, run)
+    runner.kv_output = KVConnectorOutput(finished_recving={"r"})
+    step(sched, runner, run)
+    runner.preload(prompt, [0, 1, 2], 8)
+    first = step(sched, runner, run)
+    assert [n.req_id for n in first.scheduled_new_reqs] == ["r"]
+    assert first.scheduled_spec_token_ids == ({"r": [7]} if drafted else {})
+    assert first.num_scheduled_tokens["r"] == (3 if drafted else 2)
+    assert run.outputs["r"][0].new_token_ids == ([7, next_token([*prompt, 7])] if drafted else [7])
+    run_all(sched, runner, run)
+    tokens = run.tokens("r")
+    assert tokens == [7, *expected_tokens([*prompt, 7], len(tokens) - 1)]
+    assert len(tokens) == (1 if params.get("max_tokens") == 1 else 4)
     assert_all_free(sched)
 
 

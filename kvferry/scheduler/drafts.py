@@ -4,7 +4,7 @@ A request is drafted for only where plain decoding's sample at each draft's posi
 be computed from the logits alone, so the verifying step samples exactly as plain steps
 would: no grammar, penalties or logits constraints (their state moves with every token),
 min_tokens reached, and a first output token already there (a P/D decoder's first sample
-is forced to the prefiller's token).
+is forced to the prefiller's token, which is then itself a draft: `forced_draft`).
 
 Drafts that are not kept cost a verifying step more rows than plain decoding's. A request
 whose drafts all missed waits before it is drafted for again: 1 output token after the
@@ -32,6 +32,27 @@ def can_speculate(request: Request) -> bool:
         and not params.uses_penalties
         and not params.uses_logits_constraints
     )
+
+
+def forced_draft(request: Request) -> list[int]:
+    """The forced first token (P/D: the prefiller's) as a draft of the step that computes the
+    prompt's end, or nothing. Its row is sampled as the forced token, so the draft is always
+    kept, and the row after it gives the second token in the same step: a P/D decoder then
+    needs one step, not two, for its first token of its own. The same conditions as drafting
+    (the second token's sample must need only its logits), and no prompt logprobs."""
+    params = request.sampling_params
+    token = request.pending_forced_token_id
+    if (
+        token is None
+        or request.max_tokens < 2
+        or params.min_tokens > 1
+        or params.prompt_logprobs is not None
+        or params.structured_outputs is not None
+        or params.uses_penalties
+        or params.uses_logits_constraints
+    ):
+        return []
+    return [token]
 
 
 class DraftProposer:

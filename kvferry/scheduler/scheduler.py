@@ -26,7 +26,7 @@ from kvferry.messages.model_runner import (
     SampleLogprobs,
 )
 from kvferry.messages.scheduler_output import SchedulerOutput
-from kvferry.scheduler.drafts import DraftProposer
+from kvferry.scheduler.drafts import DraftProposer, forced_draft
 from kvferry.scheduler.hashing import BlockHasher
 from kvferry.scheduler.interfaces import SchedulerConnector
 from kvferry.scheduler.kv_cache_manager import KVCacheManager
@@ -201,7 +201,8 @@ class Scheduler:
                 )
                 self._finish(request, RequestStatus.FINISHED_LENGTH_CAPPED)
                 continue
-            if drafting and num_new == 1 and self._schedule_drafts(request, plan):
+            drafts = self._drafts(request, request.num_computed_tokens, num_new, plan.token_budget, drafting)
+            if drafts and self._schedule_drafts(request, num_new, drafts, plan):
                 i += 1
                 continue
             while (new_ids := kv.allocate_slots(request, num_new)) is None:
@@ -215,17 +216,31 @@ class Scheduler:
                 plan.add_running(request, num_new, new_ids)
                 i += 1
 
-    def _schedule_drafts(self, request: Request, plan: StepPlan) -> bool:
-        """Schedule a decoding request with draft tokens, when it has some and their blocks
-        are free (never preempting for a draft); False: schedule it plainly."""
+    def _drafts(
+        self, request: Request, num_computed: int, num_new: int, token_budget: int, drafting: bool
+    ) -> list[int]:
+        """Draft tokens for a request whose `num_new` tokens after `num_computed` this step
+        end what it knows: its forced first token after its prompt
+        (kvferry.scheduler.drafts.forced_draft), else, while drafting, proposed ones after its
+        last token."""
+        if num_computed + num_new != request.num_tokens or num_new >= token_budget:
+            return []
+        forced = forced_draft(request)
+        if forced or not drafting or num_new != 1:
+            return forced
         assert self.drafts is not None
-        drafts = self.drafts.propose(request, plan.token_budget)
-        if not drafts or not self.kv_cache_manager.can_fit(request.num_tokens + len(drafts)):
+        return self.drafts.propose(request, token_budget)
+
+    def _schedule_drafts(self, request: Request, num_new: int, drafts: list[int], plan: StepPlan) -> bool:
+        """Schedule a running request with its drafts when their blocks are free (never
+        preempting for a draft); False: schedule it plainly."""
+        num_tokens = num_new + len(drafts)
+        if not self.kv_cache_manager.can_fit(request.num_computed_tokens + num_tokens):
             return False
-        new_ids = self.kv_cache_manager.allocate_slots(request, 1 + len(drafts))
+        new_ids = self.kv_cache_manager.allocate_slots(request, num_tokens)
         if new_ids is None:
             return False
-        plan.add_running(request, 1 + len(drafts), new_ids, drafts)
+        plan.add_running(request, num_tokens, new_ids, drafts)
         return True
 
     def _pick_victim(self) -> Request:
@@ -296,7 +311,10 @@ class Scheduler:
             message = f"the request needs more KV cache than the engine has ({kv.num_blocks} blocks)"
             self._finish(request, RequestStatus.FINISHED_ERROR, message, invalid_param="prompt")
             return True
-        if kv.allocate_slots(request, num_new + num_external, hits) is None:
+        drafts = [] if load_async else self._drafts(request, num_computed, num_new, plan.token_budget, False)
+        if drafts and kv.allocate_slots(request, num_new + num_external + len(drafts), hits) is None:
+            drafts = []  # no room for the draft's slot: the request starts without it
+        if not drafts and kv.allocate_slots(request, num_new + num_external, hits) is None:
             return False
         self._count_hits(request, num_local, num_external)
         if self.connector is not None:
@@ -310,7 +328,7 @@ class Scheduler:
         self.waiting.popleft()
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        plan.add_new(request, num_new)
+        plan.add_new(request, num_new + len(drafts), drafts)
         return True
 
     def _external_hits(self, request: Request, num_local: int) -> tuple[int, bool] | None:
@@ -395,11 +413,11 @@ class Scheduler:
             return None
         num_kept = len(sampled) - 1
         if num_drafts:
-            assert self.drafts is not None and num_kept <= num_drafts, (
-                f"{request}: {sampled} for {num_drafts} drafts"
-            )
+            assert num_kept <= num_drafts, f"{request}: {sampled} for {num_drafts} drafts"
             request.num_computed_tokens -= num_drafts - num_kept
-            self.drafts.record(request, num_drafts, num_kept)
+            if request.num_output_tokens > 0:  # proposed; a first token's draft was forced
+                assert self.drafts is not None, f"{request}: drafts without a proposer"
+                self.drafts.record(request, num_drafts, num_kept)
         assert request.num_computed_tokens == request.num_tokens + num_kept, (
             f"{request} sampled before its last token"
         )

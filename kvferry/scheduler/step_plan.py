@@ -22,7 +22,7 @@ class StepPlan:
     running_reqs: list[Request] = field(default_factory=list)  # already known to the workers
     new_block_ids: dict[str, BlockIds] = field(default_factory=dict)  # of running_reqs
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts, of running_reqs
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts, by request
     num_preempted: int = 0
 
     def add_running(
@@ -36,8 +36,11 @@ class StepPlan:
             self.spec_token_ids[request.req_id] = drafts
         self._take(request, num_tokens)
 
-    def add_new(self, request: Request, num_tokens: int) -> None:
+    def add_new(self, request: Request, num_tokens: int, drafts: list[int] | None = None) -> None:
+        """`drafts`: as for add_running (a new request's: its forced first token)."""
         self.new_reqs.append(request)
+        if drafts:
+            self.spec_token_ids[request.req_id] = drafts
         self._take(request, num_tokens)
 
     def prefill_tokens(self, num_tokens: int) -> int:
@@ -57,8 +60,9 @@ class StepPlan:
         self.running_reqs.remove(request)
         del self.new_block_ids[request.req_id]
         self.token_budget += num_tokens
-        if self._prompt_tokens(request, num_tokens) > 1 and self.prefill_room is not None:
-            self.prefill_room += num_tokens
+        prompt_tokens = self._prompt_tokens(request, num_tokens)
+        if prompt_tokens > 1 and self.prefill_room is not None:
+            self.prefill_room += prompt_tokens
         self.spec_token_ids.pop(request.req_id, None)
 
     def _take(self, request: Request, num_tokens: int) -> None:
@@ -66,8 +70,9 @@ class StepPlan:
         assert request.req_id not in self.num_scheduled_tokens
         self.num_scheduled_tokens[request.req_id] = num_tokens
         self.token_budget -= num_tokens
-        if self._prompt_tokens(request, num_tokens) > 1 and self.prefill_room is not None:
-            self.prefill_room -= num_tokens
+        prompt_tokens = self._prompt_tokens(request, num_tokens)
+        if prompt_tokens > 1 and self.prefill_room is not None:
+            self.prefill_room -= prompt_tokens
 
     def _prompt_tokens(self, request: Request, num_tokens: int) -> int:
         """Of a request's `num_tokens` this step, those that are not its drafts."""

@@ -30,7 +30,9 @@ class StepInputs:
     attn: tuple[AttentionMetadata, ...]  # per KV cache group
     ordered: list[RequestState]  # requests in batch order (decodes first), each once
     spans: list[RowSpan]  # where each request's rows are, in row order
-    sample_rows: list[int]  # token index of each row sampled: a request's last token, its drafts
+    # token index of each row sampled: a request's last token, then its drafts (a request's
+    # sampled rows are consecutive here, whatever their places in the step)
+    sample_rows: list[int]
     sample_states: list[RequestState]  # per sampled row: its request
     # per sampled row: its position past the request's known tokens (j for a request's
     # j-th draft row, 0 for every other row)
@@ -60,16 +62,37 @@ class _Span:
 
 
 def _split(span: _Span) -> list[_Span]:
-    """A span of prompt and generated tokens (a preempted request recomputed) as its prompt
-    rows and its generated rows (_Span.decodes)."""
+    """A span of prompt and generated tokens as its prompt rows and its generated rows
+    (_Span.decodes): a preempted request recomputed, or a prompt's end and a forced first
+    token as its draft (a P/D decoder: the prefiller's token, kvferry.scheduler.drafts)."""
     prompt_len = span.state.num_prompt_tokens
     end = span.start + span.length
-    if span.drafts or not span.start < prompt_len < end:
+    if not span.start < prompt_len < end:
         return [span]
     return [
         _Span(span.state, span.start, prompt_len - span.start, []),
-        _Span(span.state, prompt_len, end - prompt_len, []),
+        _Span(span.state, prompt_len, end - prompt_len, span.drafts),
     ]
+
+
+def _sampled_rows(span: _Span, first_row: int) -> list[tuple[int, int]]:
+    """(offset, row) of each row of the span that is sampled: those at or past the
+    request's last known token (its last token's row has offset 0, its j-th draft's j)."""
+    last_known = len(span.state.token_ids) - 1
+    first = max(span.start, last_known)
+    return [
+        (pos - last_known, first_row + pos - span.start) for pos in range(first, span.start + span.length)
+    ]
+
+
+def ascending_order(sample_rows: list[int]) -> list[int] | None:
+    """For each sampled row, its index among the sampled rows in ascending order (the
+    order the forward keeps them in); None where they are ascending already."""
+    ascending = sorted(sample_rows)
+    if ascending == sample_rows:
+        return None
+    place = {row: i for i, row in enumerate(ascending)}
+    return [place[row] for row in sample_rows]
 
 
 def build_step_inputs(
@@ -90,20 +113,19 @@ def build_step_inputs(
     row_spans: list[RowSpan] = []
     token_ids: list[int] = []
     positions: list[np.ndarray] = []
-    sample_rows: list[int] = []
-    sample_states: list[RequestState] = []
-    sample_offsets: list[int] = []
+    sampled: dict[int, list[tuple[int, int]]] = {}  # per request (id of its state): (offset, row)
     for span in spans:
         end = span.start + span.length
         row_spans.append(RowSpan(span.state, len(token_ids), span.start, span.length))
-        token_ids.extend(span.state.token_ids[span.start : end])
+        sampled.setdefault(id(span.state), []).extend(_sampled_rows(span, len(token_ids)))
+        token_ids.extend(span.state.token_ids[span.start : end - len(span.drafts)])
         token_ids.extend(span.drafts)  # a drafted span: the request's last token, then these
         positions.append(np.arange(span.start, end, dtype=np.int64))
-        if end == len(span.state.token_ids) + len(span.drafts):  # the end of what is known: sample
-            num_rows = len(span.drafts) + 1
-            sample_rows.extend(range(len(token_ids) - num_rows, len(token_ids)))
-            sample_states.extend([span.state] * num_rows)
-            sample_offsets.extend(range(num_rows))
+    ordered = list({id(span.state): span.state for span in spans}.values())
+    sample_states = [s for s in ordered for _ in sampled[id(s)]]
+    offsets_and_rows = [pair for s in ordered for pair in sorted(sampled[id(s)])]
+    sample_offsets = [offset for offset, _ in offsets_and_rows]
+    sample_rows = [row for _, row in offsets_and_rows]
     flat_positions = np.concatenate(positions) if positions else np.zeros(0, dtype=np.int64)
     split = len(spans) > len(states)
     attn = tuple(
@@ -114,7 +136,7 @@ def build_step_inputs(
         input_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
         positions=torch.from_numpy(flat_positions).to(device),
         attn=attn,
-        ordered=list({id(span.state): span.state for span in spans}.values()),
+        ordered=ordered,
         spans=row_spans,
         sample_rows=sample_rows,
         sample_states=sample_states,
