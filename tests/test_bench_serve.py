@@ -9,7 +9,7 @@ from pathlib import Path
 from kvferry_bench.cli import build_parser
 from tests.proxy_fakes import ANSWER_CHUNKS, FakeInstance, serve_in_thread
 
-METRICS = ("ttft_ms", "itl_ms", "tpot_ms", "e2el_ms", "second_token_ms")
+METRICS = ("ttft_ms", "itl_ms", "tpot_ms", "e2el_ms", "second_token_ms", "first_itl_ms")
 
 
 def _bench(url: str, out: Path, label: str, *rates: str, more: tuple[str, ...] = ()) -> dict:
@@ -39,6 +39,8 @@ def test_bench_serve_writes_labelled_runs_and_a_plot(tmp_path: Path) -> None:
         assert set(result[key]) == {"mean", "p50", "p99"}
         assert 0 < result[key]["p50"] <= result[key]["p99"]
     assert result["ttft_ms"]["p99"] < result["second_token_ms"]["p99"] <= result["e2el_ms"]["p99"]
+    second, first, gap = (result[key]["mean"] for key in ("second_token_ms", "ttft_ms", "first_itl_ms"))
+    assert abs(second - first - gap) < 1e-6 * second  # the gap is per request, its mean their difference
     assert len(fake.requests) == 4 * (4 + 1)  # 4 rate runs: 4 prompts and a warm-up each
     body = fake.requests[-1]
     assert (
