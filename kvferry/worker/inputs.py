@@ -85,16 +85,6 @@ def _sampled_rows(span: _Span, first_row: int) -> list[tuple[int, int]]:
     ]
 
 
-def ascending_order(sample_rows: list[int]) -> list[int] | None:
-    """For each sampled row, its index among the sampled rows in ascending order (the
-    order the forward keeps them in); None where they are ascending already."""
-    ascending = sorted(sample_rows)
-    if ascending == sample_rows:
-        return None
-    place = {row: i for i, row in enumerate(ascending)}
-    return [place[row] for row in sample_rows]
-
-
 def build_step_inputs(
     states: list[RequestState],
     num_scheduled: dict[str, int],

@@ -19,7 +19,7 @@ from kvferry.spec_decode.verify import accepted_tokens
 from kvferry.structured.backend import GrammarBackend, GrammarCompileError
 from kvferry.worker.capture import CapturedForward, hook_placement
 from kvferry.worker.connector_guard import ConnectorGuard
-from kvferry.worker.inputs import StepInputs, ascending_order, build_step_inputs
+from kvferry.worker.inputs import StepInputs, build_step_inputs
 from kvferry.worker.prompt_logprobs import compute_prompt_logprobs
 from kvferry.worker.request_state import RequestState, build_sampling_batch
 from kvferry.worker.sampler import Sampler
@@ -168,13 +168,15 @@ class ModelRunner:
             workspace=self.workspace,
         )
         num_tokens = inputs.input_ids.numel()
+        ascending = sorted(inputs.sample_rows)  # the forward keeps rows in ascending order
         keep_rows = None
-        if not every_row and len(inputs.sample_rows) < num_tokens:
-            keep_rows = torch.tensor(sorted(inputs.sample_rows), dtype=torch.int64, device=self.device)
+        if not every_row and len(ascending) < num_tokens:
+            keep_rows = torch.tensor(ascending, dtype=torch.int64, device=self.device)
         hidden = self.bound_forward()(inputs.input_ids, inputs.positions, ctx, keep_rows)
-        order = None if every_row else ascending_order(inputs.sample_rows)
-        if order is None:
+        if every_row or ascending == inputs.sample_rows:
             return hidden
+        place = {row: i for i, row in enumerate(ascending)}  # a request's rows, split around its prompt's end
+        order = [place[row] for row in inputs.sample_rows]
         return hidden.index_select(0, torch.tensor(order, dtype=torch.int64, device=self.device))
 
     def _sample(

@@ -68,9 +68,8 @@ def build_sampling_batch(
         positions=[len(s.token_ids) + j for s, j in zip(states, offsets)],  # where the sampled token goes
         num_logprobs=[p.logprobs for p in params],
     )
-    forced = [
-        s.forced_token_id if j == 0 else None for s, j in zip(states, offsets, strict=True)
-    ]  # not its drafts
+    # a forced token replaces a request's first sampled row, never a draft's
+    forced = [s.forced_token_id if j == 0 else None for s, j in zip(states, offsets, strict=True)]
     if any(token is not None for token in forced):
         batch.forced_token_ids = forced
     if any(uses_logits_constraints(s.params, len(s.output_token_ids)) for s in states):
